@@ -1,0 +1,40 @@
+# Set-up and entry points for a fresh Debian machine, as root. Every target
+# installs what is missing first and is fast when nothing is.
+SHELL := /bin/bash
+PYTHON ?= python3
+RANKS ?= 4
+DEMO ?= jobs/examples/mlp.toml
+DEBS := openmpi-bin libopenmpi-dev hdf5-tools slurm-wlm munge iproute2
+STAMPS := .stamps
+
+# Open MPI refuses root and oversubscription unless told; one thread per rank on 2 cores.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+export OMPI_MCA_mpi_yield_when_idle := 1
+export OMP_NUM_THREADS := 1
+
+.PHONY: install debs run test lint
+
+install: debs $(STAMPS)/pip
+
+debs:
+	@missing=$$(for p in $(DEBS); do \
+	    dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	    echo "installing Debian packages:" $$missing; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+$(STAMPS)/pip: setup.cfg pyproject.toml
+	$(PYTHON) -m pip install -q -e '.[dev]'
+	@mkdir -p $(STAMPS) && touch $@
+
+run: install
+	hpc run -n $(RANKS) $(DEMO)
+
+test: install
+	$(PYTHON) -m pytest -q
+
+lint: install
+	ruff check .

@@ -1,0 +1,194 @@
+"""Join the job's torch.distributed process group from whatever launched this rank.
+
+Rendezvous address, in order:
+1. ``MASTER_ADDR``/``MASTER_PORT`` when both are set (torchrun, our local launcher, users);
+2. under MPI, rank 0 picks its own address and a free port and broadcasts them with
+   mpi4py (after an allgather of hostnames that fixes node placement exactly);
+3. under Slurm, the first host of the node list and a port derived from the job id,
+   so every task computes the same endpoint without talking to anyone;
+4. a single process rendezvous with itself on loopback.
+
+The store is created by hand rather than through ``init_method`` so that joining has
+its own (short) timeout, separate from the collective timeout, and a rank that cannot
+join fails within seconds with a message naming itself and the address.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hpc.env import RankInfo, detect_rank_info, with_hostnames
+from hpc.errors import LaunchEnvError, RendezvousError
+
+if TYPE_CHECKING:
+    import torch
+
+SLURM_PORT_BASE = 20000
+SLURM_PORT_SPAN = 20000
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    addr: str
+    port: int
+    source: str  # "env", "mpi", "slurm" or "single": how the endpoint was chosen
+
+    def __str__(self) -> str:
+        return f"{self.addr}:{self.port}"
+
+
+@dataclass(frozen=True)
+class World:
+    """This rank's view of the job once the default process group exists."""
+
+    info: RankInfo
+    backend: str
+    device: torch.device
+    rendezvous: Rendezvous
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def size(self) -> int:
+        return self.info.world_size
+
+
+def slurm_port(job_id: str | None) -> int:
+    """A port every task of a Slurm job derives alike; distinct for concurrent jobs on a node."""
+    digits = "".join(ch for ch in (job_id or "") if ch.isdigit())
+    return SLURM_PORT_BASE + int(digits or 0) % SLURM_PORT_SPAN
+
+
+def rendezvous_from_env(info: RankInfo, environ: Mapping[str, str]) -> Rendezvous | None:
+    """The endpoint that needs no communication to agree on, or None (MPI must broadcast)."""
+    addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    if addr and port:
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise LaunchEnvError(f"MASTER_PORT={port!r} is not a TCP port", rank=info.rank)
+        return Rendezvous(addr, int(port), "env")
+    if info.is_mpi:
+        return None
+    if info.launcher.value == "slurm":
+        if not info.hosts:
+            raise LaunchEnvError("Slurm gave no node list (SLURM_JOB_NODELIST)", rank=info.rank)
+        return Rendezvous(info.hosts[0], slurm_port(info.job_id), "slurm")
+    if info.world_size == 1:
+        return Rendezvous("127.0.0.1", free_port(), "single")
+    raise LaunchEnvError(
+        f"{info.launcher.value} started {info.world_size} ranks but MASTER_ADDR/MASTER_PORT are not set",
+        rank=info.rank,
+    )
+
+
+def free_port(host: str = "") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def routable_address(peer_hosts: tuple[str, ...]) -> str:
+    """The local address other nodes reach us on: the source address of a route to a peer.
+
+    Connecting a UDP socket sends nothing; it only asks the kernel which interface
+    would be used. Falls back to the hostname's address when no peer is known.
+    """
+    for peer in peer_hosts:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.connect((peer, 9))
+                return sock.getsockname()[0]
+        except OSError:
+            continue
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _mpi_rendezvous(info: RankInfo) -> tuple[RankInfo, Rendezvous]:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    info = with_hostnames(info, comm.allgather(socket.gethostname()))
+    endpoint = None
+    if info.rank == 0:
+        if info.num_nodes == 1:
+            addr = "127.0.0.1"
+        else:
+            addr = routable_address(info.hosts[1:])
+        endpoint = Rendezvous(addr, free_port(), "mpi")
+    return info, comm.bcast(endpoint, root=0)
+
+
+def select_backend(requested: str) -> str:
+    """``auto`` is NCCL for CUDA tensors (with Gloo kept for CPU ones) when CUDA exists, else Gloo."""
+    import torch
+    import torch.distributed as dist
+
+    if requested == "auto":
+        requested = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if requested == "nccl":
+        if not torch.cuda.is_available():
+            raise LaunchEnvError("parallel.backend='nccl' needs CUDA, and no GPU is visible")
+        return "cpu:gloo,cuda:nccl"
+    return requested
+
+
+def init(
+    backend: str = "auto",
+    init_timeout_s: float = 60.0,
+    timeout_s: float = 300.0,
+    environ: Mapping[str, str] | None = None,
+) -> World:
+    """Create the default process group for this rank and return its view of the world."""
+    import torch
+    import torch.distributed as dist
+
+    environ = os.environ if environ is None else environ
+    info = detect_rank_info(environ)
+    endpoint = rendezvous_from_env(info, environ)
+    if endpoint is None:
+        info, endpoint = _mpi_rendezvous(info)
+    backend = select_backend(backend)
+    if "nccl" in backend:
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    try:
+        store = dist.TCPStore(
+            endpoint.addr,
+            endpoint.port,
+            info.world_size,
+            is_master=info.rank == 0,
+            timeout=datetime.timedelta(seconds=init_timeout_s),
+            wait_for_workers=True,
+        )
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, OSError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RendezvousError(
+            f"rank {info.rank} of {info.world_size} could not join the rendezvous at {endpoint} "
+            f"(chosen from {endpoint.source}) within {init_timeout_s:g} s: {first_line}",
+            launcher=info.launcher.value,
+            job_id=info.job_id,
+        ) from exc
+    return World(info=info, backend=backend, device=device, rendezvous=endpoint)
+
+
+def shutdown() -> None:
+    """Destroy the default process group if there is one; safe to call twice."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

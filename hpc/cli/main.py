@@ -1,0 +1,108 @@
+"""``hpc``: run a job spec on local ranks or under mpirun (Slurm submission comes with ``hpc submit``).
+
+Nothing heavy is imported at module level: ``hpc --help`` must answer instantly on
+a login node. Every check that can fail (the spec, the layout, the host list) runs
+before a single process is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import sys
+from collections.abc import Sequence
+
+from hpc.errors import HpcError, LayoutError, RankFailedError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpc",
+        description="One job spec, three launchers: local ranks, mpirun on bare metal, Slurm.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run a job spec on local ranks or under mpirun")
+    run.add_argument("spec", help="job spec (TOML)")
+    run.add_argument("-n", "--nprocs", type=int, default=1, help="number of ranks (default 1)")
+    run.add_argument(
+        "--launcher",
+        choices=("local", "mpirun"),
+        help="how to start ranks (default: mpirun when Open MPI is installed, else local)",
+    )
+    run.add_argument("--hosts", help="mpirun hosts as HOST:SLOTS,... (bare metal)")
+    run.add_argument("--bind-to", choices=("none", "core", "socket", "numa"), help="mpirun process binding")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a spec value, e.g. --set train.lr=3e-4 (repeatable)")
+    run.add_argument("--dry-run", action="store_true", help="print the command lines and start nothing")
+    run.set_defaults(handler=cmd_run)
+    return parser
+
+
+def check_layout(spec, world_size: int):
+    """The layout and batch split, checked before launch so a bad one costs nothing."""
+    from hpc.mesh import resolve_layout
+
+    shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world_size)
+    if spec.data.batch_size % shape.dp:
+        raise LayoutError(f"data.batch_size={spec.data.batch_size} is not divisible by dp={shape.dp}")
+    return shape
+
+
+def _raise_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from hpc import launch
+    from hpc.config import load_spec
+
+    if args.nprocs < 1:
+        raise LayoutError(f"-n must be at least 1, got {args.nprocs}")
+    spec = load_spec(args.spec, args.overrides)
+    hosts = launch.parse_hosts(args.hosts) if args.hosts else []
+    if hosts and sum(slots for _, slots in hosts) < args.nprocs:
+        raise LayoutError(f"--hosts {args.hosts} offers {sum(s for _, s in hosts)} slots, fewer than -n {args.nprocs}")
+    check_layout(spec, args.nprocs)
+    launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
+    if hosts and launcher != "mpirun":
+        raise LayoutError("--hosts needs --launcher mpirun (the local launcher starts ranks on this machine only)")
+    progress = "tty" if sys.stdout.isatty() else "plain"
+    argv = launch.rank_argv(os.path.abspath(args.spec), args.overrides)
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    if launcher == "mpirun":
+        command = launch.mpirun_command(
+            args.nprocs, argv, os.environ, hosts, args.bind_to, progress, is_root=os.geteuid() == 0
+        )
+        if args.dry_run:
+            print(shlex.join(command))
+            return 0
+        launch.run_mpirun(command)
+        return 0
+    commands = launch.local_commands(args.nprocs, argv, os.environ, launch.free_port(), launch.new_job_id(), progress)
+    if args.dry_run:
+        print("\n".join(c.shell_line() for c in commands))
+        return 0
+    launch.run_local(commands)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except RankFailedError as exc:
+        print(f"hpc: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except HpcError as exc:
+        print(f"hpc: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hpc: interrupted; all ranks stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

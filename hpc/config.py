@@ -1,0 +1,369 @@
+"""Job spec: one TOML file drives local runs, mpirun and Slurm alike.
+
+Sections are frozen dataclasses so a spec can be hashed, compared and stored in
+checkpoints. They are filled by one builder driven by the type hints and the
+field metadata, so adding a setting is one line here and every error message
+(dotted path, bad value, valid choices) comes for free. Standard library only:
+this is imported on login nodes and by ``hpc --help``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import operator
+import os
+import re
+import tomllib
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from hpc.errors import ConfigError
+
+_UNIONS = (Union, types.UnionType)
+_BOUNDS = (
+    ("min", operator.ge, ">="),
+    ("gt", operator.gt, ">"),
+    ("max_excl", operator.lt, "<"),
+)
+_NOUNS = types.MappingProxyType(
+    {bool: "boolean", int: "integer", float: "number", str: "string"}
+)
+_SLURM_WORD = types.MappingProxyType(
+    {"pattern": r"\S*", "describe": "empty or a single word without spaces"}
+)
+
+
+def _field(default: Any, **constraints: Any) -> Any:
+    """Default plus the constraints the builder checks (min, gt, max_excl, pattern, describe)."""
+    return field(default=default, metadata=constraints)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str = _field(
+        "job",
+        pattern=r"[A-Za-z0-9][A-Za-z0-9._-]*",
+        describe="letters, digits, '.', '_' or '-', starting with a letter or digit",
+    )
+    seed: int = _field(0, min=0)
+    run_dir: str = "runs"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: Literal["mlp"] = "mlp"
+    hidden_sizes: tuple[int, ...] = _field((128, 128), min=1)
+    dropout: float = _field(0.0, min=0, max_excl=1)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: Literal["digits"] = "digits"
+    batch_size: int = _field(64, min=1)  # global: split across the data-parallel ranks
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _field(100, min=1)
+    lr: float = _field(0.1, gt=0)
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    momentum: float = _field(0.0, min=0, max_excl=1)
+    weight_decay: float = _field(0.0, min=0)
+    grad_clip: float = _field(0.0, min=0)  # 0 = off
+    warmup_steps: int = _field(0, min=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    log_every: int = _field(10, min=1)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int | Literal["auto"] = _field("auto", min=1)
+    tp: int = _field(1, min=1)
+    pp: int = _field(1, min=1)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    compression: Literal["none"] = "none"
+    init_timeout_s: float = _field(60.0, gt=0)
+    timeout_s: float = _field(300.0, gt=0)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # empty: <run_path>/checkpoints
+    every_steps: int = _field(0, min=0)  # 0 = off
+    keep: int = _field(3, min=1)
+    async_save: bool = False
+    resume: str = _field(
+        "auto", pattern=r".+", describe="'auto', 'never' or a checkpoint path"
+    )
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    nodes: int = _field(1, min=1)
+    ntasks_per_node: int = _field(1, min=1)
+    gpus_per_node: int = _field(0, min=0)
+    cpus_per_task: int = _field(1, min=1)
+    mem: str = _field(
+        "",
+        pattern=r"(?:[0-9]+[KMGT]?)?",
+        describe="empty or a Slurm memory size like 16G, 500M or 1T",
+    )
+    partition: str = _field("", **_SLURM_WORD)
+    time: str = _field(
+        "01:00:00",
+        pattern=r"[0-9]+(?::[0-9]{1,2}){0,2}|[0-9]+-[0-9]{1,2}(?::[0-9]{1,2}){0,2}",
+        describe="a Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)",
+    )
+    account: str = _field("", **_SLURM_WORD)
+    qos: str = _field("", **_SLURM_WORD)
+    constraint: str = _field("", **_SLURM_WORD)
+    setup: tuple[str, ...] = ()  # shell lines run in the batch script before launching
+    signal_delay_s: int = _field(120, min=0)
+    max_requeues: int = _field(3, min=0)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    @property
+    def run_path(self) -> Path:
+        """Per-job directory, so jobs sharing a run_dir never clobber each other."""
+        return Path(self.job.run_dir) / self.job.name
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """Where checkpoints go; resolved here so every launcher agrees on the default."""
+        return (
+            Path(self.checkpoint.dir)
+            if self.checkpoint.dir
+            else self.run_path / "checkpoints"
+        )
+
+
+class _Invalid(Exception):
+    """A bad value at ``path``; the caller decides whether the file or an override is to blame."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> JobSpec:
+    """Read a TOML job spec; every error names the file (or the override) it came from."""
+    source = os.fspath(path)
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"no such job spec: {source}") from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read job spec: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{source}: invalid TOML: not UTF-8 at byte {exc.start}"
+        ) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    return spec_from_dict(data, source, overrides)
+
+
+def spec_from_dict(
+    data: Mapping[str, Any], source: str = "<spec>", overrides: Sequence[str] = ()
+) -> JobSpec:
+    """Build and validate a spec from parsed TOML, after applying ``key=value`` overrides."""
+    merged = apply_overrides(data, overrides)
+    try:
+        spec = _build(JobSpec, merged, "")
+    except _Invalid as err:
+        raise ConfigError(f"{_blame(err.path, source, overrides)}: {err}") from None
+    return spec
+
+
+def apply_overrides(
+    data: Mapping[str, Any], overrides: Sequence[str]
+) -> dict[str, Any]:
+    """Merge ``--set dotted.key=value`` strings into a copy of ``data``.
+
+    Values are TOML so numbers and lists keep their type; anything that is not
+    valid TOML, or that lands on a string setting, stays the raw text so that
+    ``job.name=foo`` and ``slurm.time=02:00:00`` need no shell-quoted quotes.
+    """
+    result = _plain(data)
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        keys = key.strip().split(".")
+        if not sep or not all(keys):
+            raise ConfigError(
+                f"--set {override}: expected dotted.key=value, e.g. train.lr=0.01"
+            )
+        table = result
+        for depth, part in enumerate(keys[:-1], start=1):
+            node = table.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(
+                    f"--set {override}: {'.'.join(keys[:depth])} is not a table, got {node!r}"
+                )
+            table = node
+        table[keys[-1]] = _parse_override_value(keys, text)
+    return result
+
+
+def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
+    """TOML-compatible form, for storing a spec in checkpoints and sweeps."""
+    return _plain(spec)
+
+
+def _plain(value: Any) -> Any:
+    """Deep copy into dicts and lists, the only containers TOML writers understand."""
+    if dataclasses.is_dataclass(value):
+        return {
+            f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+        }
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _parse_override_value(keys: list[str], text: str) -> Any:
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+    if _hint_at(keys) is str and not isinstance(value, str):
+        return text
+    return value
+
+
+def _hint_at(keys: list[str]) -> Any:
+    """Schema type at a dotted path, or None when the path is not in the schema."""
+    hint: Any = JobSpec
+    for key in keys:
+        if not dataclasses.is_dataclass(hint):
+            return None
+        hint = get_type_hints(hint).get(key)
+    return hint
+
+
+def _blame(path: str, source: str, overrides: Sequence[str]) -> str:
+    """The last override touching ``path`` if any, since that is what set it; else the file."""
+    for override in reversed(overrides):
+        key = override.partition("=")[0].strip()
+        if _on_path(path, key) or _on_path(key, path):
+            return f"--set {override}"
+    return source
+
+
+def _on_path(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith((prefix + ".", prefix + "["))
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise _Invalid(path, f"{path or 'the job spec'} must be a table, got {data!r}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        child = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            raise _Invalid(child, _unknown_key(child, str(key), path, list(fields)))
+        values[key] = _convert(hints[key], value, child, fields[key].metadata)
+    return cls(**values)
+
+
+def _unknown_key(child: str, key: str, path: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"did you mean {path + '.' if path else ''}{close[0]}? " if close else ""
+    return f"unknown key {child} ({hint}valid keys: {', '.join(valid)})"
+
+
+def _convert(hint: Any, value: Any, path: str, constraints: Mapping[str, Any]) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise _Invalid(path, _must_be(path, hint, value))
+        item_hint, ellipsis = args
+        if ellipsis is not Ellipsis:
+            raise TypeError(f"unsupported type in job spec schema: {hint!r}")
+        return tuple(
+            _convert(item_hint, item, f"{path}[{i}]", constraints)
+            for i, item in enumerate(value)
+        )
+    for arm in args if origin in _UNIONS else (hint,):
+        matched, converted = _match(arm, value)
+        if matched:
+            _check(converted, path, constraints)
+            return converted
+    raise _Invalid(path, _must_be(path, hint, value))
+
+
+def _match(hint: Any, value: Any) -> tuple[bool, Any]:
+    """Strict TOML-to-Python typing: bools are not ints, ints are fine as floats."""
+    if get_origin(hint) is Literal:
+        return any(value == c and type(value) is type(c) for c in get_args(hint)), value
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint in (bool, str):
+        return isinstance(value, hint), value
+    raise TypeError(f"unsupported type in job spec schema: {hint!r}")
+
+
+def _check(value: Any, path: str, constraints: Mapping[str, Any]) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _Invalid(path, f"{path} must be finite, got {value!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        for name, holds, symbol in _BOUNDS:
+            if name in constraints and not holds(value, constraints[name]):
+                raise _Invalid(
+                    path, f"{path} must be {symbol} {constraints[name]}, got {value!r}"
+                )
+    pattern = constraints.get("pattern")
+    if (
+        isinstance(value, str)
+        and pattern is not None
+        and not re.fullmatch(pattern, value)
+    ):
+        wanted = constraints.get("describe", f"a string matching {pattern}")
+        raise _Invalid(path, f"{path} must be {wanted}, got {value!r}")
+
+
+def _must_be(path: str, hint: Any, value: Any) -> str:
+    wanted = _describe(hint)
+    # A list of choices already uses commas; a semicolon keeps the bad value apart from it.
+    sep = ";" if ", " in wanted else ","
+    return f"{path} must be {wanted}{sep} got {value!r}"
+
+
+def _describe(hint: Any) -> str:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        return (
+            repr(args[0]) if len(args) == 1 else f"one of {', '.join(map(str, args))}"
+        )
+    if origin in _UNIONS:
+        return " or ".join(_describe(arm) for arm in args)
+    if origin is tuple:
+        return f"a list of {_NOUNS[args[0]]}s"
+    noun = _NOUNS[hint]
+    return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
+

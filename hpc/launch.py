@@ -1,0 +1,259 @@
+"""Start a job's ranks: local processes we supervise, or one mpirun command.
+
+The local launcher is torchrun's job done with the one guarantee users miss most:
+when any rank dies, every other rank is stopped within seconds and the launcher
+exits non-zero naming the rank that died first, instead of the survivors hanging
+in a collective until a 30-minute timeout. Each rank runs in its own session so a
+rank and anything it started are stopped together.
+
+Under mpirun, Open MPI already aborts the job when a rank dies; we build the
+command line (root, oversubscription, binding, environment with -x) and turn its
+``--tag-output`` prefixes into the same ``[rank]`` prefixes as the local launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from hpc.bootstrap import free_port
+from hpc.errors import ConfigError, RankFailedError
+
+STOP_GRACE_S = 5.0
+# Variables a rank needs from the launching shell; -x copies their current values.
+FORWARDED_PREFIXES = ("HPC_", "NCCL_", "GLOO_", "TORCH_", "CUDA_", "OMP_", "MKL_")
+FORWARDED_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "MASTER_ADDR", "MASTER_PORT")
+# Open MPI 4.1 sometimes repeats the tag just before the newline, so every tag is removed.
+MPI_TAG = re.compile(rb"\[\d+,(\d+)\]<(?:stdout|stderr)>:")
+MPI_RANK_DIED = re.compile(r"rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
+
+
+@dataclass(frozen=True)
+class RankCommand:
+    rank: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]  # additions to the launcher's environment
+
+    def shell_line(self) -> str:
+        assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return f"{assignments} {shlex.join(self.argv)}"
+
+
+def rank_argv(spec_path: str, overrides: Sequence[str]) -> tuple[str, ...]:
+    """What every rank runs; the launcher's own interpreter, so virtualenvs carry over."""
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    return (sys.executable, "-m", "hpc.cli.rank", spec_path, *sets)
+
+
+def threads_per_rank(ranks_on_node: int, cpus: int | None = None) -> int:
+    return max(1, (cpus or os.cpu_count() or 1) // ranks_on_node)
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+def local_commands(
+    n: int, argv: tuple[str, ...], environ: Mapping[str, str], port: int, job_id: str, progress: str
+) -> list[RankCommand]:
+    common = {
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "HPC_JOB_ID": job_id,
+        "HPC_PROGRESS": progress,
+        "PYTHONUNBUFFERED": "1",
+    }
+    if "GLOO_SOCKET_IFNAME" not in environ:
+        common["GLOO_SOCKET_IFNAME"] = "lo"  # all ranks are here; never pick a slow or absent NIC
+    if "OMP_NUM_THREADS" not in environ:
+        common["OMP_NUM_THREADS"] = str(threads_per_rank(n))
+    return [
+        RankCommand(rank, argv, {"RANK": str(rank), "LOCAL_RANK": str(rank), **common}) for rank in range(n)
+    ]
+
+
+def parse_hosts(spec: str) -> list[tuple[str, int]]:
+    """``a:4,b:4`` (slots default to 1) as (host, slots) pairs."""
+    hosts = []
+    for item in spec.split(","):
+        name, _, slots = item.strip().partition(":")
+        if not name or (slots and (not slots.isdigit() or int(slots) < 1)):
+            raise ConfigError(f"--hosts: {item!r} is not HOST or HOST:SLOTS with SLOTS >= 1")
+        hosts.append((name, int(slots or 1)))
+    return hosts
+
+
+def mpirun_command(
+    n: int,
+    argv: tuple[str, ...],
+    environ: Mapping[str, str],
+    hosts: Sequence[tuple[str, int]] = (),
+    bind_to: str | None = None,
+    progress: str = "plain",
+    is_root: bool = False,
+    cpus: int | None = None,
+) -> list[str]:
+    slots = sum(s for _, s in hosts) if hosts else (cpus or os.cpu_count() or 1)
+    oversubscribe = n > slots
+    ranks_per_node = max(s for _, s in hosts) if hosts else n
+    command = ["mpirun", "-np", str(n), "--tag-output"]
+    if hosts:
+        command += ["--host", ",".join(f"{h}:{s}" for h, s in hosts)]
+    if is_root:
+        command.append("--allow-run-as-root")
+    if oversubscribe:
+        command += ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
+    command += ["--map-by", "slot", "--bind-to", bind_to or ("none" if oversubscribe or not hosts else "socket")]
+    forwarded = sorted(
+        name for name in environ if name in FORWARDED_NAMES or name.startswith(FORWARDED_PREFIXES)
+    )
+    for name in forwarded:
+        command += ["-x", name]
+    settings = {"HPC_PROGRESS": progress, "PYTHONUNBUFFERED": "1"}
+    if "OMP_NUM_THREADS" not in environ:
+        settings["OMP_NUM_THREADS"] = str(threads_per_rank(ranks_per_node, cpus))
+    for name, value in settings.items():
+        if name not in forwarded:
+            command += ["-x", f"{name}={value}"]
+    return command + list(argv)
+
+
+def has_open_mpi() -> bool:
+    return shutil.which("mpirun") is not None and shutil.which("ompi_info") is not None
+
+
+def _pump(source: BinaryIO, sink: BinaryIO, lock: threading.Lock, relabel: Callable[[bytes], bytes]) -> None:
+    """Copy a child's output a line at a time, relabelled; ``\\r`` ends a line too (progress bars)."""
+    pending = b""
+    while chunk := os.read(source.fileno(), 65536):
+        pending += chunk
+        while (cut := _first_terminator(pending)) >= 0:
+            line, pending = pending[: cut + 1], pending[cut + 1 :]
+            with lock:
+                sink.write(relabel(line))
+                sink.flush()
+    if pending:
+        with lock:
+            sink.write(relabel(pending + b"\n"))
+            sink.flush()
+    source.close()
+
+
+def _first_terminator(data: bytes) -> int:
+    positions = [p for p in (data.find(b"\n"), data.find(b"\r")) if p >= 0]
+    return min(positions) if positions else -1
+
+
+def rank_prefixer(rank: int, width: int) -> Callable[[bytes], bytes]:
+    prefix = f"[{rank:>{width}}] ".encode()
+    return lambda line: prefix + line
+
+
+def _start(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        list(argv),
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every process group still alive, SIGKILL what is left after the grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for proc in procs:
+        proc.wait()
+        try:  # grandchildren that outlived their rank
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _watch(procs: Sequence[subprocess.Popen], relabels: Sequence[Callable[[bytes], bytes]]) -> queue.Queue:
+    """Pump every output stream and report each exit, in order, on the returned queue."""
+    lock = threading.Lock()
+    exits: queue.Queue = queue.Queue()
+    for index, (proc, relabel) in enumerate(zip(procs, relabels, strict=True)):
+        for source, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+            threading.Thread(target=_pump, args=(source, sink, lock, relabel), daemon=True).start()
+        threading.Thread(target=lambda i=index, p=proc: exits.put((i, p.wait())), daemon=True).start()
+    return exits
+
+
+def run_local(commands: Sequence[RankCommand]) -> None:
+    """Run every rank to completion; on the first failure stop the rest and raise naming it."""
+    width = len(str(len(commands) - 1))
+    procs = [_start(c.argv, c.env) for c in commands]
+    exits = _watch(procs, [rank_prefixer(c.rank, width) for c in commands])
+    failure = None
+    try:
+        for _ in procs:
+            index, code = exits.get()
+            if code != 0:
+                failure = (commands[index].rank, code)
+                break
+    finally:
+        _stop(procs)
+    if failure is not None:
+        rank, code = failure
+        others = len(commands) - 1
+        raise RankFailedError(
+            f"rank {rank} {describe_exit(code)}; stopped the other {others} rank{'s' * (others != 1)}",
+            exit_code=code if code > 0 else 128 - code,
+        )
+
+
+def run_mpirun(command: Sequence[str]) -> None:
+    deaths: list[str] = []
+
+    def relabel(line: bytes) -> bytes:
+        if match := MPI_RANK_DIED.search(line.decode(errors="replace")):
+            deaths.append(f"rank {match[1]} {describe_exit(-int(match[2]))}")
+        tagged = MPI_TAG.search(line)
+        return b"[%s] %s" % (tagged[1], MPI_TAG.sub(b"", line)) if tagged else line
+
+    proc = _start(command, {})
+    exits = _watch([proc], [relabel])
+    try:
+        _, code = exits.get()
+    finally:
+        _stop([proc])
+    if code != 0:
+        what = deaths[0] if deaths else f"mpirun {describe_exit(code)}"
+        raise RankFailedError(what, exit_code=code if code > 0 else 128 - code)
+
+
+def new_job_id() -> str:
+    return f"local-{os.getpid()}-{int(time.time())}"

@@ -1,0 +1,113 @@
+"""The (dp, tp, pp) grid of ranks and its process groups.
+
+Layout: tensor-parallel ranks are adjacent, then data parallel, then pipeline:
+
+    rank = tp_index + tp * (dp_index + dp * pp_index)
+
+TP exchanges activations every layer, so its ranks must share a node (launchers
+number local ranks consecutively); DP traffic is one all-reduce per step and PP
+sends one activation per microbatch, so those may cross nodes. This is row-major
+order over the shape (pp, dp, tp), the same as ``DeviceMesh(mesh_shape=(pp, dp, tp))``.
+
+The arithmetic is pure so it is tested without processes; ``build_mesh`` is the
+only part that talks to torch.distributed. We build the groups ourselves with
+``new_group`` instead of DeviceMesh: on Gloo that is all DeviceMesh would do, and
+the group for each axis stays an explicit object we pass around.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from hpc.errors import LayoutError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+Axis = Literal["dp", "tp", "pp"]
+AXES: tuple[Axis, ...] = ("tp", "dp", "pp")  # fastest-varying first
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    dp: int
+    tp: int
+    pp: int
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def coords(self, rank: int) -> dict[Axis, int]:
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is outside a mesh of {self.size} ranks")
+        return {"tp": rank % self.tp, "dp": rank // self.tp % self.dp, "pp": rank // (self.tp * self.dp)}
+
+    def rank_of(self, dp: int, tp: int, pp: int) -> int:
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def group_ranks(self, axis: Axis) -> list[tuple[int, ...]]:
+        """Every group along one axis: ranks that differ only in that axis' index."""
+        others = [a for a in AXES if a != axis]
+        extent = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        groups = []
+        for outer in range(extent[others[1]]):
+            for inner in range(extent[others[0]]):
+                fixed = {others[0]: inner, others[1]: outer}
+                groups.append(tuple(self.rank_of(**{**fixed, axis: i}) for i in range(extent[axis])))
+        return groups
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}"
+
+
+def resolve_layout(dp: int | str, tp: int, pp: int, world_size: int) -> MeshShape:
+    """Fill in ``dp = "auto"`` and check that the grid covers the world exactly."""
+    if dp == "auto":
+        if world_size % (tp * pp):
+            raise LayoutError(
+                f"parallel.tp * parallel.pp = {tp}*{pp} = {tp * pp} does not divide the world size {world_size}"
+            )
+        dp = world_size // (tp * pp)
+    shape = MeshShape(int(dp), tp, pp)
+    if shape.size != world_size:
+        raise LayoutError(
+            f"parallel layout dp*tp*pp = {dp}*{tp}*{pp} = {shape.size} does not match the world size {world_size}"
+        )
+    return shape
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's place in the grid and the process group of each axis it belongs to."""
+
+    shape: MeshShape
+    rank: int
+    groups: dict[Axis, ProcessGroup]
+    members: dict[Axis, tuple[int, ...]]
+
+    def index(self, axis: Axis) -> int:
+        return self.shape.coords(self.rank)[axis]
+
+    def size(self, axis: Axis) -> int:
+        return len(self.members[axis])
+
+    def group(self, axis: Axis) -> ProcessGroup:
+        return self.groups[axis]
+
+
+def build_mesh(shape: MeshShape, rank: int) -> Mesh:
+    """Create one process group per axis group; every rank must call this (collective)."""
+    import torch.distributed as dist
+
+    if shape.size != dist.get_world_size():
+        raise LayoutError(f"mesh {shape} has {shape.size} ranks but the world has {dist.get_world_size()}")
+    groups: dict[Axis, ProcessGroup] = {}
+    members: dict[Axis, tuple[int, ...]] = {}
+    for axis in AXES:
+        for ranks in shape.group_ranks(axis):
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                groups[axis], members[axis] = group, ranks
+    return Mesh(shape=shape, rank=rank, groups=groups, members=members)

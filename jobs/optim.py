@@ -1,0 +1,29 @@
+"""Optimizer and learning-rate schedule from the spec's [train] section."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+
+def learning_rate(base_lr: float, step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
+    """Linear warmup to ``base_lr``, then constant or cosine decay to zero at ``total_steps``."""
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    if schedule == "cosine":
+        progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
+        return base_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return base_lr
+
+
+def build_optimizer(train_cfg, parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    params = list(parameters)
+    if train_cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=train_cfg.lr, momentum=train_cfg.momentum, weight_decay=train_cfg.weight_decay
+        )
+    if train_cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)

@@ -1,0 +1,358 @@
+"""Job spec loading: defaults, round-trips, one-line errors and --set overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import get_type_hints
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hpc.config import (
+    JobSpec,
+    apply_overrides,
+    load_spec,
+    spec_from_dict,
+    spec_to_dict,
+)
+from hpc.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "mlp.toml"
+
+FULL = {
+    "job": {"name": "mlp-digits.v2", "seed": 7, "run_dir": "/scratch/runs"},
+    "model": {"kind": "mlp", "hidden_sizes": [256, 256, 128], "dropout": 0.1},
+    "data": {"name": "digits", "batch_size": 32},
+    "train": {
+        "steps": 2000,
+        "lr": 3e-4,
+        "optimizer": "adamw",
+        "momentum": 0.5,
+        "weight_decay": 0.01,
+        "grad_clip": 1.0,
+        "warmup_steps": 100,
+        "schedule": "cosine",
+        "log_every": 50,
+    },
+    "parallel": {
+        "dp": 2,
+        "tp": 2,
+        "pp": 2,
+        "backend": "nccl",
+        "compression": "none",
+        "init_timeout_s": 120.0,
+        "timeout_s": 600.0,
+    },
+    "checkpoint": {
+        "dir": "/scratch/ckpt",
+        "every_steps": 500,
+        "keep": 2,
+        "async_save": True,
+        "resume": "/scratch/ckpt/step-500",
+    },
+    "slurm": {
+        "nodes": 2,
+        "ntasks_per_node": 4,
+        "gpus_per_node": 4,
+        "cpus_per_task": 8,
+        "mem": "64G",
+        "partition": "gpu",
+        "time": "1-12:00:00",
+        "account": "proj42",
+        "qos": "high",
+        "constraint": "a100&nvlink",
+        "setup": ["module load cuda", "source venv/bin/activate"],
+        "signal_delay_s": 300,
+        "max_requeues": 5,
+    },
+}
+
+
+def error_of(toml_text: str, overrides: tuple[str, ...] = ()) -> str:
+    with pytest.raises(ConfigError) as info:
+        spec_from_dict(tomllib.loads(toml_text), source="job.toml", overrides=overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_empty_file_gives_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text("")
+    spec = load_spec(path)
+    assert spec == JobSpec()
+    assert spec.model.hidden_sizes == (128, 128)
+    assert spec.parallel.dp == "auto"
+    assert spec.train.lr == 0.1
+    assert spec.run_path == Path("runs/job")
+    assert spec.checkpoint_path == Path("runs/job/checkpoints")
+
+
+def test_example_spec_loads() -> None:
+    spec = load_spec(EXAMPLE)
+    assert spec.job.name == "mlp-digits"
+    assert spec.model.kind == "mlp"
+    assert spec.model.hidden_sizes == (128, 64)
+    assert (spec.data.name, spec.data.batch_size) == ("digits", 128)
+    assert (spec.train.steps, spec.train.lr, spec.train.optimizer) == (300, 0.05, "sgd")
+    assert (spec.train.momentum, spec.train.log_every) == (0.9, 20)
+    assert spec.parallel.dp == "auto"
+    assert spec.run_path == Path("runs/mlp-digits")
+
+
+def test_full_spec_round_trips() -> None:
+    spec = spec_from_dict(FULL)
+    assert spec.model.hidden_sizes == (256, 256, 128)
+    assert spec.slurm.setup == ("module load cuda", "source venv/bin/activate")
+    assert spec.checkpoint_path == Path("/scratch/ckpt")
+    plain = spec_to_dict(spec)
+    assert plain == FULL
+    assert isinstance(plain["model"]["hidden_sizes"], list)
+    assert spec_from_dict(plain) == spec
+
+
+def test_int_is_accepted_for_a_float() -> None:
+    spec = spec_from_dict({"train": {"lr": 1}})
+    assert spec.train.lr == 1.0 and isinstance(spec.train.lr, float)
+
+
+@pytest.mark.parametrize(
+    ("toml_text", "expected"),
+    [
+        ("[train]\nlr = -1.0", "job.toml: train.lr must be > 0, got -1.0"),
+        (
+            "[train]\nsteps = 'ten'",
+            "job.toml: train.steps must be an integer, got 'ten'",
+        ),
+        ("[train]\nsteps = true", "job.toml: train.steps must be an integer, got True"),
+        ("[train]\nsteps = 10.0", "job.toml: train.steps must be an integer, got 10.0"),
+        ("[train]\nlr = true", "job.toml: train.lr must be a number, got True"),
+        ("[train]\nlr = inf", "job.toml: train.lr must be finite, got inf"),
+        ("[train]\nsteps = 0", "job.toml: train.steps must be >= 1, got 0"),
+        ("[model]\ndropout = 1.0", "job.toml: model.dropout must be < 1, got 1.0"),
+        (
+            "[model]\nhidden_sizes = [128, 0]",
+            "job.toml: model.hidden_sizes[1] must be >= 1, got 0",
+        ),
+        (
+            "[model]\nhidden_sizes = 128",
+            "job.toml: model.hidden_sizes must be a list of integers, got 128",
+        ),
+        (
+            "[parallel]\nbackend = 'mpi'",
+            (
+                "job.toml: parallel.backend must be one of auto, gloo, nccl; got 'mpi'"
+            ),
+        ),
+        (
+            "[parallel]\ndp = 'x'",
+            "job.toml: parallel.dp must be an integer or 'auto', got 'x'",
+        ),
+        ("[parallel]\ndp = 0", "job.toml: parallel.dp must be >= 1, got 0"),
+        (
+            "[checkpoint]\nasync_save = 1",
+            "job.toml: checkpoint.async_save must be a boolean, got 1",
+        ),
+        ("train = 3", "job.toml: train must be a table, got 3"),
+    ],
+)
+def test_bad_value_errors(toml_text: str, expected: str) -> None:
+    assert error_of(toml_text) == expected
+
+
+@pytest.mark.parametrize(
+    ("toml_text", "fragments"),
+    [
+        ("[job]\nname = 'my job'", ["job.toml: job.name must be", "got 'my job'"]),
+        (
+            "[slurm]\ntime = '1h'",
+            ["slurm.time must be a Slurm time limit", "HH:MM:SS", "got '1h'"],
+        ),
+        ("[slurm]\nmem = '16GB'", ["slurm.mem must be", "16G", "got '16GB'"]),
+        (
+            "[slurm]\npartition = 'gpu debug'",
+            ["slurm.partition must be", "got 'gpu debug'"],
+        ),
+        ("[slurm]\nsetup = ['ok', 3]", ["slurm.setup[1] must be a string, got 3"]),
+    ],
+)
+def test_pattern_errors_explain_the_format(
+    toml_text: str, fragments: list[str]
+) -> None:
+    message = error_of(toml_text)
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_slurm_time_formats() -> None:
+    for time in ["30", "30:00", "12:00:00", "2-0", "2-12", "2-12:30", "2-12:30:00"]:
+        assert spec_from_dict({"slurm": {"time": time}}).slurm.time == time
+
+
+def test_unknown_key_suggests_the_closest() -> None:
+    assert error_of("[train]\nlrr = 0.1") == (
+        "job.toml: unknown key train.lrr (did you mean train.lr? valid keys: steps, lr, "
+        "optimizer, momentum, weight_decay, grad_clip, warmup_steps, schedule, log_every)"
+    )
+
+
+def test_unknown_section_lists_the_sections() -> None:
+    message = error_of("[trian]\nlr = 0.1")
+    assert message.startswith(
+        "job.toml: unknown key trian (did you mean train? valid keys: job,"
+    )
+
+
+def test_unknown_key_without_a_close_match() -> None:
+    message = error_of("[slurm]\nzzz = 1")
+    assert message.startswith("job.toml: unknown key slurm.zzz (valid keys: nodes,")
+
+
+def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text("[train\nlr = 1")
+    with pytest.raises(ConfigError) as info:
+        load_spec(path)
+    assert str(info.value).startswith(f"{path}: invalid TOML: ")
+    assert "\n" not in str(info.value)
+
+
+def test_load_errors_are_prefixed_by_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text("[train]\nlr = -1.0\n")
+    with pytest.raises(ConfigError, match="must be > 0") as info:
+        load_spec(path)
+    assert str(info.value) == f"{path}: train.lr must be > 0, got -1.0"
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as info:
+        load_spec(path)
+    assert str(info.value) == f"no such job spec: {path}"
+
+
+def test_override_types() -> None:
+    spec = spec_from_dict(
+        {},
+        overrides=[
+            "train.lr=3e-4",
+            "model.hidden_sizes=[64,64]",
+            "job.name=foo",
+            "parallel.dp=auto",
+            "parallel.tp=2",
+            "checkpoint.async_save=true",
+        ],
+    )
+    assert spec.train.lr == 3e-4
+    assert spec.model.hidden_sizes == (64, 64)
+    assert spec.job.name == "foo"
+    assert spec.parallel.dp == "auto"
+    assert spec.parallel.tp == 2
+    assert spec.checkpoint.async_save is True
+
+
+def test_override_on_a_string_setting_keeps_the_raw_text() -> None:
+    """TOML would read these as a time and an integer; the schema says string."""
+    spec = spec_from_dict({}, overrides=["slurm.time=02:00:00", "job.name=123"])
+    assert spec.slurm.time == "02:00:00"
+    assert spec.job.name == "123"
+
+
+def test_override_beats_the_file_and_the_last_one_wins(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text("[train]\nsteps = 10\n")
+    spec = load_spec(path, overrides=["train.steps=20", "train.steps=30"])
+    assert spec.train.steps == 30
+
+
+def test_override_errors_name_the_override() -> None:
+    assert (
+        error_of("", ("train.lr=abc",))
+        == "--set train.lr=abc: train.lr must be a number, got 'abc'"
+    )
+    assert error_of("", ("train.lrr=1",)).startswith(
+        "--set train.lrr=1: unknown key train.lrr (did you mean train.lr?"
+    )
+    assert error_of("", ("trian.lr=1",)).startswith(
+        "--set trian.lr=1: unknown key trian ("
+    )
+    assert error_of("", ("model.hidden_sizes=[8,0]",)) == (
+        "--set model.hidden_sizes=[8,0]: model.hidden_sizes[1] must be >= 1, got 0"
+    )
+
+
+def test_file_errors_are_not_blamed_on_unrelated_overrides() -> None:
+    message = error_of("[train]\nlr = -1.0", ("train.steps=5",))
+    assert message == "job.toml: train.lr must be > 0, got -1.0"
+
+
+@pytest.mark.parametrize("override", ["train.lr", "=3", "train..lr=3", ".lr=3"])
+def test_malformed_override(override: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        apply_overrides({}, [override])
+    assert str(info.value).startswith(f"--set {override}: expected dotted.key=value")
+
+
+def test_override_into_a_scalar() -> None:
+    with pytest.raises(ConfigError) as info:
+        apply_overrides({"train": {"lr": 0.1}}, ["train.lr.x=1"])
+    assert str(info.value) == "--set train.lr.x=1: train.lr is not a table, got 0.1"
+
+
+def test_apply_overrides_does_not_mutate_its_input() -> None:
+    data = {"train": {"lr": 0.1}, "model": {"hidden_sizes": [8]}}
+    result = apply_overrides(data, ["train.lr=0.2", "data.name=cifar"])
+    assert data == {"train": {"lr": 0.1}, "model": {"hidden_sizes": [8]}}
+    assert result == {
+        "train": {"lr": 0.2},
+        "model": {"hidden_sizes": [8]},
+        "data": {"name": "cifar"},
+    }
+    result["model"]["hidden_sizes"].append(9)
+    assert data["model"]["hidden_sizes"] == [8]
+
+
+def test_schema_uses_only_known_constraints() -> None:
+    """A misspelt constraint would be silently ignored by the builder."""
+    known = {"min", "gt", "max_excl", "pattern", "describe"}
+    for name, section in get_type_hints(JobSpec).items():
+        for f in dataclasses.fields(section):
+            assert set(f.metadata) <= known, f"{name}.{f.name}"
+
+
+finite = {"allow_nan": False, "allow_infinity": False}
+
+
+@given(
+    steps=st.integers(min_value=1, max_value=2**62),
+    lr=st.floats(min_value=0, exclude_min=True, **finite),
+    dropout=st.floats(min_value=0, max_value=1, exclude_max=True, **finite),
+    momentum=st.floats(min_value=0, max_value=1, exclude_max=True, **finite),
+    dp=st.one_of(st.just("auto"), st.integers(min_value=1, max_value=4096)),
+    timeout_s=st.floats(min_value=0, exclude_min=True, **finite),
+    seed=st.integers(min_value=0, max_value=2**63 - 1),
+)
+def test_round_trip_property(steps, lr, dropout, momentum, dp, timeout_s, seed) -> None:
+    data = {
+        "job": {"seed": seed},
+        "model": {"dropout": dropout},
+        "train": {"steps": steps, "lr": lr, "momentum": momentum},
+        "parallel": {"dp": dp, "timeout_s": timeout_s},
+    }
+    spec = spec_from_dict(data)
+    assert spec_from_dict(spec_to_dict(spec)) == spec
+    assert (spec.train.lr, spec.parallel.dp, spec.job.seed) == (lr, dp, seed)
+
+
+@given(
+    lr=st.floats(min_value=0, exclude_min=True, **finite),
+    steps=st.integers(min_value=1, max_value=2**63 - 1),
+)
+def test_override_round_trip_property(lr: float, steps: int) -> None:
+    """What Python prints is what --set reads back, exactly."""
+    spec = spec_from_dict({}, overrides=[f"train.lr={lr!r}", f"train.steps={steps}"])
+    assert (spec.train.lr, spec.train.steps) == (lr, steps)
