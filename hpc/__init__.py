@@ -1,0 +1,31 @@
+"""hpc-batch runtime: rank bootstrap, process-group mesh, job specs, launchers.
+
+Names are resolved lazily so that ``import hpc`` (and ``hpc --help``) never pays
+for importing torch; ``hpc.init()`` is the first call that does.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "init": "hpc.bootstrap",
+    "shutdown": "hpc.bootstrap",
+    "World": "hpc.bootstrap",
+    "RankInfo": "hpc.env",
+    "detect_rank_info": "hpc.env",
+    "JobSpec": "hpc.config",
+    "load_spec": "hpc.config",
+    "Mesh": "hpc.mesh",
+    "MeshShape": "hpc.mesh",
+    "build_mesh": "hpc.mesh",
+    "resolve_layout": "hpc.mesh",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hpc' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

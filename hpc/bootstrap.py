@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpc.env import RankInfo, detect_rank_info, with_hostnames
+from hpc.env import Launcher, RankInfo, detect_rank_info, with_hostnames
 from hpc.errors import LaunchEnvError, RendezvousError
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def rendezvous_from_env(info: RankInfo, environ: Mapping[str, str]) -> Rendezvou
         return Rendezvous(addr, int(port), "env")
     if info.is_mpi:
         return None
-    if info.launcher.value == "slurm":
+    if info.launcher is Launcher.SLURM:
         if not info.hosts:
             raise LaunchEnvError("Slurm gave no node list (SLURM_JOB_NODELIST)", rank=info.rank)
         return Rendezvous(info.hosts[0], slurm_port(info.job_id), "slurm")

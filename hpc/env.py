@@ -44,7 +44,7 @@ from hpc.errors import LaunchEnvError
 from hpc.hostlist import expand_hostlist, expand_tasks_per_node
 
 
-class Launcher(str, enum.Enum):
+class Launcher(enum.StrEnum):
     TORCHRUN = "torchrun"
     OPENMPI = "openmpi"
     MPICH = "mpich"

@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from hpc.bootstrap import free_port
 from hpc.errors import ConfigError, RankFailedError
 
 STOP_GRACE_S = 5.0

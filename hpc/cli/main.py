@@ -57,6 +57,7 @@ def _raise_on_sigterm(signum: int, frame: object) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from hpc import launch
+    from hpc.bootstrap import free_port
     from hpc.config import load_spec
 
     if args.nprocs < 1:
@@ -81,7 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 0
         launch.run_mpirun(command)
         return 0
-    commands = launch.local_commands(args.nprocs, argv, os.environ, launch.free_port(), launch.new_job_id(), progress)
+    commands = launch.local_commands(args.nprocs, argv, os.environ, free_port(), launch.new_job_id(), progress)
     if args.dry_run:
         print("\n".join(c.shell_line() for c in commands))
         return 0

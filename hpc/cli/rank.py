@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if world.rank == 0:
             print(summary_line(result, world, shape, spec.run_path / "metrics.jsonl"), flush=True)
         bootstrap.shutdown()
-    except BaseException as exc:  # noqa: BLE001 - any failure must take the whole job down
+    except BaseException as exc:  # any failure must take the whole job down
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
         abort_job(exc)

@@ -1,0 +1,68 @@
+import time
+
+import pytest
+
+from hpc import bootstrap
+from hpc.env import detect_rank_info
+from hpc.errors import LaunchEnvError, RendezvousError
+
+SLURM_STEP = {
+    "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+    "SLURM_JOB_NODELIST": "gpu-a[01-02]", "SLURM_JOB_NUM_NODES": "2", "SLURM_TASKS_PER_NODE": "4(x2)",
+    "SLURM_JOB_ID": "123456",
+}
+
+
+def test_master_variables_win() -> None:
+    env = {**SLURM_STEP, "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}
+    endpoint = bootstrap.rendezvous_from_env(detect_rank_info(env), env)
+    assert (endpoint.addr, endpoint.port, endpoint.source) == ("10.1.2.3", 29500, "env")
+
+
+def test_slurm_uses_first_host_and_a_job_derived_port() -> None:
+    endpoint = bootstrap.rendezvous_from_env(detect_rank_info(SLURM_STEP), SLURM_STEP)
+    assert endpoint.addr == "gpu-a01"
+    assert endpoint.port == bootstrap.slurm_port("123456")
+    assert endpoint.source == "slurm"
+
+
+def test_slurm_ports_differ_between_jobs_and_stay_in_range() -> None:
+    ports = {bootstrap.slurm_port(str(job)) for job in range(1000, 1100)}
+    assert len(ports) == 100
+    assert all(1024 < p < 65536 for p in ports)
+    assert bootstrap.slurm_port("77_3") == bootstrap.slurm_port("773")
+
+
+def test_mpi_defers_to_a_broadcast() -> None:
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert bootstrap.rendezvous_from_env(detect_rank_info(env), env) is None
+
+
+def test_torchrun_without_master_is_an_error() -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "2"}
+    with pytest.raises(LaunchEnvError, match="MASTER_ADDR/MASTER_PORT are not set"):
+        bootstrap.rendezvous_from_env(detect_rank_info(env), env)
+
+
+def test_bad_master_port_names_the_variable() -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "http"}
+    with pytest.raises(LaunchEnvError, match="MASTER_PORT='http'"):
+        bootstrap.rendezvous_from_env(detect_rank_info(env), env)
+
+
+def test_rank_that_cannot_rendezvous_fails_fast_naming_itself_and_the_address() -> None:
+    port = bootstrap.free_port()  # nobody listens here
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    started = time.monotonic()
+    with pytest.raises(RendezvousError) as info:
+        bootstrap.init("gloo", init_timeout_s=2, environ=env)
+    assert time.monotonic() - started < 20
+    message = str(info.value)
+    assert "rank 1 of 2" in message and f"127.0.0.1:{port}" in message
+    assert "\n" not in message
+
+
+def test_shutdown_without_init_is_harmless() -> None:
+    bootstrap.shutdown()
+    bootstrap.shutdown()

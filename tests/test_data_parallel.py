@@ -1,0 +1,60 @@
+"""Data parallelism must compute exactly what one process computes on the whole batch."""
+
+import numpy as np
+import pytest
+
+from hpc.config import spec_from_dict
+from hpc.mesh import build_mesh, resolve_layout
+from jobs.datasets import dp_shard, global_batch_indices
+from tests.ranks import run_ranks
+
+
+def _train(world, spec_data):
+    from jobs.train import train
+
+    spec = spec_from_dict(spec_data)
+    mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank)
+    result, model = train(spec, world, mesh)
+    return result.final_loss, {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_four_ranks_match_one_process_on_the_concatenated_batch(tmp_path, optimizer) -> None:
+    spec = {
+        "job": {"run_dir": str(tmp_path), "seed": 3},
+        "model": {"hidden_sizes": [32]},
+        "data": {"batch_size": 64},
+        "train": {"steps": 15, "lr": 0.05, "optimizer": optimizer, "momentum": 0.0},
+    }
+    (single_loss, single), = run_ranks(1, _train, spec)
+    parallel = run_ranks(4, _train, spec)
+    initial = _train_zero_steps_reference(spec)
+    for loss, params in parallel:
+        assert loss == pytest.approx(single_loss, rel=1e-5)
+        for name, value in single.items():
+            np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=1e-6)
+            assert not np.allclose(value, initial[name]), f"{name} did not train"
+
+
+def _train_zero_steps_reference(spec_data):
+    import torch
+
+    from jobs.datasets import load_dataset
+    from jobs.train import build_model
+
+    spec = spec_from_dict(spec_data)
+    with torch.no_grad():
+        return {k: v.numpy().copy() for k, v in build_model(spec, load_dataset("digits")).state_dict().items()}
+
+
+def test_global_batches_are_pure_in_the_step_and_cover_each_epoch() -> None:
+    first = [global_batch_indices(100, 20, seed=1, step=s) for s in range(5)]
+    assert sorted(np.concatenate(first)) == list(range(100))
+    again = global_batch_indices(100, 20, seed=1, step=3)
+    np.testing.assert_array_equal(first[3], again)
+    assert not np.array_equal(global_batch_indices(100, 20, 1, 5), first[0])
+
+
+def test_dp_shards_concatenate_to_the_global_batch() -> None:
+    batch = global_batch_indices(1000, 64, seed=0, step=7)
+    np.testing.assert_array_equal(np.concatenate([dp_shard(batch, r, 4) for r in range(4)]), batch)

@@ -1,0 +1,194 @@
+"""Launchers: command lines (pure), then real runs that must fail fast and leave nothing behind."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc import launch
+from hpc.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "mlp.toml"
+ARGV = ("python", "-m", "hpc.cli.rank", "job.toml")
+needs_mpi = pytest.mark.skipif(not launch.has_open_mpi(), reason="Open MPI is not installed")
+
+
+def test_local_commands_give_each_rank_its_identity() -> None:
+    commands = launch.local_commands(3, ARGV, {}, 29555, "local-1", "plain")
+    assert [c.env["RANK"] for c in commands] == ["0", "1", "2"]
+    assert [c.env["LOCAL_RANK"] for c in commands] == ["0", "1", "2"]
+    for command in commands:
+        assert command.env["WORLD_SIZE"] == "3" and command.env["MASTER_PORT"] == "29555"
+        assert command.env["GLOO_SOCKET_IFNAME"] == "lo"
+        assert command.argv == ARGV
+
+
+def test_local_commands_respect_the_users_settings() -> None:
+    (command,) = launch.local_commands(1, ARGV, {"GLOO_SOCKET_IFNAME": "ib0", "OMP_NUM_THREADS": "7"}, 1, "j", "tty")
+    assert "GLOO_SOCKET_IFNAME" not in command.env and "OMP_NUM_THREADS" not in command.env
+
+
+def test_threads_are_split_between_ranks() -> None:
+    assert launch.threads_per_rank(4, cpus=16) == 4
+    assert launch.threads_per_rank(4, cpus=2) == 1
+
+
+def test_mpirun_command_for_bare_metal_hosts() -> None:
+    env = {"PATH": "/bin", "NCCL_IB_HCA": "mlx5", "HOME": "/root", "HPC_X": "1"}
+    command = launch.mpirun_command(8, ARGV, env, hosts=[("a", 4), ("b", 4)], is_root=True, cpus=64)
+    line = " ".join(command)
+    assert command[:3] == ["mpirun", "-np", "8"]
+    assert "--host a:4,b:4" in line and "--allow-run-as-root" in line
+    assert "--oversubscribe" not in line and "--bind-to socket" in line
+    assert "-x PATH" in line and "-x NCCL_IB_HCA" in line and "-x HPC_X" in line and "HOME" not in line
+    assert "-x OMP_NUM_THREADS=16" in line
+    assert tuple(command[-len(ARGV):]) == ARGV
+
+
+def test_mpirun_command_oversubscribes_a_small_machine() -> None:
+    command = launch.mpirun_command(4, ARGV, {}, cpus=2, bind_to=None)
+    line = " ".join(command)
+    assert "--oversubscribe" in line and "--bind-to none" in line and "--allow-run-as-root" not in line
+
+
+@pytest.mark.parametrize(("spec", "expected"), [("a:4,b:2", [("a", 4), ("b", 2)]), ("node1", [("node1", 1)])])
+def test_parse_hosts(spec, expected) -> None:
+    assert launch.parse_hosts(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["a:0", "a:x", ":4", "a:4,,b"])
+def test_parse_hosts_rejects_malformed(spec) -> None:
+    with pytest.raises(ConfigError, match="--hosts"):
+        launch.parse_hosts(spec)
+
+
+def test_describe_exit() -> None:
+    assert launch.describe_exit(3) == "exited with code 3"
+    assert launch.describe_exit(-9) == "was killed by SIGKILL"
+
+
+def test_pump_prefixes_lines_and_carriage_returns(tmp_path) -> None:
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, b"a\nbar 1\rbar 2\rtail")
+    os.close(write_fd)
+    out = tmp_path / "out"
+    with open(read_fd, "rb") as source, out.open("wb") as sink:
+        launch._pump(source, sink, __import__("threading").Lock(), launch.rank_prefixer(3, 2))
+    assert out.read_bytes() == b"[ 3] a\n[ 3] bar 1\r[ 3] bar 2\r[ 3] tail\n"
+
+
+# --- real runs -------------------------------------------------------------------------------
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _rank_pid(pids: set[int], rank: int) -> int | None:
+    for pid in pids:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"hpc.cli.rank" in cmdline and (
+            f"RANK={rank}".encode() in environ or f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ
+        ):
+            return pid
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _hpc(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hpc.cli.main", *args]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(_hpc(*args), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["local", pytest.param("mpirun", marks=needs_mpi)])
+def test_run_trains_and_prefixes_output(tmp_path, launcher) -> None:
+    done = _run("run", "-n", "2", "--launcher", launcher, str(EXAMPLE), "--set", "train.steps=40",
+                "--set", f"job.run_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr
+    summary = re.search(r"^\[0\] summary: 40 steps .* final loss (\S+) \| test accuracy", done.stdout, re.M)
+    assert summary, done.stdout
+    assert float(summary[1]) < 2.0
+    assert re.search(r"^\[0\] step 20/40 loss", done.stdout, re.M)
+    assert len((tmp_path / "mlp-digits" / "metrics.jsonl").read_text().splitlines()) == 40
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["local", pytest.param("mpirun", marks=needs_mpi)])
+def test_killed_rank_stops_the_job_fast_and_is_named(tmp_path, launcher) -> None:
+    proc = subprocess.Popen(
+        _hpc("run", "-n", "4", "--launcher", launcher, str(EXAMPLE), "--set", "train.steps=1000000",
+             "--set", f"job.run_dir={tmp_path}"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        for line in proc.stdout:  # wait until training is under way on every rank
+            if "step 20/" in line:
+                break
+        pids = _descendants(proc.pid)
+        victim = _rank_pid(pids, 2)
+        assert victim is not None, "rank 2 not found among the launcher's processes"
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert elapsed < 30
+    assert "rank 2 was killed by SIGKILL" in stderr, stderr
+    time.sleep(0.2)
+    assert not [pid for pid in pids if _alive(pid)], "processes left behind"
+
+
+@pytest.mark.slow
+def test_dry_run_prints_commands_and_starts_nothing(tmp_path) -> None:
+    done = _run("run", "-n", "2", "--launcher", "local", "--dry-run", str(EXAMPLE), "--set", "train.lr=0.01",
+                "--set", f"job.run_dir={tmp_path}")
+    assert done.returncode == 0
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2 and "RANK=0 " in lines[0] and "RANK=1 " in lines[1]
+    assert "--set train.lr=0.01" in lines[0]
+    assert not (tmp_path / "mlp-digits").exists()
+
+
+@needs_mpi
+def test_mpirun_dry_run_is_the_exact_command(tmp_path) -> None:
+    done = _run("run", "-n", "4", "--launcher", "mpirun", "--hosts", "a:2,b:2", "--dry-run", str(EXAMPLE))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("mpirun -np 4 ") and "--host a:2,b:2" in done.stdout
+    assert shutil.which(done.stdout.split()[0])
