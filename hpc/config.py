@@ -86,7 +86,8 @@ class ParallelConfig:
     tp: int = _field(1, min=1)
     pp: int = _field(1, min=1)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    compression: Literal["none"] = "none"
+    compression: Literal["none", "fp16", "bf16", "int8"] = "none"
+    transport: Literal["torch", "mpi"] = "torch"
     init_timeout_s: float = _field(60.0, gt=0)
     timeout_s: float = _field(300.0, gt=0)
 

@@ -23,7 +23,9 @@ from hpc.progress import Progress
 from jobs.datasets import Dataset, dp_shard, global_batch_indices, load_dataset
 from jobs.models import MLP
 from jobs.optim import build_optimizer, learning_rate
+from parallel.compression import ErrorFeedback, make_codec
 from parallel.data_parallel import average_gradients
+from parallel.ring import make_transport
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ def train(spec: JobSpec, world: World, mesh: Mesh, progress_mode: str = "off") -
     model = build_model(spec, dataset)
     optimizer = build_optimizer(spec.train, model.parameters())
     dp_group, dp_rank, dp_size = mesh.group("dp"), mesh.index("dp"), mesh.size("dp")
+    transport = make_transport(spec.parallel.transport, dp_group)
+    codec = make_codec(spec.parallel.compression)
+    feedback = ErrorFeedback()
     cfg = spec.train
     is_reporter = world.rank == 0
     progress = Progress(cfg.steps, cfg.log_every, progress_mode if is_reporter else "off")
@@ -71,7 +76,7 @@ def train(spec: JobSpec, world: World, mesh: Mesh, progress_mode: str = "off") -
             loss = F.cross_entropy(model(dataset.x_train[local]), dataset.y_train[local])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            average_gradients(model.parameters(), dp_group)
+            average_gradients(model.parameters(), transport, codec, feedback)
             grad_norm = None
             if cfg.grad_clip:
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()

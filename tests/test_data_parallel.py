@@ -58,3 +58,28 @@ def test_global_batches_are_pure_in_the_step_and_cover_each_epoch() -> None:
 def test_dp_shards_concatenate_to_the_global_batch() -> None:
     batch = global_batch_indices(1000, 64, seed=0, step=7)
     np.testing.assert_array_equal(np.concatenate([dp_shard(batch, r, 4) for r in range(4)]), batch)
+
+
+def _demo_with_each_codec(world, base):
+    from jobs.train import train
+
+    mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank)
+    losses = {}
+    for codec in ("none", "fp16", "bf16", "int8"):
+        spec = spec_from_dict({**base, "parallel": {**base["parallel"], "compression": codec}})
+        losses[codec] = train(spec, world, mesh)[0].final_loss
+    return losses
+
+
+@pytest.mark.slow
+def test_every_codec_reaches_the_uncompressed_loss_on_the_demo(tmp_path) -> None:
+    import tomllib
+
+    from tests.test_cli import EXAMPLE
+
+    base = tomllib.loads(EXAMPLE.read_text())
+    base["job"]["run_dir"] = str(tmp_path)
+    losses = run_ranks(4, _demo_with_each_codec, base, timeout=300)[0]
+    assert losses["none"] < 0.1  # the demo actually learns
+    for codec in ("fp16", "bf16", "int8"):
+        assert losses[codec] == pytest.approx(losses["none"], rel=0.05), losses

@@ -134,10 +134,17 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["local", pytest.param("mpirun", marks=needs_mpi)])
-def test_run_trains_and_prefixes_output(tmp_path, launcher) -> None:
+@pytest.mark.parametrize(
+    ("launcher", "wire"),
+    [
+        ("local", ["--set", "parallel.compression=bf16"]),
+        pytest.param("mpirun", ["--set", "parallel.transport=mpi", "--set", "parallel.compression=int8"],
+                     marks=needs_mpi),
+    ],
+)
+def test_run_trains_and_prefixes_output(tmp_path, launcher, wire) -> None:
     done = _run("run", "-n", "2", "--launcher", launcher, str(EXAMPLE), "--set", "train.steps=40",
-                "--set", f"job.run_dir={tmp_path}")
+                "--set", f"job.run_dir={tmp_path}", *wire)
     assert done.returncode == 0, done.stderr
     summary = re.search(r"^\[0\] summary: 40 steps .* final loss (\S+) \| test accuracy", done.stdout, re.M)
     assert summary, done.stdout

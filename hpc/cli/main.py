@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from hpc.errors import HpcError, LayoutError, RankFailedError
+from hpc.errors import ConfigError, HpcError, LayoutError, RankFailedError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +70,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
     if hosts and launcher != "mpirun":
         raise LayoutError("--hosts needs --launcher mpirun (the local launcher starts ranks on this machine only)")
+    if spec.parallel.transport == "mpi" and launcher != "mpirun":
+        raise ConfigError("parallel.transport='mpi' needs --launcher mpirun (local ranks share no MPI world)")
     progress = "tty" if sys.stdout.isatty() else "plain"
     argv = launch.rank_argv(os.path.abspath(args.spec), args.overrides)
     signal.signal(signal.SIGTERM, _raise_on_sigterm)

@@ -1,0 +1,66 @@
+"""Codecs without processes: round trips stay within their documented bound; sizes match the wire ratio."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parallel.compression import RING_CODECS, ErrorFeedback, make_codec
+
+
+@pytest.mark.parametrize("name", RING_CODECS)
+@pytest.mark.parametrize("numel", [1, 255, 256, 1000, 4099])
+def test_round_trip_within_bound(name, numel) -> None:
+    torch.manual_seed(numel)
+    codec = make_codec(name)
+    x = torch.randn(numel) * 10
+    payload = codec.encode(x)
+    decoded = codec.decode(payload, x)
+    assert decoded.shape == x.shape and decoded.dtype == x.dtype
+    assert torch.all((decoded - x).abs() <= codec.error_bound(x))
+    if not codec.lossy:
+        assert torch.equal(decoded, x)
+
+
+@pytest.mark.parametrize("name", RING_CODECS)
+def test_payload_size_matches_wire_ratio(name) -> None:
+    codec = make_codec(name)
+    x = torch.randn(256 * 40)
+    payload = codec.encode(x)
+    assert payload.numel() * payload.element_size() == pytest.approx(x.numel() * 4 * codec.wire_ratio())
+    empty = codec.empty_payload(x)
+    assert (empty.numel(), empty.dtype) == (payload.numel(), payload.dtype)
+
+
+def test_int8_wire_ratio_and_zero_blocks() -> None:
+    codec = make_codec("int8")
+    assert codec.wire_ratio() == pytest.approx(0.2539, abs=1e-4)
+    zeros = torch.zeros(300)
+    assert torch.equal(codec.decode(codec.encode(zeros), zeros), zeros)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    values=st.lists(st.floats(-1e4, 1e4, allow_nan=False, allow_subnormal=False), min_size=1, max_size=600),
+    name=st.sampled_from(["fp16", "bf16", "int8"]),
+)
+def test_error_bound_holds_for_any_input(values, name) -> None:
+    codec = make_codec(name)
+    x = torch.tensor(values, dtype=torch.float32)
+    decoded = codec.decode(codec.encode(x), x)
+    assert torch.all((decoded - x).abs() <= codec.error_bound(x))
+
+
+def test_error_feedback_adds_the_residual_back() -> None:
+    feedback = ErrorFeedback()
+    flat = torch.ones(4)
+    feedback.compensate("w", flat)
+    assert torch.equal(flat, torch.ones(4))
+    feedback.store("w", torch.full((4,), 0.5))
+    feedback.compensate("w", flat)
+    assert torch.equal(flat, torch.full((4,), 1.5))
+
+
+def test_unknown_codec() -> None:
+    with pytest.raises(ValueError, match="unknown ring codec 'int4'"):
+        make_codec("int4")

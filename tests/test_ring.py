@@ -1,0 +1,145 @@
+"""The ring all-reduce against torch's all_reduce, and its compressed variants against their bounds."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpc import launch
+from hpc.launch import MPI_TAG
+from parallel.compression import ErrorFeedback, make_codec
+from parallel.ring import TorchTransport, make_transport, ring_allreduce
+from tests.ranks import run_ranks
+
+SIZES = [0, 1, 3, 7, 1000, 4099]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _inputs(rank: int, numel: int, dtype: torch.dtype, integer: bool) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * rank + numel)
+    if integer:
+        return torch.randint(-50, 50, (numel,), generator=generator).to(dtype)
+    return torch.randn(numel, generator=generator).to(dtype)
+
+
+def compare_with_torch(world, transport_name: str = "torch"):
+    """Mismatches between our ring and dist.all_reduce over sizes, dtypes, integer data and averaging."""
+    transport = make_transport(transport_name, None)
+    mismatches = []
+    for numel in SIZES:
+        for dtype in DTYPES:
+            for integer in (True, False):
+                for average in (False, True):
+                    x = _inputs(world.rank, numel, dtype, integer)
+                    ours = ring_allreduce(x.clone(), transport, average=average)
+                    theirs = x.clone()
+                    dist.all_reduce(theirs)
+                    if average:
+                        theirs /= world.size
+                    if integer and not average:
+                        same = torch.equal(ours, theirs)
+                    else:  # both sum in a different order: each of n-1 roundings is <= eps/2 * sum|x|
+                        magnitude = x.abs().float()
+                        dist.all_reduce(magnitude)
+                        tolerance = world.size * torch.finfo(dtype).eps * magnitude + 1e-6
+                        same = bool(torch.all((ours.float() - theirs.float()).abs() <= tolerance))
+                    if not same:
+                        mismatches.append((numel, str(dtype), integer, average))
+    return mismatches
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_uncompressed_ring_equals_torch_all_reduce(n) -> None:
+    assert run_ranks(n, compare_with_torch) == [[]] * n
+
+
+def _compressed(world, name, numel):
+    codec = make_codec(name)
+    x = _inputs(world.rank, numel, torch.float32, integer=False) * 3
+    error = torch.zeros_like(x)
+    result = ring_allreduce(x.clone(), TorchTransport(), codec=codec, error=error)
+    return x.numpy(), result.numpy(), error.numpy()
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "int8"])
+def test_lossy_codecs_stay_within_bound_and_report_their_exact_error(name) -> None:
+    n, numel = 4, 5000
+    outputs = run_ranks(n, _compressed, name, numel)
+    inputs = np.stack([o[0] for o in outputs])
+    exact = inputs.sum(axis=0, dtype=np.float64)
+    results = np.stack([o[1] for o in outputs])
+    # Every rank ends with identical values.
+    assert all(np.array_equal(results[0], r) for r in results)
+    # Bound: n encodes per element, each at most the codec's bound on a partial sum,
+    # and every partial sum is bounded elementwise by sum(|x_i|).
+    codec = make_codec(name)
+    magnitude = torch.from_numpy(np.abs(inputs).sum(axis=0).astype(np.float32))
+    if name == "int8":  # the block scale comes from the block's largest partial sum
+        block = codec.block
+        padded = torch.nn.functional.pad(magnitude, (0, (-numel) % block)).view(-1, block)
+        magnitude = padded.amax(dim=1, keepdim=True).expand(-1, block).reshape(-1)[:numel]
+    bound = n * codec.error_bound(magnitude).numpy()
+    assert np.all(np.abs(results[0] - exact) <= bound + 1e-5)
+    # The errors the ranks report add up to the exact error of the result.
+    reported = np.stack([o[2] for o in outputs]).sum(axis=0, dtype=np.float64)
+    np.testing.assert_allclose(reported, exact - results[0], atol=1e-4)
+
+
+def _running_sums(world, name, steps):
+    codec, feedback = make_codec(name), ErrorFeedback()
+    generator = torch.Generator().manual_seed(world.rank)
+    true_sum = torch.zeros(2000, dtype=torch.float64)
+    decoded_sum = {"ef": torch.zeros(2000, dtype=torch.float64), "plain": torch.zeros(2000, dtype=torch.float64)}
+    transport = TorchTransport()
+    for _ in range(steps):
+        g = torch.randn(2000, generator=generator) * 0.01 + 0.003  # small gradients with a bias
+        exact = g.clone()
+        dist.all_reduce(exact)
+        true_sum += exact.double()
+        with_ef = g.clone()
+        feedback.compensate("g", with_ef)
+        error = torch.zeros_like(with_ef)
+        ring_allreduce(with_ef, transport, codec=codec, error=error)
+        feedback.store("g", error)
+        decoded_sum["ef"] += with_ef.double()
+        decoded_sum["plain"] += ring_allreduce(g.clone(), transport, codec=codec).double()
+    return {k: (v - true_sum).abs().max().item() for k, v in decoded_sum.items()}
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8"])
+def test_error_feedback_keeps_the_running_sum_on_track(name) -> None:
+    drift = run_ranks(3, _running_sums, name, 240)[0]
+    one_step_bound = 3 * make_codec(name).error_bound(torch.tensor([3 * 0.05])).item()
+    assert drift["ef"] <= 2 * one_step_bound  # bounded, does not grow with the number of steps
+    assert drift["ef"] < drift["plain"] / 3
+
+
+MPI_PROBE = """
+import json, torch
+import hpc
+from tests.test_ring import compare_with_torch
+torch.set_num_threads(1)
+world = hpc.init("gloo")
+print(json.dumps({"rank": world.rank, "launcher": world.info.launcher.value,
+                  "rendezvous": world.rendezvous.source, "mismatches": compare_with_torch(world, "mpi")}))
+hpc.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not launch.has_open_mpi(), reason="Open MPI is not installed")
+def test_mpi_transport_under_mpirun_equals_torch_all_reduce() -> None:
+    command = launch.mpirun_command(3, (sys.executable, "-c", MPI_PROBE), os.environ, is_root=os.geteuid() == 0)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    lines = [MPI_TAG.sub(b"", line).decode() for line in done.stdout.encode().splitlines()]
+    reports = [json.loads(line) for line in lines if "mismatches" in line]
+    assert sorted(r["rank"] for r in reports) == [0, 1, 2]
+    for report in reports:
+        assert report == {**report, "launcher": "openmpi", "rendezvous": "mpi", "mismatches": []}
