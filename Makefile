@@ -14,7 +14,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 export OMP_NUM_THREADS := 1
 
-.PHONY: install debs run test lint
+.PHONY: install debs run test lint bench
 
 install: debs $(STAMPS)/pip
 
@@ -38,3 +38,7 @@ test: install
 
 lint: install
 	ruff check .
+
+# Writes nothing by itself: docs/BENCHMARKS.md records the commands and their output.
+bench: install
+	hpc bench allreduce -n $(RANKS) --sizes 1K,64K,1M,16M,64M

@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a spec value, e.g. --set train.lr=3e-4 (repeatable)")
     run.add_argument("--dry-run", action="store_true", help="print the command lines and start nothing")
     run.set_defaults(handler=cmd_run)
+
+    from hpc.cli import bench
+
+    bench.add_parser(commands)
     return parser
 
 
@@ -57,7 +61,6 @@ def _raise_on_sigterm(signum: int, frame: object) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from hpc import launch
-    from hpc.bootstrap import free_port
     from hpc.config import load_spec
 
     if args.nprocs < 1:
@@ -74,22 +77,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("parallel.transport='mpi' needs --launcher mpirun (local ranks share no MPI world)")
     progress = "tty" if sys.stdout.isatty() else "plain"
     argv = launch.rank_argv(os.path.abspath(args.spec), args.overrides)
+    launch_ranks(args.nprocs, argv, launcher, hosts, args.bind_to, progress, args.dry_run)
+    return 0
+
+
+def launch_ranks(n: int, argv, launcher: str, hosts, bind_to: str | None, progress: str, dry_run: bool) -> None:
+    """Start ``argv`` on n ranks with the chosen launcher (or print the command lines)."""
+    from hpc import launch
+    from hpc.bootstrap import free_port
+
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     if launcher == "mpirun":
-        command = launch.mpirun_command(
-            args.nprocs, argv, os.environ, hosts, args.bind_to, progress, is_root=os.geteuid() == 0
-        )
-        if args.dry_run:
+        command = launch.mpirun_command(n, argv, os.environ, hosts, bind_to, progress, is_root=os.geteuid() == 0)
+        if dry_run:
             print(shlex.join(command))
-            return 0
-        launch.run_mpirun(command)
-        return 0
-    commands = launch.local_commands(args.nprocs, argv, os.environ, free_port(), launch.new_job_id(), progress)
-    if args.dry_run:
+        else:
+            launch.run_mpirun(command)
+        return
+    commands = launch.local_commands(n, argv, os.environ, free_port(), launch.new_job_id(), progress)
+    if dry_run:
         print("\n".join(c.shell_line() for c in commands))
-        return 0
-    launch.run_local(commands)
-    return 0
+    else:
+        launch.run_local(commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,104 @@
+"""All-reduce benchmark, nccl-tests style: our ring with each codec against torch's all_reduce.
+
+Every implementation is measured on the same ranks in the same run, so ratios
+hold on a noisy machine. Each iteration restores the input, synchronises the
+ranks, and times one all-reduce; a row's time is the slowest rank's mean.
+busbw = algbw * 2(n-1)/n is the per-link bandwidth a ring needs, comparable
+across rank counts. Sizes are the uncompressed float32 bytes.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from parallel.compression import make_codec
+from parallel.ring import make_transport, ring_allreduce
+
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+COLUMNS = ("bytes", "ranks", "impl", "transport", "codec", "time_s", "algbw_GBps", "busbw_GBps", "max_rel_error")
+
+
+def parse_size(text: str) -> int:
+    """``64M`` -> 67108864; a bare number is bytes."""
+    match = re.fullmatch(r"(\d+)([KMG]?)B?", text.strip().upper())
+    if not match or int(match[1]) == 0:
+        raise ValueError(f"{text!r} is not a size like 1K, 64M or 4096")
+    return int(match[1]) * UNITS[match[2]]
+
+
+def human_size(nbytes: int) -> str:
+    for unit in ("G", "M", "K"):
+        if nbytes >= UNITS[unit] and nbytes % UNITS[unit] == 0:
+            return f"{nbytes // UNITS[unit]}{unit}"
+    return str(nbytes)
+
+
+def _time_op(op, reset, iters: int, warmup: int) -> float:
+    """Mean seconds per call on the slowest rank."""
+    total = 0.0
+    for i in range(warmup + iters):
+        reset()
+        dist.barrier()
+        start = time.perf_counter()
+        op()
+        elapsed = time.perf_counter() - start
+        if i >= warmup:
+            total += elapsed
+    slowest = torch.tensor([total / iters], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
+def bench_allreduce(
+    sizes: Sequence[int], codecs: Sequence[str], transports: Sequence[str], iters: int = 5, warmup: int = 1
+) -> list[dict]:
+    transports_by_name = {name: make_transport(name, None) for name in transports}
+    rows = []
+    for nbytes in sizes:
+        rows += _bench_size(nbytes, codecs, transports_by_name, iters, warmup)
+    return rows
+
+
+def _bench_size(nbytes: int, codecs: Sequence[str], transports: dict, iters: int, warmup: int) -> list[dict]:
+    n = dist.get_world_size()
+    numel = nbytes // 4
+    source = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()))
+    exact = source.double()
+    dist.all_reduce(exact)
+    scale = exact.abs().max().clamp_min(1e-30)
+    buffer = torch.empty_like(source)
+
+    def reset() -> None:
+        buffer.copy_(source)
+
+    def row(impl: str, transport: str, codec: str, seconds: float) -> dict:
+        error = ((buffer.double() - exact).abs().max() / scale).item() if numel else 0.0
+        algbw = nbytes / seconds / 1e9
+        values = (nbytes, n, impl, transport, codec, seconds, algbw, algbw * 2 * (n - 1) / n, error)
+        return dict(zip(COLUMNS, values, strict=True))
+
+    rows = [row("torch", dist.get_backend(), "none", _time_op(partial(dist.all_reduce, buffer), reset, iters, warmup))]
+    for transport_name, transport in transports.items():
+        for codec_name in codecs:
+            reduce = partial(ring_allreduce, buffer, transport, codec=make_codec(codec_name))
+            rows.append(row("ring", transport_name, codec_name, _time_op(reduce, reset, iters, warmup)))
+    return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    header = (f"{'size':>8} {'ranks':>5} {'impl':>5} {'transport':>9} {'codec':>5} {'time(ms)':>10} "
+              f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'max_rel_err':>11}")
+    lines = [header]
+    for r in rows:
+        lines.append(
+            f"{human_size(r['bytes']):>8} {r['ranks']:>5} {r['impl']:>5} {r['transport']:>9} {r['codec']:>5} "
+            f"{r['time_s'] * 1e3:>10.3f} {r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f} "
+            f"{r['max_rel_error']:>11.2e}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from parallel.bench import COLUMNS, format_table, human_size, parse_size
+
+
+@pytest.mark.parametrize(("text", "value"), [("1K", 1024), ("64M", 64 << 20), ("4096", 4096), ("1g", 1 << 30)])
+def test_parse_size(text, value) -> None:
+    assert parse_size(text) == value
+    assert parse_size(human_size(value)) == value
+
+
+@pytest.mark.parametrize("text", ["", "0", "12Q", "-1K"])
+def test_parse_size_rejects(text) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+@pytest.mark.slow
+def test_bench_allreduce_json_rows() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "hpc.cli.main", "bench", "allreduce", "-n", "2", "--launcher", "local",
+         "--sizes", "1K,64K", "--codecs", "none,int8", "--iters", "2", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["bytes"], r["impl"], r["codec"]) for r in rows] == [
+        (1024, "torch", "none"), (1024, "ring", "none"), (1024, "ring", "int8"),
+        (65536, "torch", "none"), (65536, "ring", "none"), (65536, "ring", "int8"),
+    ]
+    for r in rows:
+        assert set(COLUMNS) <= set(r) and r["ranks"] == 2 and r["time_s"] > 0
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])  # 2(n-1)/n = 1 for n = 2
+        assert r["max_rel_error"] < (1e-6 if r["codec"] == "none" else 1e-2)
+    assert "max_rel_err" in format_table(rows).splitlines()[0]
+
+
+def test_bench_rejects_unknown_codec(capsys) -> None:
+    from hpc.cli.main import main
+
+    assert main(["bench", "allreduce", "--codecs", "none,int4"]) == 2
+    assert "--codecs: unknown int4" in capsys.readouterr().err
