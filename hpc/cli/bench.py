@@ -62,6 +62,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def rank_main(argv: Sequence[str] | None = None) -> int:
+    from hpc.cli.rank import run_as_rank
+
     parser = argparse.ArgumentParser(prog="python -m hpc.cli.bench --rank OUT")
     parser.add_argument("--rank", dest="out", required=True)
     parser.add_argument("kind", choices=("allreduce",))
@@ -70,7 +72,8 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--transports", required=True)
     parser.add_argument("--iters", type=int, required=True)
     args = parser.parse_args(argv)
-    try:
+
+    def measure() -> None:
         import hpc
         from parallel.bench import bench_allreduce, parse_size
 
@@ -83,13 +86,8 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
             with open(args.out, "w") as handle:
                 json.dump(rows, handle)
         hpc.shutdown()
-    except BaseException as exc:  # any failure must take the whole job down
-        from hpc.cli.rank import abort_job
 
-        if isinstance(exc, SystemExit) and exc.code in (0, None):
-            raise
-        abort_job(exc)
-    return 0
+    return run_as_rank(measure)
 
 
 if __name__ == "__main__":

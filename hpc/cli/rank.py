@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hpc.errors import HpcError
 
@@ -38,6 +38,17 @@ def abort_job(exc: BaseException) -> None:
     os._exit(1)
 
 
+def run_as_rank(body: Callable[[], None]) -> int:
+    """Run a rank's work; any failure (a clean exit aside) aborts the whole job."""
+    try:
+        body()
+    except BaseException as exc:  # any failure must take the whole job down
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            raise
+        abort_job(exc)
+    return 0
+
+
 def summary_line(result, world, shape, metrics_path) -> str:
     return (
         f"summary: {result.steps} steps in {result.wall_s:.1f} s | final loss {result.final_loss:.4f} | "
@@ -51,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("spec", help="job spec (TOML)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    try:
+
+    def train_job() -> None:
         import torch
 
         from hpc import bootstrap
@@ -72,11 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if world.rank == 0:
             print(summary_line(result, world, shape, spec.run_path / "metrics.jsonl"), flush=True)
         bootstrap.shutdown()
-    except BaseException as exc:  # any failure must take the whole job down
-        if isinstance(exc, SystemExit) and exc.code in (0, None):
-            raise
-        abort_job(exc)
-    return 0
+
+    return run_as_rank(train_job)
 
 
 if __name__ == "__main__":
