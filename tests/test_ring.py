@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from hpc import launch
-from hpc.launch import MPI_TAG
 from parallel.compression import ErrorFeedback, make_codec
 from parallel.ring import TorchTransport, make_transport, ring_allreduce
 from tests.ranks import run_ranks
@@ -121,25 +120,27 @@ def test_error_feedback_keeps_the_running_sum_on_track(name) -> None:
 
 
 MPI_PROBE = """
-import json, torch
+import json, sys, torch
 import hpc
 from tests.test_ring import compare_with_torch
 torch.set_num_threads(1)
 world = hpc.init("gloo")
-print(json.dumps({"rank": world.rank, "launcher": world.info.launcher.value,
-                  "rendezvous": world.rendezvous.source, "mismatches": compare_with_torch(world, "mpi")}))
+report = {"rank": world.rank, "launcher": world.info.launcher.value,
+          "rendezvous": world.rendezvous.source, "mismatches": compare_with_torch(world, "mpi")}
+with open(f"{sys.argv[1]}/rank-{world.rank}.json", "w") as handle:
+    json.dump(report, handle)
 hpc.shutdown()
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not launch.has_open_mpi(), reason="Open MPI is not installed")
-def test_mpi_transport_under_mpirun_equals_torch_all_reduce() -> None:
-    command = launch.mpirun_command(3, (sys.executable, "-c", MPI_PROBE), os.environ, is_root=os.geteuid() == 0)
+def test_mpi_transport_under_mpirun_equals_torch_all_reduce(tmp_path) -> None:
+    argv = (sys.executable, "-c", MPI_PROBE, str(tmp_path))
+    command = launch.mpirun_command(3, argv, os.environ, is_root=os.geteuid() == 0)
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr
-    lines = [MPI_TAG.sub(b"", line).decode() for line in done.stdout.encode().splitlines()]
-    reports = [json.loads(line) for line in lines if "mismatches" in line]
+    reports = [json.loads(path.read_text()) for path in tmp_path.glob("rank-*.json")]
     assert sorted(r["rank"] for r in reports) == [0, 1, 2]
     for report in reports:
         assert report == {**report, "launcher": "openmpi", "rendezvous": "mpi", "mismatches": []}
