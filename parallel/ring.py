@@ -37,6 +37,7 @@ class Pending(Protocol):
 
 class Transport(Protocol):
     name: str
+    group: ProcessGroup | None
 
     def send(self, tensor: torch.Tensor, peer: int) -> Pending: ...
 
@@ -108,8 +109,7 @@ def ring_allreduce(
     ``error``, if given (same shape, zeroed by the caller), receives the error this
     rank's encodes introduced; summed over ranks it is the exact error of the result.
     """
-    group = getattr(transport, "group", None)
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    n, rank = dist.get_world_size(transport.group), dist.get_rank(transport.group)
     if n == 1:
         return flat
     left, right = (rank - 1) % n, (rank + 1) % n
@@ -118,7 +118,7 @@ def ring_allreduce(
 
     def encode(index: int, final: bool = False) -> torch.Tensor:
         payload = codec.encode(chunks[index])
-        if codec.lossy:
+        if codec.lossy and (errors is not None or final):  # decoding costs as much as encoding
             decoded = codec.decode(payload, chunks[index])
             if errors is not None:
                 errors[index].add_(chunks[index] - decoded)
