@@ -96,6 +96,26 @@ def make_transport(name: str, group: ProcessGroup | None) -> Transport:
     return TorchTransport(group)
 
 
+def ring_allgather(payload: torch.Tensor, transport: Transport) -> torch.Tensor:
+    """Every rank's equal-sized 1-D ``payload``, stacked in rank order: n-1 forwarding steps."""
+    n, rank = dist.get_world_size(transport.group), dist.get_rank(transport.group)
+    gathered = payload.new_empty((n, payload.numel()))
+    gathered[rank] = payload
+    if n == 1 or payload.numel() == 0:
+        return gathered
+    left, right = (rank - 1) % n, (rank + 1) % n
+    for step in range(n - 1):
+        incoming = transport.recv(gathered[(rank - step - 1) % n], left)
+        outgoing = transport.send(gathered[(rank - step) % n], right)
+        incoming.wait()
+        outgoing.wait()
+    return gathered
+
+
+SEGMENT_BYTES = 1 << 20
+RECV_WINDOW = 4
+
+
 def ring_allreduce(
     flat: torch.Tensor,
     transport: Transport,
@@ -103,6 +123,7 @@ def ring_allreduce(
     codec: Codec = IDENTITY,
     average: bool = False,
     error: torch.Tensor | None = None,
+    segment_bytes: int = SEGMENT_BYTES,
 ) -> torch.Tensor:
     """Sum (or average) a contiguous 1-D tensor across the group, in place; returns it.
 
@@ -110,68 +131,92 @@ def ring_allreduce(
     rank's encodes introduced; summed over ranks it is the exact error of the result.
     """
     n, rank = dist.get_world_size(transport.group), dist.get_rank(transport.group)
-    if n == 1:
+    if n == 1 or flat.numel() == 0:
         return flat
-    left, right = (rank - 1) % n, (rank + 1) % n
-    chunks = list(flat.tensor_split(n))
-    errors = list(error.tensor_split(n)) if error is not None and codec.lossy else None
-
-    def encode(index: int, final: bool = False) -> torch.Tensor:
-        payload = codec.encode(chunks[index])
-        if codec.lossy and (errors is not None or final):  # decoding costs as much as encoding
-            decoded = codec.decode(payload, chunks[index])
-            if errors is not None:
-                errors[index].add_(chunks[index] - decoded)
-            if final:
-                chunks[index].copy_(decoded)  # the owner keeps exactly what the others decode
-        return payload
-
-    def post_recv(index: int, in_place: bool = False) -> tuple[torch.Tensor, Pending | None]:
-        buffer = chunks[index] if in_place else codec.empty_payload(chunks[index])
-        return buffer, (transport.recv(buffer, left) if buffer.numel() else None)
-
-    def post_send(payload: torch.Tensor) -> Pending | None:
-        return transport.send(payload, right) if payload.numel() else None
-
-    sends: list[Pending | None] = []
-    # Reduce-scatter: at step s receive chunk (rank-s-1) and add our share to it.
-    incoming = post_recv((rank - 1) % n)
-    sends.append(post_send(encode(rank)))
-    for step in range(n - 1):
-        index = (rank - step - 1) % n
-        buffer, pending = incoming
-        if pending is not None:
-            pending.wait()
-        if step < n - 2:
-            incoming = post_recv((rank - step - 2) % n)
-        chunks[index].add_(codec.decode(buffer, chunks[index]))
-        if step < n - 2:
-            sends.append(post_send(encode(index)))
-    _wait_all(sends)  # the chunks they read are overwritten below
-    # All-gather: the owner encodes its finished chunk once; it is forwarded unchanged.
-    # Uncompressed chunks are received straight into place.
-    in_place = codec is IDENTITY
-    owned = (rank + 1) % n
-    incoming = post_recv(rank % n, in_place)
-    sends.append(post_send(encode(owned, final=True)))
-    for step in range(n - 1):
-        index = (rank - step) % n
-        buffer, pending = incoming
-        if pending is not None:
-            pending.wait()
-        if step < n - 2:
-            incoming = post_recv((rank - step - 1) % n, in_place)
-            sends.append(post_send(buffer))
-        if not in_place:
-            chunks[index].copy_(codec.decode(buffer, chunks[index]))
-    _wait_all(sends)
+    _Ring(flat, transport, codec, error, segment_bytes).run(n, rank)
     if average:
         flat.div_(n)
     return flat
 
 
-def _wait_all(pending: list[Pending | None]) -> None:
-    for item in pending:
-        if item is not None:
-            item.wait()
-    pending.clear()
+class _Ring:
+    """One all-reduce's state: chunks cut into segments that move through the ring one by one.
+
+    Segments pipeline the ring: a rank forwards segment k of a chunk as soon as it
+    has reduced it, while segment k+1 is still on the wire, so a step costs about
+    max(transfer, reduce) instead of their sum. Receives are posted ``RECV_WINDOW``
+    segments ahead in exactly the order the left neighbour sends them.
+    """
+
+    def __init__(self, flat: torch.Tensor, transport: Transport, codec: Codec, error, segment_bytes: int):
+        self.transport, self.codec = transport, codec
+        n = dist.get_world_size(transport.group)
+        per_segment = max(1, segment_bytes // flat.element_size())
+        self.segments = [list(chunk.split(per_segment)) for chunk in flat.tensor_split(n)]
+        self.errors = None
+        if error is not None and codec.lossy:
+            self.errors = [list(chunk.split(per_segment)) for chunk in error.tensor_split(n)]
+        self.sends: list[Pending] = []
+
+    def run(self, n: int, rank: int) -> None:
+        left, right = (rank - 1) % n, (rank + 1) % n
+        # Reduce-scatter: transfer t sends chunk rank-t and receives chunk rank-t-1, which
+        # this rank adds its share to and sends on at t+1. Afterwards it owns chunk rank+1.
+        receives = self._receives(left, [(rank - t - 1) % n for t in range(n - 1)], in_place=False)
+        for k in range(len(self.segments[rank])):
+            self._send(self._encode(rank, k), right)
+        for t in range(n - 1):
+            index = (rank - t - 1) % n
+            for k, segment in enumerate(self.segments[index]):
+                segment.add_(self.codec.decode(next(receives), segment))
+                if t < n - 2:
+                    self._send(self._encode(index, k), right)
+        self._wait_sends()  # the chunks they read are overwritten below
+        # All-gather: the owner encodes each finished segment once; it is forwarded
+        # unchanged, so every rank decodes the same bytes. Uncompressed segments are
+        # received straight into place.
+        owned = (rank + 1) % n
+        in_place = not self.codec.lossy
+        receives = self._receives(left, [(rank - t) % n for t in range(n - 1)], in_place)
+        for k in range(len(self.segments[owned])):
+            self._send(self._encode(owned, k, final=True), right)
+        for t in range(n - 1):
+            for segment in self.segments[(rank - t) % n]:
+                payload = next(receives)
+                if t < n - 2:
+                    self._send(payload, right)
+                if not in_place:
+                    segment.copy_(self.codec.decode(payload, segment))
+        self._wait_sends()
+
+    def _receives(self, left: int, chunk_order: list[int], in_place: bool):
+        """Yield received payloads in order, keeping the next ``RECV_WINDOW`` receives posted."""
+        expected = [segment for index in chunk_order for segment in self.segments[index]]
+        posted: list[tuple[torch.Tensor, Pending]] = []
+        for position in range(len(expected)):
+            while len(posted) < RECV_WINDOW and position + len(posted) < len(expected):
+                segment = expected[position + len(posted)]
+                buffer = segment if in_place else self.codec.empty_payload(segment)
+                posted.append((buffer, self.transport.recv(buffer, left)))
+            buffer, pending = posted.pop(0)
+            pending.wait()
+            yield buffer
+
+    def _encode(self, index: int, k: int, final: bool = False) -> torch.Tensor:
+        segment = self.segments[index][k]
+        payload = self.codec.encode(segment)
+        if self.codec.lossy and (self.errors is not None or final):  # decoding costs as much as encoding
+            decoded = self.codec.decode(payload, segment)
+            if self.errors is not None:
+                self.errors[index][k].add_(segment - decoded)
+            if final:
+                segment.copy_(decoded)  # the owner keeps exactly what the others decode
+        return payload
+
+    def _send(self, payload: torch.Tensor, right: int) -> None:
+        self.sends.append(self.transport.send(payload, right))
+
+    def _wait_sends(self) -> None:
+        for pending in self.sends:
+            pending.wait()
+        self.sends.clear()

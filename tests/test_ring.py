@@ -1,5 +1,6 @@
 """The ring all-reduce against torch's all_reduce, and its compressed variants against their bounds."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from tests.ranks import run_ranks
 
 SIZES = [0, 1, 3, 7, 1000, 4099]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SEGMENT_BYTES = [1 << 20, 100]  # one segment per chunk, and many (pipelined) segments
 
 
 def _inputs(rank: int, numel: int, dtype: torch.dtype, integer: bool) -> torch.Tensor:
@@ -31,12 +33,12 @@ def compare_with_torch(world, transport_name: str = "torch"):
     """Mismatches between our ring and dist.all_reduce over sizes, dtypes, integer data and averaging."""
     transport = make_transport(transport_name, None)
     mismatches = []
-    for numel in SIZES:
+    for numel, segment_bytes in itertools.product(SIZES, SEGMENT_BYTES):
         for dtype in DTYPES:
             for integer in (True, False):
                 for average in (False, True):
                     x = _inputs(world.rank, numel, dtype, integer)
-                    ours = ring_allreduce(x.clone(), transport, average=average)
+                    ours = ring_allreduce(x.clone(), transport, average=average, segment_bytes=segment_bytes)
                     theirs = x.clone()
                     dist.all_reduce(theirs)
                     if average:
@@ -49,7 +51,7 @@ def compare_with_torch(world, transport_name: str = "torch"):
                         tolerance = world.size * torch.finfo(dtype).eps * magnitude + 1e-6
                         same = bool(torch.all((ours.float() - theirs.float()).abs() <= tolerance))
                     if not same:
-                        mismatches.append((numel, str(dtype), integer, average))
+                        mismatches.append((numel, segment_bytes, str(dtype), integer, average))
     return mismatches
 
 
@@ -62,7 +64,7 @@ def _compressed(world, name, numel):
     codec = make_codec(name)
     x = _inputs(world.rank, numel, torch.float32, integer=False) * 3
     error = torch.zeros_like(x)
-    result = ring_allreduce(x.clone(), TorchTransport(), codec=codec, error=error)
+    result = ring_allreduce(x.clone(), TorchTransport(), codec=codec, error=error, segment_bytes=1000)
     return x.numpy(), result.numpy(), error.numpy()
 
 
