@@ -1,7 +1,9 @@
 """All-reduce benchmark, nccl-tests style: our ring with each codec against torch's all_reduce.
 
 Every implementation is measured on the same ranks in the same run, so ratios
-hold on a noisy machine. Each iteration restores the input, synchronises the
+hold on a noisy machine. top-k and PowerSGD carry error feedback from one iteration
+to the next, as in training, so their error column is one step's error, large by
+design (the residual is sent later), not a bound. Each iteration restores the input, synchronises the
 ranks, and times one all-reduce; a row's time is the slowest rank's mean.
 busbw = algbw * 2(n-1)/n is the per-link bandwidth a ring needs, comparable
 across rank counts. Sizes are the uncompressed float32 bytes.
@@ -17,7 +19,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from parallel.compression import make_codec
+from parallel.compression import RING_CODECS, make_codec
+from parallel.reducers import make_reducer
 from parallel.ring import make_transport, ring_allreduce
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -86,18 +89,31 @@ def _bench_size(nbytes: int, codecs: Sequence[str], transports: dict, iters: int
     rows = [row("torch", dist.get_backend(), "none", _time_op(partial(dist.all_reduce, buffer), reset, iters, warmup))]
     for transport_name, transport in transports.items():
         for codec_name in codecs:
-            reduce = partial(ring_allreduce, buffer, transport, codec=make_codec(codec_name))
+            if codec_name in RING_CODECS:
+                reduce = partial(ring_allreduce, buffer, transport, codec=make_codec(codec_name))
+            else:  # top-k and PowerSGD see the buffer as a weight matrix, as they would a layer's gradient
+                reducer = make_reducer(codec_name)
+                matrix = buffer.view(_rows(numel), -1)
+                reduce = partial(reducer.reduce, "bench", [matrix], transport, False)
             rows.append(row("ring", transport_name, codec_name, _time_op(reduce, reset, iters, warmup)))
     return rows
 
 
+def _rows(numel: int) -> int:
+    """The largest power of two <= sqrt(numel) that divides it: a square-ish matrix."""
+    rows = 1
+    while rows * 2 <= numel // (rows * 2) and numel % (rows * 2) == 0:
+        rows *= 2
+    return rows
+
+
 def format_table(rows: Sequence[dict]) -> str:
-    header = (f"{'size':>8} {'ranks':>5} {'impl':>5} {'transport':>9} {'codec':>5} {'time(ms)':>10} "
+    header = (f"{'size':>8} {'ranks':>5} {'impl':>5} {'transport':>9} {'codec':>8} {'time(ms)':>10} "
               f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'max_rel_err':>11}")
     lines = [header]
     for r in rows:
         lines.append(
-            f"{human_size(r['bytes']):>8} {r['ranks']:>5} {r['impl']:>5} {r['transport']:>9} {r['codec']:>5} "
+            f"{human_size(r['bytes']):>8} {r['ranks']:>5} {r['impl']:>5} {r['transport']:>9} {r['codec']:>8} "
             f"{r['time_s'] * 1e3:>10.3f} {r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f} "
             f"{r['max_rel_error']:>11.2e}"
         )

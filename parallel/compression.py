@@ -15,6 +15,7 @@ step rather than lost (see ``ErrorFeedback``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +120,93 @@ class Int8Codec(Codec):
     def error_bound(self, chunk: torch.Tensor) -> torch.Tensor:
         half_step = self._scales(self._blocks(chunk)) / 2
         return half_step.repeat_interleave(self.block)[: chunk.numel()].view_as(chunk) * 1.0001
+
+
+class TopK:
+    """Keep the ``fraction`` of entries largest in magnitude; send (int32 index, value) pairs.
+
+    Sparse vectors with different supports cannot be summed hop by hop, so top-k
+    payloads are all-gathered (see ``parallel.reducers``). Wire ratio per rank: 2 *
+    fraction for float32 (index and value). Error: exactly the entries not sent,
+    each no larger in magnitude than the smallest entry sent.
+    """
+
+    name = "topk"
+    lossy = True
+
+    def __init__(self, fraction: float = 0.01):
+        if not 0 < fraction <= 1:
+            raise ValueError(f"top-k fraction must be in (0, 1], got {fraction}")
+        self.fraction = fraction
+
+    def k(self, numel: int) -> int:
+        return min(numel, max(1, math.ceil(self.fraction * numel)))
+
+    def wire_ratio(self, dtype: torch.dtype = torch.float32) -> float:
+        return self.fraction * (4 + dtype.itemsize) / dtype.itemsize
+
+    def encode(self, flat: torch.Tensor) -> torch.Tensor:
+        """One uint8 payload: k int32 indices, then k values in ``flat``'s dtype."""
+        indices = flat.abs().topk(self.k(flat.numel()), sorted=False).indices
+        values = flat[indices]
+        return torch.cat([indices.to(torch.int32).view(torch.uint8), values.view(torch.uint8)])
+
+    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        k = self.k(into.numel())
+        indices = payload[: 4 * k].view(torch.int32).long()
+        into.index_add_(0, indices, payload[4 * k :].view(into.dtype))
+        return into
+
+    def error_bound(self, flat: torch.Tensor) -> torch.Tensor:
+        kth_largest = flat.abs().topk(self.k(flat.numel())).values[-1]
+        return torch.full_like(flat, kth_largest.item())
+
+
+class PowerSGD:
+    """Rank-``rank`` approximation M ~ P Q^T by one power iteration per step, warm-started.
+
+    Vogels et al. 2019: P = M Q, orthonormalize P, Q = M^T P. Since P has orthonormal
+    columns, P Q^T = P P^T M is the projection of M onto span(P), so the error never
+    exceeds ||M||_F; error feedback returns it, and a warm start lets the power
+    iteration converge over steps. Wire ratio: rank * (rows + cols) / (rows * cols).
+    Tensors that are vectors, or too small to gain, are sent uncompressed.
+    """
+
+    name = "powersgd"
+    lossy = True
+
+    def __init__(self, rank: int = 4):
+        if rank < 1:
+            raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+        self.rank = rank
+
+    @staticmethod
+    def matrix(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.reshape(tensor.shape[0], -1)
+
+    def compresses(self, shape: torch.Size) -> bool:
+        if len(shape) < 2:
+            return False
+        rows, cols = shape[0], math.prod(shape[1:])
+        return self.rank * (rows + cols) < rows * cols
+
+    def wire_ratio_for(self, shape: torch.Size) -> float:
+        if not self.compresses(shape):
+            return 1.0
+        rows, cols = shape[0], math.prod(shape[1:])
+        return self.rank * (rows + cols) / (rows * cols)
+
+    def initial_q(self, shape: torch.Size, seed: int) -> torch.Tensor:
+        """The same Q on every rank: a seeded Gaussian, as the power iteration's start."""
+        cols = math.prod(shape[1:])
+        return torch.randn(cols, self.rank, generator=torch.Generator().manual_seed(seed))
+
+    @staticmethod
+    def orthonormalize(p: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.qr(p).Q
+
+    def error_bound(self, matrix: torch.Tensor) -> float:
+        return torch.linalg.matrix_norm(matrix).item()
 
 
 RING_CODECS = ("none", "fp16", "bf16", "int8")

@@ -41,6 +41,7 @@ def _rank_main(fn: Callable, rank: int, n: int, port: int, args: tuple, results:
         "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     }
+    os.environ.update(environ)  # as a launcher would: code that reads the environment sees this rank
     try:
         world = bootstrap.init("gloo", init_timeout_s=30, timeout_s=60, environ=environ)
         try:

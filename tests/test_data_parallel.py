@@ -60,14 +60,24 @@ def test_dp_shards_concatenate_to_the_global_batch() -> None:
     np.testing.assert_array_equal(np.concatenate([dp_shard(batch, r, 4) for r in range(4)]), batch)
 
 
+# Sparse and low-rank codecs start after 50 exact steps (torch's PowerSGD hook does the same).
+# top-k keeps 25% here: at 1% it trails (train loss 0.071 vs 0.039 after the demo's 300 steps)
+# because momentum SGD amplifies the delayed updates; see docs/BENCHMARKS.md.
+CODEC_SETTINGS = {
+    "none": {}, "fp16": {}, "bf16": {}, "int8": {},
+    "powersgd": {"compression_warmup_steps": 50},
+    "topk": {"compression_warmup_steps": 50, "topk_fraction": 0.25},
+}
+
+
 def _demo_with_each_codec(world, base):
     from jobs.train import train
 
     mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank)
     losses = {}
-    for codec in ("none", "fp16", "bf16", "int8"):
-        spec = spec_from_dict({**base, "parallel": {**base["parallel"], "compression": codec}})
-        losses[codec] = train(spec, world, mesh)[0].final_loss
+    for codec, settings in CODEC_SETTINGS.items():
+        spec = spec_from_dict({**base, "parallel": {**base["parallel"], "compression": codec, **settings}})
+        losses[codec] = train(spec, world, mesh)[0].train_loss
     return losses
 
 
@@ -79,7 +89,7 @@ def test_every_codec_reaches_the_uncompressed_loss_on_the_demo(tmp_path) -> None
 
     base = tomllib.loads(EXAMPLE.read_text())
     base["job"]["run_dir"] = str(tmp_path)
-    losses = run_ranks(4, _demo_with_each_codec, base, timeout=300)[0]
+    losses = run_ranks(4, _demo_with_each_codec, base, timeout=400)[0]
     assert losses["none"] < 0.1  # the demo actually learns
-    for codec in ("fp16", "bf16", "int8"):
+    for codec in CODEC_SETTINGS:
         assert losses[codec] == pytest.approx(losses["none"], rel=0.05), losses

@@ -1,0 +1,225 @@
+"""Horovod's DistributedOptimizer on our ring: fused gradient buckets reduced while backward runs.
+
+Each parameter gets a hook that fires once its gradient is accumulated. Parameters
+are packed, in reverse registration order (roughly the order backward produces
+their gradients), into buckets of at most ``bucket_bytes``; a bucket whose
+gradients are all ready is handed to one communication thread, so its reduction
+overlaps the rest of backward. Buckets are launched strictly in bucket order, the
+same on every rank, because ring messages are matched by order (Horovod negotiates
+the order through a coordinator; DDP fixes it the same way we do).
+
+The wrapper is a dynamic subclass of the wrapped optimizer's class sharing its
+state, as Horovod does, so ``isinstance``, ``param_groups`` and LR schedulers keep
+working. ``step()`` waits for the reductions first, unless inside
+``skip_synchronize()`` after an explicit ``synchronize()`` (for gradient clipping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from parallel.reducers import Reducer, make_reducer
+from parallel.ring import Transport
+
+DEFAULT_BUCKET_BYTES = 25 << 20
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list[torch.nn.Parameter]
+    ready: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"bucket{self.index}"
+
+
+@dataclass
+class CommStats:
+    """What the last synchronized step sent: for tests, metrics and the timeline."""
+
+    collectives: int = 0
+    bytes_sent: int = 0
+    launch_times: list[float] = field(default_factory=list)
+    reduce_seconds: float = 0.0
+
+
+def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[Bucket]:
+    """Greedy packing in the given order; a parameter larger than the threshold gets its own bucket."""
+    buckets: list[Bucket] = []
+    current: list[torch.nn.Parameter] = []
+    size = 0
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(Bucket(len(buckets), current))
+            current, size = [], 0
+        current.append(param)
+        size += nbytes
+    if current:
+        buckets.append(Bucket(len(buckets), current))
+    return buckets
+
+
+class DistributedOptimizerMixin:
+    """Placed before the wrapped optimizer's class in a dynamic subclass; see ``distributed_optimizer``."""
+
+    def _setup(
+        self,
+        params: list[torch.nn.Parameter],
+        transport: Transport,
+        reducer: Reducer,
+        bucket_bytes: int,
+        backward_passes_per_step: int,
+        average: bool,
+        overlap: bool,
+        warmup_steps: int,
+    ) -> None:
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        self.transport, self.reducer, self.average = transport, reducer, average
+        self.exact_reducer, self.warmup_steps, self.steps_synchronized = make_reducer("none"), warmup_steps, 0
+        self._alone = dist.get_world_size(transport.group) == 1
+        self.backward_passes_per_step = backward_passes_per_step
+        self.buckets = make_buckets(list(reversed(params)), bucket_bytes)
+        self._bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
+        self._passes = dict.fromkeys(params, 0)
+        self._next_launch = 0
+        self._futures: list[Future] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpc-dp-comm") if overlap else None
+        self._skip_sync = False
+        self.stats = CommStats()
+        self._pending_stats = CommStats()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+
+    def _grad_ready(self, param: torch.nn.Parameter) -> None:
+        self._passes[param] += 1
+        if self._passes[param] != self.backward_passes_per_step:
+            return
+        self._bucket_of[param].ready += 1
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.ready < len(bucket.params):
+                break
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._next_launch += 1
+        self._pending_stats.launch_times.append(time.perf_counter())
+        if self._executor is None:
+            self._reduce(bucket)
+        else:
+            self._futures.append(self._executor.submit(self._reduce, bucket))
+
+    def _reduce(self, bucket: Bucket) -> None:
+        if self._alone:  # nothing to exchange, and compressing would only lose information
+            return
+        started = time.perf_counter()
+        grads = []
+        for param in bucket.params:
+            if param.grad is None:  # unused on this step: reduce zeros so every rank sends the same bytes
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+        reducer = self.reducer if self.steps_synchronized >= self.warmup_steps else self.exact_reducer
+        sent = reducer.reduce(bucket.key, grads, self.transport, self.average)
+        self._pending_stats.collectives += 1
+        self._pending_stats.bytes_sent += sent
+        self._pending_stats.reduce_seconds += time.perf_counter() - started
+
+    def synchronize(self) -> None:
+        """Launch what backward left (unused parameters) and wait for every reduction."""
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+        futures, self._futures = self._futures, []
+        for future in futures:
+            future.result()
+        for bucket in self.buckets:
+            bucket.ready = 0
+        self._passes = dict.fromkeys(self._passes, 0)
+        self._next_launch = 0
+        self.steps_synchronized += 1
+        self.stats, self._pending_stats = self._pending_stats, CommStats()
+
+    def comm_state_dict(self) -> dict[str, torch.Tensor]:
+        """Per-rank state a resumed run needs: the reducer's residuals and warm starts, the step count."""
+        return {**self.reducer.state_dict(), "steps_synchronized": torch.tensor(self.steps_synchronized)}
+
+    def load_comm_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.steps_synchronized = int(state["steps_synchronized"])
+        self.reducer.load_state_dict({k: v for k, v in state.items() if k != "steps_synchronized"})
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """For ``step()`` after an explicit ``synchronize()`` (e.g. to clip the reduced gradients)."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    def step(self, closure=None):
+        if not self._skip_sync:
+            self.synchronize()
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._futures or any(self._passes.values()):
+            raise RuntimeError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(); with backward_passes_per_step > 1 call step() after the last pass"
+            )
+        super().zero_grad(set_to_none=set_to_none)
+
+    def close(self) -> None:
+        """Remove the hooks and stop the communication thread."""
+        for hook in self._hooks:
+            hook.remove()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+
+def distributed_optimizer(
+    optimizer: torch.optim.Optimizer,
+    transport: Transport,
+    *,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    reducer: Reducer | str = "none",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    backward_passes_per_step: int = 1,
+    average: bool = True,
+    overlap: bool = True,
+    warmup_steps: int = 0,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so its gradients are reduced over ``transport``'s group (the DP group).
+
+    ``warmup_steps`` reduce exactly before compression starts: early gradients change
+    fastest and compression errors there cost the most (torch's PowerSGD hook does the
+    same with ``start_powerSGD_iter``; Deep Gradient Compression ramps its sparsity).
+    """
+    if named_parameters is not None:
+        params = [p for _, p in named_parameters if p.requires_grad]
+    else:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    base = type(optimizer)
+    cls = type(base.__name__, (DistributedOptimizerMixin, base), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks
+    wrapped._setup(
+        params,
+        transport,
+        make_reducer(reducer) if isinstance(reducer, str) else reducer,
+        bucket_bytes,
+        backward_passes_per_step,
+        average,
+        overlap,
+        warmup_steps,
+    )
+    return wrapped

@@ -1,0 +1,145 @@
+"""``parallel.horovod`` against Horovod's documented semantics, and a Horovod script under both launchers."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hpc import launch
+from tests.ranks import run_ranks
+
+ROOT = Path(__file__).parents[1]
+EXAMPLE = ROOT / "jobs" / "examples" / "horovod_digits.py"
+
+
+def _collectives(world):
+    from parallel import horovod as hvd
+
+    hvd.init()  # already joined by the test helper: must be harmless
+    r, n = hvd.rank(), hvd.size()
+    out = {"rank": r, "size": n, "local": (hvd.local_rank(), hvd.local_size())}
+    out["cross"] = (hvd.cross_rank(), hvd.cross_size())
+    x = torch.full((3,), float(r + 1))
+    avg = hvd.allreduce(x)
+    out["average_is_new_tensor"] = avg is not x and torch.equal(x, torch.full((3,), float(r + 1)))
+    out["average"] = avg.tolist()
+    out["sum"] = hvd.allreduce(x, op=hvd.Sum).tolist()
+    out["min_max_prod"] = [hvd.allreduce(x, op=op)[0].item() for op in (hvd.Min, hvd.Max, hvd.Product)]
+    out["scaled"] = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5).tolist()
+    out["legacy_average_false"] = hvd.allreduce(x, average=False).tolist()
+    y = x.clone()
+    returned = hvd.allreduce_(y, op=hvd.Sum)
+    out["in_place"] = returned is y and y.tolist() == out["sum"]
+    handle = hvd.allreduce_async(x, op=hvd.Sum)
+    out["async"] = hvd.synchronize(handle).tolist()
+    out["polled"] = hvd.poll(handle)
+    out["grouped"] = [t.tolist() for t in hvd.grouped_allreduce([x, 2 * x], op=hvd.Sum)]
+    out["fp16"] = hvd.allreduce(x, compression=hvd.Compression.fp16).dtype == torch.float32
+    # allreduce is differentiable: d(sum of average)/dx = 1 on every rank (average of ones)
+    leaf = x.clone().requires_grad_()
+    hvd.allreduce(leaf).sum().backward()
+    out["allreduce_grad"] = leaf.grad.tolist()
+    # allgather: first dimensions differ between ranks
+    rows = torch.full((r + 1, 2), float(r), requires_grad=True)
+    gathered = hvd.allgather(rows)
+    out["allgather"] = gathered[:, 0].tolist()
+    (gathered * (torch.arange(gathered.shape[0]).float()[:, None] + 1)).sum().backward()
+    out["allgather_grad"] = rows.grad[:, 0].tolist()
+    out["broadcast"] = hvd.broadcast(torch.tensor([float(r)]), root_rank=1).tolist()
+    b = torch.tensor([float(r)])
+    hvd.broadcast_(b, root_rank=n - 1)
+    out["broadcast_"] = b.tolist()
+    # alltoall with splits: rank r sends i+1 rows holding r to rank i
+    send = torch.cat([torch.full((i + 1,), float(r)) for i in range(n)])
+    received, splits = hvd.alltoall(send, splits=torch.tensor([i + 1 for i in range(n)]))
+    out["alltoall"] = (received.tolist(), splits.tolist())
+    out["reducescatter"] = hvd.reducescatter(torch.arange(2 * n + 1, dtype=torch.float32), op=hvd.Sum).tolist()
+    out["object"] = hvd.broadcast_object({"from": r}, root_rank=0)
+    out["objects"] = hvd.allgather_object(r * 10)
+    out["join"] = hvd.join()
+    hvd.barrier()
+    out["built"] = (hvd.gloo_built(), hvd.mpi_built(), isinstance(hvd.nccl_built(), bool))
+    return out
+
+
+def test_collectives_follow_horovod_semantics() -> None:
+    n = 3
+    results = run_ranks(n, _collectives)
+    total = sum(range(1, n + 1))
+    for r, out in enumerate(results):
+        assert out["rank"] == r and out["size"] == n
+        assert out["local"] == (r, n) and out["cross"] == (0, 1)
+        assert out["average_is_new_tensor"]
+        assert out["average"] == [total / n] * 3
+        assert out["sum"] == [total] * 3 == out["async"] == out["legacy_average_false"] == out["scaled"]
+        assert out["min_max_prod"] == [1.0, float(n), 6.0]
+        assert out["in_place"] and out["polled"] and out["fp16"]
+        assert out["grouped"] == [[total] * 3, [2 * total] * 3]
+        assert out["allreduce_grad"] == [1.0, 1.0, 1.0]
+        assert out["allgather"] == [0.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+        # gradient of sum(row_index+1 * row) summed over n ranks, this rank's rows
+        start = sum(range(1, r + 1))
+        assert out["allgather_grad"] == [float(n * (start + i + 1)) for i in range(r + 1)]
+        assert out["broadcast"] == [1.0] and out["broadcast_"] == [float(n - 1)]
+        received, splits = out["alltoall"]
+        assert splits == [r + 1] * n and received == [float(i) for i in range(n) for _ in range(r + 1)]
+        # 7 rows over 3 ranks: 3, 2, 2 (the first ranks get the extra row)
+        bounds = [(0, 3), (3, 5), (5, 7)][r]
+        assert out["reducescatter"] == [n * float(v) for v in range(*bounds)]
+        assert out["object"] == {"from": 0} and out["objects"] == [0, 10, 20]
+        assert 0 <= out["join"] < n and out["join"] == results[0]["join"]
+        assert out["built"] == (True, True, True)
+
+
+def _optimizer_state(world):
+    from parallel import horovod as hvd
+
+    torch.manual_seed(world.rank)  # different weights and state on every rank before the broadcasts
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    if world.rank == 0:
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    state = optimizer.state_dict()["state"]
+    return (
+        {k: v.numpy() for k, v in model.state_dict().items()},
+        {k: {name: t.numpy() for name, t in v.items()} for k, v in state.items()},
+    )
+
+
+def test_broadcast_parameters_and_optimizer_state_from_root() -> None:
+    results = run_ranks(2, _optimizer_state)
+    (params0, state0), (params1, state1) = results
+    for name in params0:
+        np.testing.assert_array_equal(params0[name], params1[name])
+    assert state0 and state0.keys() == state1.keys()
+    for key in state0:
+        for name in state0[key]:
+            np.testing.assert_array_equal(state0[key][name], state1[key][name])
+
+
+def _accuracies(output: str) -> list[float]:
+    return [float(a) for a in re.findall(r"Accuracy: ([0-9.]+)%", output)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["local", "mpirun"])
+def test_horovod_example_runs_under_both_launchers(launcher) -> None:
+    if launcher == "mpirun" and not launch.has_open_mpi():
+        pytest.skip("Open MPI is not installed")
+    command = [sys.executable, "-m", "hpc.cli.main", "run", "-n", "4", "--launcher", launcher, str(EXAMPLE),
+               "--epochs", "4"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    accuracies = _accuracies(done.stdout)
+    assert len(accuracies) == 4, done.stdout[-2000:]  # rank 0 reports once per epoch
+    assert accuracies[-1] > 70.0  # it learns: 10 classes, chance is 10%
+
