@@ -1,0 +1,163 @@
+"""A small byte-level GPT, written as plain single-device code.
+
+Parallelism is applied from outside: ``jobs.parallelize.parallelize_tp`` swaps the
+linears and the embedding for tensor-parallel ones, and a pipeline cuts
+``[model.embedding, *model.blocks, model.head]`` into stages. Two choices make that
+possible without touching this file:
+
+- the fused QKV projection lays its outputs out head by head (``[head, q|k|v,
+  head_dim]``, as Megatron does), so a contiguous split of its rows is a split by
+  heads, and attention infers how many heads it holds from the tensor it gets;
+- dropout only acts on full-width activations (embedding output and the residual
+  branches), which every TP rank holds whole, so the same seed drops the same units
+  under every tensor-parallel layout.
+
+Weights are drawn from a private generator seeded by the caller (GPT-2's scheme:
+N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers)), so a seed means
+the same model wherever and however it is built.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from hpc.config import ModelConfig
+
+INIT_STD = 0.02
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.head_dim = d_model // n_heads
+        # Outputs ordered [head, q|k|v, head_dim]. No bias: a key bias shifts every score of a
+        # query by the same amount, so softmax ignores it and its gradient is rounding noise
+        # that Adam would blow up into updates.
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, _ = x.shape
+        qkv = self.qkv(x).view(batch, time, -1, 3, self.head_dim)  # -1: the heads this module holds
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [batch, heads, time, head_dim]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_attention = nn.LayerNorm(d_model)
+        self.attention = CausalSelfAttention(d_model, n_heads)
+        self.ln_mlp = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.ln_attention(x)))
+        return x + self.dropout(self.mlp(self.ln_mlp(x)))
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embeddings: the first pipeline stage's own layer."""
+
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, dropout: float) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, d_model)
+        self.positions = nn.Embedding(seq_len, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        seq_len = self.positions.num_embeddings
+        if ids.shape[-1] > seq_len:
+            raise ValueError(f"sequence of {ids.shape[-1]} tokens is longer than seq_len={seq_len}")
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        return self.dropout(self.tokens(ids) + self.positions(positions))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the (untied) projection to the vocabulary: the last pipeline stage's layer."""
+
+    def __init__(self, d_model: int, vocab_size: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model)
+        self.linear = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.ln(x))
+
+
+class GPT(nn.Module):
+    def __init__(
+        self, vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int, dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        self.vocab_size, self.d_model, self.n_heads, self.n_layers = vocab_size, d_model, n_heads, n_layers
+        self.embedding = Embedding(vocab_size, seq_len, d_model, dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.head = Head(d_model, vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[batch, time, vocab]`` (a vocabulary slice once the head is tensor-parallel)."""
+        x = self.embedding(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def init_weights(self, seed: int) -> None:
+        """Draw every weight from ``seed`` alone; call it on the full model, before any split."""
+        generator = torch.Generator().manual_seed(seed)
+        residual_std = INIT_STD / math.sqrt(2 * self.n_layers)
+        with torch.no_grad():
+            for name, module in self.named_modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    std = residual_std if name.endswith("proj") else INIT_STD
+                    module.weight.normal_(0.0, std, generator=generator)
+                    if getattr(module, "bias", None) is not None:
+                        module.bias.zero_()
+                elif isinstance(module, nn.LayerNorm):
+                    module.reset_parameters()
+
+
+def build_gpt(model_cfg: ModelConfig, seed: int) -> GPT:
+    model = GPT(
+        vocab_size=model_cfg.vocab_size,
+        seq_len=model_cfg.seq_len,
+        d_model=model_cfg.d_model,
+        n_heads=model_cfg.n_heads,
+        n_layers=model_cfg.n_layers,
+        dropout=model_cfg.dropout,
+    )
+    model.init_weights(seed)
+    return model
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:
+    """Mean next-byte cross-entropy; with ``tp_group`` the logits are that group's vocabulary slices."""
+    if tp_group is None:
+        return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+    return vocab_parallel_cross_entropy(logits, targets, tp_group).mean()

@@ -1,0 +1,224 @@
+"""Tensor parallelism: layers whose weights are split across the ranks of a TP group.
+
+Follows Megatron-Core's ``tensor_parallel``: a column-parallel linear splits its
+outputs, a row-parallel linear splits its inputs and sums the partial products, so
+column then row costs one all-reduce forward and one backward. The collectives are
+tiny autograd Functions rather than ``torch.distributed.nn.functional``: those have
+no "identity forward, all-reduce backward" pair, and each Function here states in
+its docstring what it does each way. The TP process group is always an argument.
+
+Every layer is built from the full single-device module (``from_full``) by taking
+this rank's slice, so the same seed gives the same weights under every layout.
+Vocabulary-split logits never get gathered: ``vocab_parallel_cross_entropy``
+reduces only the row max, the sum of exponentials and the target logit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hpc.errors import LayoutError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+class _CopyToTP(torch.autograd.Function):
+    """forward: identity; backward: all-reduce (sum) of the gradient over the TP group.
+
+    Marks where a replicated activation enters a split computation: each rank's
+    gradient covers only its shard, the input's gradient is their sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """forward: all-reduce (sum) over the TP group; backward: identity.
+
+    Joins partial results (row-parallel products, embedding lookups) into the
+    replicated activation; every rank then holds the same gradient for it.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum into a fresh contiguous copy: autograd may share ``x`` with other nodes."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """forward: identity; backward: all-reduce over ``group``."""
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """forward: all-reduce over ``group``; backward: identity."""
+    return _ReduceFromTP.apply(x, group)
+
+
+def _shard(full: torch.Tensor, dim: int, group: ProcessGroup, what: str) -> nn.Parameter:
+    """This rank's contiguous slice of ``full`` along ``dim``, as a fresh parameter."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if full.shape[dim] % size:
+        raise LayoutError(f"{what}: {full.shape[dim]} is not divisible by parallel.tp={size}")
+    chunk = full.shape[dim] // size
+    return nn.Parameter(full.detach().narrow(dim, rank * chunk, chunk).clone())
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the output features split across ranks; the output stays split."""
+
+    partition_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup) -> None:
+        super().__init__()
+        self.weight, self.bias, self.group = weight, bias, group
+
+    @classmethod
+    def from_full(cls, linear: nn.Linear, group: ProcessGroup) -> ColumnParallelLinear:
+        what = f"Linear({linear.in_features}, {linear.out_features}) output features"
+        bias = None if linear.bias is None else _shard(linear.bias, 0, group, what)
+        return cls(_shard(linear.weight, 0, group, what), bias, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the input features split across ranks; the output is replicated.
+
+    Takes the split input a column-parallel layer produces; the bias is added once,
+    after the sum, so it stays whole on every rank.
+    """
+
+    partition_dims: ClassVar[dict[str, int]] = {"weight": 1}
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup) -> None:
+        super().__init__()
+        self.weight, self.bias, self.group = weight, bias, group
+
+    @classmethod
+    def from_full(cls, linear: nn.Linear, group: ProcessGroup) -> RowParallelLinear:
+        what = f"Linear({linear.in_features}, {linear.out_features}) input features"
+        bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        return cls(_shard(linear.weight, 1, group, what), bias, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose rows (the vocabulary) are split; ids outside this rank's range look up zeros."""
+
+    partition_dims: ClassVar[dict[str, int]] = {"weight": 0}
+
+    def __init__(self, weight: nn.Parameter, group: ProcessGroup) -> None:
+        super().__init__()
+        self.weight, self.group = weight, group
+        self.vocab_start = dist.get_rank(group) * weight.shape[0]
+
+    @classmethod
+    def from_full(cls, embedding: nn.Embedding, group: ProcessGroup) -> VocabParallelEmbedding:
+        what = f"Embedding({embedding.num_embeddings}, {embedding.embedding_dim}) vocabulary"
+        return cls(_shard(embedding.weight, 0, group, what), group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """forward: per-token cross-entropy from vocabulary-split logits, with three all-reduces of
+    one number per token (max, sum of exponentials, target logit); backward: no communication,
+    ``softmax - one_hot(target)`` on this rank's vocabulary slice.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        local_vocab = logits.shape[-1]
+        vocab_start = dist.get_rank(group) * local_vocab
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(-1)
+
+        local_targets = targets - vocab_start
+        outside = (local_targets < 0) | (local_targets >= local_vocab)
+        local_targets = local_targets.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        dist.all_reduce(target_logit, group=group)
+
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_targets, outside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        softmax, local_targets, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_targets.unsqueeze(-1), -hit.unsqueeze(-1))
+        return grad.mul_(grad_loss.unsqueeze(-1)), None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, targets: torch.Tensor, group: ProcessGroup
+) -> torch.Tensor:
+    """Per-token cross-entropy (``reduction="none"``) from logits split over the vocabulary.
+
+    ``logits_shard[..., v]`` is the logit of token ``rank * V_local + v``, as a
+    ``ColumnParallelLinear`` head produces; ``targets`` holds full-vocabulary ids.
+    """
+    return _VocabParallelCrossEntropy.apply(logits_shard, targets, group)
+
+
+def full_state_dict(model: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
+    """The single-device state dict of a TP model: split parameters are all-gathered (collective).
+
+    Keys match the model before ``from_full`` swapped its layers, so a TP model can
+    be compared with, or saved as, its single-device twin.
+    """
+    split_dims = {
+        f"{prefix}.{name}" if prefix else name: dim
+        for prefix, module in model.named_modules()
+        for name, dim in getattr(module, "partition_dims", {}).items()
+        if getattr(module, name) is not None
+    }
+    size = dist.get_world_size(group)
+    state = {}
+    for key, value in model.state_dict().items():
+        if key in split_dims:
+            parts = [torch.empty_like(value) for _ in range(size)]
+            dist.all_gather(parts, value.contiguous(), group=group)
+            state[key] = torch.cat(parts, dim=split_dims[key])
+        else:
+            state[key] = value.detach().clone()
+    return state

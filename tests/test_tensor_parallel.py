@@ -1,0 +1,242 @@
+"""Tensor parallelism must compute what the single-device layers and model compute.
+
+Each rank builds the full layer from a seed, runs it locally as the reference, then
+runs its TP shard of the same layer on the same input; outputs and the gradients of
+inputs and weights are compared slice by slice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpc.config import spec_from_dict
+from hpc.mesh import MeshShape, build_mesh
+from tests.ranks import run_ranks
+
+TINY_GPT = {"kind": "gpt", "n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16}
+BATCH = 8
+STEPS = 10
+LR = {"adam": 3e-3, "sgd": 0.3}
+# Adam divides each gradient by its own running RMS, so where a gradient is small its
+# rounding error (summation order differs between layouts) becomes an absolute update
+# error; pure DP shows 6e-7 here. Stay under a thousandth of one Adam step: a real
+# mistake (a missing all-reduce, a wrong shard) is off by whole steps.
+PARAM_ATOL = {"adam": 1e-3 * LR["adam"], "sgd": 1e-6}
+
+
+def _tp_group(world, tp: int):
+    return build_mesh(MeshShape(dp=world.size // tp, tp=tp, pp=1), world.rank).group("tp")
+
+
+def _own_slice(tensor, dim: int, group):
+    import torch.distributed as dist
+
+    return tensor.detach().chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
+
+
+def _pairs(**named):
+    """(actual, expected) tensors as numpy, for assertions in the test process."""
+    return {name: (a.detach().numpy().copy(), e.detach().numpy().copy()) for name, (a, e) in named.items()}
+
+
+def _assert_pairs(per_rank: list[dict]) -> None:
+    for rank, pairs in enumerate(per_rank):
+        for name, (actual, expected) in pairs.items():
+            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}: {name}")
+
+
+def _column_linear(world, tp):
+    import torch
+
+    from parallel.tensor_parallel import ColumnParallelLinear
+
+    group = _tp_group(world, tp)
+    torch.manual_seed(0)
+    full = torch.nn.Linear(12, 8)
+    x = torch.randn(3, 5, 12, requires_grad=True)
+    upstream = torch.randn(3, 5, 8)
+    reference = full(x)
+    (reference * upstream).sum().backward()
+
+    layer = ColumnParallelLinear.from_full(full, group)
+    x_tp = x.detach().clone().requires_grad_()
+    y = layer(x_tp)
+    (y * _own_slice(upstream, -1, group)).sum().backward()
+    return _pairs(
+        output=(y, _own_slice(reference, -1, group)),
+        input_grad=(x_tp.grad, x.grad),
+        weight_grad=(layer.weight.grad, _own_slice(full.weight.grad, 0, group)),
+        bias_grad=(layer.bias.grad, _own_slice(full.bias.grad, 0, group)),
+    )
+
+
+def _row_linear(world, tp):
+    import torch
+
+    from parallel.tensor_parallel import RowParallelLinear
+
+    group = _tp_group(world, tp)
+    torch.manual_seed(0)
+    full = torch.nn.Linear(12, 8)
+    x = torch.randn(3, 5, 12, requires_grad=True)
+    upstream = torch.randn(3, 5, 8)
+    reference = full(x)
+    (reference * upstream).sum().backward()
+
+    layer = RowParallelLinear.from_full(full, group)
+    x_tp = _own_slice(x, -1, group).clone().requires_grad_()
+    y = layer(x_tp)
+    (y * upstream).sum().backward()
+    return _pairs(
+        output=(y, reference),
+        input_grad=(x_tp.grad, _own_slice(x.grad, -1, group)),
+        weight_grad=(layer.weight.grad, _own_slice(full.weight.grad, 1, group)),
+        bias_grad=(layer.bias.grad, full.bias.grad),
+    )
+
+
+def _vocab_embedding(world, tp):
+    import torch
+
+    from parallel.tensor_parallel import VocabParallelEmbedding
+
+    group = _tp_group(world, tp)
+    torch.manual_seed(0)
+    full = torch.nn.Embedding(16, 6)
+    ids = torch.cat([torch.randperm(16), torch.randint(0, 16, (19,))]).view(5, 7)  # every id, some twice
+    upstream = torch.randn(5, 7, 6)
+    reference = full(ids)
+    (reference * upstream).sum().backward()
+
+    layer = VocabParallelEmbedding.from_full(full, group)
+    y = layer(ids)
+    (y * upstream).sum().backward()
+    return _pairs(output=(y, reference), weight_grad=(layer.weight.grad, _own_slice(full.weight.grad, 0, group)))
+
+
+def _vocab_cross_entropy(world, tp):
+    import torch
+    import torch.nn.functional as F
+
+    from parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    group = _tp_group(world, tp)
+    torch.manual_seed(0)
+    # Logits in the hundreds: exp() overflows float32 unless the row max is taken out first.
+    logits = (torch.randn(6, 5, 16) * 50).requires_grad_()
+    targets = torch.randint(0, 16, (6, 5))
+    weights = torch.rand(6, 5)
+    reference = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(6, 5)
+    (reference * weights).sum().backward()
+
+    shard = _own_slice(logits, -1, group).clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(shard, targets, group)
+    (loss * weights).sum().backward()
+    return _pairs(loss=(loss, reference), logits_grad=(shard.grad, _own_slice(logits.grad, -1, group)))
+
+
+@pytest.mark.parametrize("layer", [_column_linear, _row_linear, _vocab_embedding, _vocab_cross_entropy])
+def test_layer_matches_the_single_device_layer(layer) -> None:
+    """tp=2 here; the tp=4 GPT run below covers every layer at tp=4."""
+    _assert_pairs(run_ranks(2, layer, 2))
+
+
+def _train_gpt(world, dp, tp, model_overrides, optimizer, seed=5):
+    """STEPS training steps of the tiny GPT on the licenses text; the losses and the full parameters."""
+    import torch
+    import torch.distributed as dist
+
+    from jobs.datasets import byte_windows, dp_shard, load_licenses, window_starts
+    from jobs.gpt import build_gpt, lm_loss
+    from jobs.parallelize import parallelize_tp
+    from parallel.tensor_parallel import full_state_dict
+
+    cfg = spec_from_dict({"model": {**TINY_GPT, **model_overrides}}).model
+    mesh = build_mesh(MeshShape(dp=dp, tp=tp, pp=1), world.rank)
+    tp_group = mesh.group("tp") if tp > 1 else None
+    torch.manual_seed(seed)  # dropout masks
+    model = build_gpt(cfg, seed)
+    initial = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    if tp_group is not None:
+        parallelize_tp(model, tp_group)
+    opt = (
+        torch.optim.Adam(model.parameters(), lr=LR["adam"])
+        if optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), lr=LR["sgd"], momentum=0.9)
+    )
+    corpus = load_licenses()
+    losses = []
+    for step in range(STEPS):
+        starts = window_starts(len(corpus.train), BATCH, cfg.seq_len, seed, step)
+        inputs, targets = byte_windows(corpus.train, dp_shard(starts, mesh.index("dp"), dp), cfg.seq_len)
+        loss = lm_loss(model(inputs), targets, tp_group)
+        opt.zero_grad()
+        loss.backward()
+        mean_loss = loss.detach().clone()
+        if dp > 1:  # plain DP averaging; the compressed ring is wired in by the training loop
+            for param in model.parameters():
+                dist.all_reduce(param.grad, group=mesh.group("dp"))
+                param.grad /= dp
+            dist.all_reduce(mean_loss, group=mesh.group("dp"))
+        opt.step()
+        losses.append(mean_loss.item() / dp)
+    state = full_state_dict(model, tp_group) if tp_group is not None else model.state_dict()
+    return losses, {k: v.numpy().copy() for k, v in state.items()}, initial
+
+
+@pytest.mark.parametrize(
+    ("dp", "tp", "model_overrides", "optimizer"),
+    [
+        (1, 2, {}, "adam"),
+        (2, 2, {}, "adam"),
+        (1, 4, {}, "sgd"),
+        (1, 2, {"dropout": 0.1}, "sgd"),
+    ],
+    ids=["dp1-tp2-adam", "dp2-tp2-adam", "dp1-tp4-sgd", "dp1-tp2-dropout-sgd"],
+)
+def test_gpt_trains_exactly_like_the_single_device_gpt(dp, tp, model_overrides, optimizer) -> None:
+    ((ref_losses, ref_state, initial),) = run_ranks(1, _train_gpt, 1, 1, model_overrides, optimizer)
+    assert ref_losses[-1] < ref_losses[0]  # it does learn
+    per_rank = run_ranks(dp * tp, _train_gpt, dp, tp, model_overrides, optimizer)
+    for rank, (losses, state, rank_initial) in enumerate(per_rank):
+        assert losses == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+        assert state.keys() == ref_state.keys()
+        for name, value in ref_state.items():
+            np.testing.assert_array_equal(rank_initial[name], initial[name])
+            np.testing.assert_allclose(
+                state[name], value, rtol=1e-5, atol=PARAM_ATOL[optimizer], err_msg=f"rank {rank}: {name}"
+            )
+            assert not np.array_equal(value, initial[name]), f"{name} did not train"
+
+
+def _layout_errors(world):
+    import torch
+
+    from hpc.errors import LayoutError
+    from jobs.gpt import GPT
+    from jobs.parallelize import parallelize_tp
+    from parallel.tensor_parallel import ColumnParallelLinear
+
+    group = _tp_group(world, 2)
+    messages = []
+    for build in (
+        lambda: parallelize_tp(GPT(vocab_size=256, seq_len=8, d_model=24, n_heads=3, n_layers=1), group),
+        lambda: parallelize_tp(GPT(vocab_size=255, seq_len=8, d_model=16, n_heads=2, n_layers=1), group),
+        lambda: ColumnParallelLinear.from_full(torch.nn.Linear(4, 5), group),
+    ):
+        try:
+            build()
+        except LayoutError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_a_model_tp_does_not_divide_is_a_layout_error() -> None:
+    for messages in run_ranks(2, _layout_errors):
+        assert messages == [
+            "model.n_heads=3 is not divisible by parallel.tp=2 (attention is split by heads)",
+            "the vocabulary of 255 tokens is not divisible by parallel.tp=2 "
+            "(the embedding and the LM head are split by vocabulary)",
+            "Linear(4, 5) output features: 5 is not divisible by parallel.tp=2",
+        ]
