@@ -1,0 +1,191 @@
+"""Run one rank's share of a pipeline schedule (``parallel.schedule``) with real messages.
+
+Each rank holds v chunk modules; chunk k runs global stage k*p + rank. Forward keeps,
+per microbatch and stage, the stage input (made a leaf that requires grad, so backward
+leaves its gradient in ``.grad`` to send upstream) and the output; backward calls
+``torch.autograd.backward(output, grad)``. The last stage turns its output into
+``loss_fn(output, target) / m``, so the gradients accumulated over the m microbatches
+equal the full-batch gradient of a mean loss: the caller zeroes grads before the step
+and runs its optimizer after it.
+
+Every tensor crossing a stage boundary has the same ``activation_shape`` and dtype, given
+per call (true of stacks of equal blocks, which is what we cut into stages), so a
+receive allocates its buffer without a shape exchange. Messages travel as Gloo
+isend/irecv on the explicit pipeline group, tagged by the message they carry; each
+receive is posted as soon as the one before it completed (one message of look-ahead),
+and sends are awaited at the end of the step. We drive torch.distributed point-to-point
+ourselves instead of torch.distributed.pipelining so that the schedule executed is
+exactly the inspectable, simulated one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from hpc.errors import LayoutError
+from parallel.schedule import Action, Message, stage_bounds
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float | None  # mean loss over the microbatches on the rank of the last stage; None on the others
+    forward_s: float  # time inside forward compute (loss included)
+    backward_s: float  # time inside backward compute
+    wall_s: float  # from the call until every send of this rank completed
+    peak_activation_bytes: int  # most bytes held for backward at once (see _forward_keeping)
+
+
+def split_into_stages(layers: Sequence[nn.Module], p: int, v: int = 1) -> list[list[nn.Sequential]]:
+    """Cut the blocks into p*v contiguous chunks; ``result[rank][k]`` is chunk k*p + rank (Megatron's order)."""
+    chunks = [nn.Sequential(*layers[start:stop]) for start, stop in stage_bounds(len(layers), p, v)]
+    return [chunks[rank::p] for rank in range(p)]
+
+
+def message_tag(message: Message, num_stages: int) -> int:
+    """A tag unique to the message within a step, so receives never depend on arrival order."""
+    return (message.microbatch * num_stages + message.stage) * 2 + (message.direction == "B")
+
+
+def run_pipeline_step(
+    actions: Sequence[Action],
+    chunks: Sequence[nn.Module],
+    group: ProcessGroup,
+    *,
+    activation_shape: Sequence[int],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inputs: Sequence[torch.Tensor] | None = None,
+    targets: Sequence[torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> StepStats:
+    """Run this rank's actions once: forward and backward of every microbatch, grads accumulated.
+
+    ``inputs`` (one tensor per microbatch) are needed on rank 0, ``targets`` on the rank of
+    the last stage (p-1). The group's size is the number of pipeline ranks. The loss comes
+    back on the last stage's rank only, None elsewhere: sharing it costs a collective that
+    only the caller knows whether it needs.
+    """
+    step = _Step(actions, chunks, group, tuple(activation_shape), loss_fn, inputs, targets,
+                 dtype or torch.float32, device)
+    return step.run()
+
+
+class _Step:
+    """One rank during one step: messages posted and in hand, activations kept for backward."""
+
+    def __init__(self, actions, chunks, group, activation_shape, loss_fn, inputs, targets, dtype, device) -> None:
+        self.actions, self.chunks, self.group = actions, chunks, group
+        self.activation_shape, self.loss_fn, self.inputs, self.targets = activation_shape, loss_fn, inputs, targets
+        self.dtype, self.device = dtype, device
+        self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.num_stages = self.p * len(chunks)
+        self.m = 1 + max(action.microbatch for action in actions)
+        self.upcoming = iter([action for action in actions if action.kind in ("RECV_F", "RECV_B")])
+        self.posted: dict[Message, tuple] = {}  # message -> (buffer, pending irecv)
+        self.inbox: dict[Message, torch.Tensor] = {}  # received or handed over, not yet consumed
+        self.outbox: dict[Message, torch.Tensor] = {}  # computed, not yet sent
+        self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, stage) -> (input, output, bytes kept)
+        self.sends, self.losses = [], []
+        self.held = self.peak = 0
+        self.forward_s = self.backward_s = 0.0
+
+    def run(self) -> StepStats:
+        started = time.perf_counter()
+        self._post_next_receive()
+        handlers = {"RECV_F": self._receive, "RECV_B": self._receive, "SEND_F": self._send, "SEND_B": self._send,
+                    "F": self._forward, "B": self._backward}
+        for action in self.actions:
+            handlers[action.kind](action)
+        for pending in self.sends:
+            pending.wait()
+        loss = float(sum(self.losses)) if self.losses else None
+        return StepStats(loss, self.forward_s, self.backward_s, time.perf_counter() - started, self.peak)
+
+    def _post_next_receive(self) -> None:
+        """Post the schedule's next receive now, so its message lands while this rank computes."""
+        action = next(self.upcoming, None)
+        if action is not None:
+            buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+            tag = message_tag(action.message, self.num_stages)
+            self.posted[action.message] = buffer, dist.irecv(buffer, group=self.group, group_src=action.peer, tag=tag)
+
+    def _receive(self, action: Action) -> None:
+        buffer, pending = self.posted.pop(action.message)
+        pending.wait()
+        self.inbox[action.message] = buffer
+        self._post_next_receive()
+
+    def _send(self, action: Action) -> None:
+        tensor = self.outbox.pop(action.message)
+        tag = message_tag(action.message, self.num_stages)
+        self.sends.append(dist.isend(tensor, group=self.group, group_dst=action.peer, tag=tag))
+
+    def _deliver(self, message: Message, tensor: torch.Tensor) -> None:
+        """Output of a compute: to the network, or straight to the next stage when it is ours (p == 1)."""
+        (self.inbox if self.p == 1 else self.outbox)[message] = tensor
+
+    def _forward(self, action: Action) -> None:
+        tick = time.perf_counter()
+        mb, stage = action.microbatch, action.stage
+        x = self.inputs[mb] if stage == 0 else self.inbox.pop(Message("F", mb, stage)).requires_grad_()
+        chunk = self.chunks[stage // self.p]
+        external = [*chunk.parameters(), *([x] if stage == 0 else [])]
+        if stage == self.num_stages - 1:
+            target = self.targets[mb]
+            external.append(target)
+            out, nbytes = _forward_keeping(lambda t: self.loss_fn(chunk(t), target) / self.m, x, external)
+            self.losses.append(out.detach())
+        else:
+            out, nbytes = _forward_keeping(chunk, x, external)
+            if tuple(out.shape) != self.activation_shape or out.dtype != self.dtype:
+                raise LayoutError(
+                    f"stage {stage} produced {tuple(out.shape)} {out.dtype}, but activation_shape is "
+                    f"{self.activation_shape} {self.dtype}", rank=self.rank, microbatch=mb,
+                )
+            self._deliver(Message("F", mb, stage + 1), out.detach().contiguous())
+        self.stash[mb, stage] = (x, out, nbytes)
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+        self.forward_s += time.perf_counter() - tick
+
+    def _backward(self, action: Action) -> None:
+        tick = time.perf_counter()
+        mb, stage = action.microbatch, action.stage
+        x, out, nbytes = self.stash.pop((mb, stage))
+        grad = None if stage == self.num_stages - 1 else self.inbox.pop(Message("B", mb, stage))
+        torch.autograd.backward(out, grad)
+        self.held -= nbytes
+        if stage > 0:
+            self._deliver(Message("B", mb, stage - 1), x.grad)
+        self.backward_s += time.perf_counter() - tick
+
+
+def _forward_keeping(
+    fn: Callable, x: torch.Tensor, external: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, int]:
+    """``fn(x)`` and the bytes of activations this microbatch keeps alive until its backward:
+    every tensor autograd saves, plus input and output, each counted once; ``external`` ones
+    (parameters, the caller's inputs and targets) are left out, as they exist whatever the schedule."""
+    skip = {tensor.data_ptr() for tensor in external}
+    kept: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> None:
+        if tensor.data_ptr() not in skip:
+            kept[tensor.data_ptr()] = max(kept.get(tensor.data_ptr(), 0), tensor.nbytes)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        keep(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = fn(x)
+    keep(x)
+    keep(out)
+    return out, sum(kept.values())
