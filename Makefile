@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 RANKS ?= 4
 DEMO ?= jobs/examples/mlp.toml
-DEBS := openmpi-bin libopenmpi-dev hdf5-tools slurm-wlm munge iproute2
+DEBS := openmpi-bin libopenmpi-dev hdf5-tools slurm-wlm munge iproute2 mariadb-server slurmdbd
 STAMPS := .stamps
 
 # Open MPI refuses root and oversubscription unless told; one thread per rank on 2 cores.
@@ -14,7 +14,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 export OMP_NUM_THREADS := 1
 
-.PHONY: install debs run test lint bench
+.PHONY: install debs run test lint bench slurm-up slurm-up-2nodes slurm-down
 
 install: debs $(STAMPS)/pip
 
@@ -41,4 +41,15 @@ lint: install
 
 # Writes nothing by itself: docs/BENCHMARKS.md records the commands and their output.
 bench: install
-	hpc bench allreduce -n $(RANKS) --sizes 1K,64K,1M,16M,64M
+	hpc bench allreduce -n $(RANKS) --sizes 1K,64K,1M,16M,64M,256M
+
+# A real local Slurm (slurm/cluster.py, state in /tmp/hpc-slurm); point clients at it with
+# eval $$($(PYTHON) -m slurm.cluster env). slurm-up-2nodes: two network-namespace nodes.
+slurm-up: install
+	$(PYTHON) -m slurm.cluster start
+
+slurm-up-2nodes: install
+	$(PYTHON) -m slurm.cluster start --nodes 2
+
+slurm-down:
+	$(PYTHON) -m slurm.cluster stop

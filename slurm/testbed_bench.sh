@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# All-reduce benchmark on a bandwidth-limited testbed: for each host count, N virtual hosts
+# (network namespaces, slurm/netns.py) whose links are shaped to RATE in both directions,
+# one rank per host started torchrun-style, rank 0 of host 0 as the rendezvous. Prints the
+# rows of `hpc bench allreduce` and removes every namespace it made, also on failure or ^C.
+# Traffic only ever uses the testbed's own addresses (SUBNET.0/24).
+#
+#   slurm/testbed_bench.sh [HOSTS...]          default: 2 4
+#   RATE=1gbit SIZES=64M CODECS=none,fp16,int8 ITERS=3 SUBNET=10.77.2 PREFIX=hpcbench
+set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+RATE=${RATE:-1gbit}
+SIZES=${SIZES:-64M}
+CODECS=${CODECS:-none,fp16,int8}
+ITERS=${ITERS:-3}
+SUBNET=${SUBNET:-10.77.2}
+PREFIX=${PREFIX:-hpcbench}
+MASTER_PORT=${MASTER_PORT:-29500}
+HOSTS=("$@")
+[[ $# -gt 0 ]] || HOSTS=(2 4)
+
+netns() { "$PYTHON" -m slurm.netns --prefix "$PREFIX" "$@"; }
+scratch=$(mktemp -d /tmp/hpc-testbed-XXXXXX)
+ranks=()
+cleanup() {
+    for pid in "${ranks[@]}"; do kill "$pid" 2>/dev/null || true; done
+    netns destroy >/dev/null
+    rm -rf "$scratch"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+for n in "${HOSTS[@]}"; do
+    netns create "$n" --rate "$RATE" --subnet "$SUBNET"
+    rows="$scratch/rows-$n.json"
+    ranks=()
+    for ((i = 0; i < n; i++)); do
+        # One rank per host, each host a node; exec sets GLOO_SOCKET_IFNAME to the host's interface.
+        RANK=$i WORLD_SIZE=$n LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=$i GROUP_WORLD_SIZE=$n \
+            MASTER_ADDR="$SUBNET.1" MASTER_PORT=$MASTER_PORT OMP_NUM_THREADS=1 \
+            "$PYTHON" -m slurm.netns --prefix "$PREFIX" exec "$i" -- "$PYTHON" -m hpc.cli.bench --rank "$rows" allreduce \
+            --sizes "$SIZES" --codecs "$CODECS" --transports torch --iters "$ITERS" &
+        ranks+=($!)
+    done
+    for pid in "${ranks[@]}"; do wait "$pid"; done
+    ranks=()
+    "$PYTHON" - "$rows" "$n" "$RATE" <<'EOF'
+import json, sys
+from parallel.bench import format_table
+from slurm.netns import rate_bits
+rows, hosts, rate = sys.argv[1:]
+print(f"{hosts} hosts, every link {rate} in both directions: an uncompressed ring's busbw is at most "
+      f"{rate_bits(rate) / 8e9:.3f} GB/s")
+print(format_table(json.load(open(rows))))
+EOF
+    netns destroy >/dev/null
+done

@@ -1,0 +1,58 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    """A running local cluster: pass ``env`` to every Slurm command.
+
+    On the 2-node cluster each node has a private /tmp: a job can write only under ``state``
+    (and outside /tmp) for the test to read it back.
+    """
+
+    state: Path
+    env: dict[str, str]
+    nodes: tuple[str, ...]
+
+
+def _local_cluster(nodes: int) -> Iterator[SlurmCluster]:
+    from slurm import cluster
+
+    reason = cluster.unavailable()
+    if reason:
+        pytest.skip(reason)
+    # Not under pytest's tmp_path: munged and mariadbd run as their own users and must reach it.
+    state = Path(tempfile.mkdtemp(prefix=f"hpc-slurm-{nodes}n-", dir="/tmp"))
+    started: list[cluster.Daemon] = []
+    try:
+        cluster.start(state, nodes=nodes)
+        record = cluster.read_record(state)
+        started = cluster.daemons(record)
+        yield SlurmCluster(state, {**os.environ, **cluster.client_env(state)}, tuple(record["node_names"]))
+    finally:
+        cluster.stop(state)
+        shutil.rmtree(state, ignore_errors=True)
+    survivors = [d.name for d in started if d.alive()]
+    assert not survivors, f"still running after stop: {survivors}"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """munged, MariaDB, slurmdbd, slurmctld and one slurmd (8 CPUs) on this machine, for the whole session."""
+    yield from _local_cluster(1)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster_2nodes() -> Iterator[SlurmCluster]:
+    """The same with two nodes, each a network namespace with its own hostname, /etc/hosts and /tmp."""
+    yield from _local_cluster(2)
