@@ -145,9 +145,29 @@ class TopK:
     def wire_ratio(self, dtype: torch.dtype = torch.float32) -> float:
         return self.fraction * (4 + dtype.itemsize) / dtype.itemsize
 
+    def top_indices(self, flat: torch.Tensor) -> torch.Tensor:
+        """Exactly the indices torch.topk would pick, found faster on large tensors.
+
+        A strided sample estimates a threshold a little below the k-th largest
+        magnitude; one pass keeps the candidates above it, and topk runs on those
+        only (Deep Gradient Compression's sampling, made exact). If the estimate
+        was too high the exact topk over everything runs instead.
+        """
+        magnitude = flat.abs()
+        n, k = flat.numel(), self.k(flat.numel())
+        if n < 1 << 16 or 8 * k > n:
+            return magnitude.topk(k, sorted=False).indices
+        stride = max(1, n // max(8192, 200 * n // k))
+        sample = magnitude[::stride]
+        threshold = sample.topk(max(1, math.ceil(1.5 * k * sample.numel() / n)), sorted=False).values.min()
+        candidates = (magnitude >= threshold).nonzero().squeeze(1)
+        if candidates.numel() < k:
+            return magnitude.topk(k, sorted=False).indices
+        return candidates[magnitude[candidates].topk(k, sorted=False).indices]
+
     def encode(self, flat: torch.Tensor) -> torch.Tensor:
         """One uint8 payload: k int32 indices, then k values in ``flat``'s dtype."""
-        indices = flat.abs().topk(self.k(flat.numel()), sorted=False).indices
+        indices = self.top_indices(flat)
         values = flat[indices]
         return torch.cat([indices.to(torch.int32).view(torch.uint8), values.view(torch.uint8)])
 

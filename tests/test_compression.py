@@ -64,3 +64,19 @@ def test_error_feedback_adds_the_residual_back() -> None:
 def test_unknown_codec() -> None:
     with pytest.raises(ValueError, match="unknown ring codec 'int4'"):
         make_codec("int4")
+
+
+@settings(max_examples=20, deadline=None)
+@given(numel=st.integers(1, 300_000), fraction=st.sampled_from([0.001, 0.01, 0.1]), seed=st.integers(0, 100))
+def test_topk_selection_is_exact(numel, fraction, seed) -> None:
+    """The sampled fast path picks the same set of magnitudes as torch.topk."""
+    from parallel.compression import TopK
+
+    generator = torch.Generator().manual_seed(seed)
+    flat = torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) ** 4
+    codec = TopK(fraction)
+    picked = flat.abs()[codec.top_indices(flat)].sort().values
+    expected = flat.abs().topk(codec.k(numel)).values.sort().values
+    assert torch.equal(picked, expected)
+    decoded = codec.add_decoded(codec.encode(flat), torch.zeros_like(flat))
+    assert torch.all((decoded - flat).abs() <= codec.error_bound(flat))
