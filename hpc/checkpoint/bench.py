@@ -1,0 +1,201 @@
+"""``hpc bench checkpoint``: one training state saved and loaded by each implementation, in one run.
+
+- ``hdf5``: this package, synchronous; ``hdf5-async``: the training loop waits only
+  for the copy to host memory (``stall_s``), ``time_s`` runs until the step is committed;
+- ``torch.save``: rank 0 writes the full state dict (what data-parallel jobs do), every
+  rank ``torch.load``s it (``weights_only``);
+- ``dcp``: ``torch.distributed.checkpoint``, which also writes replicated tensors once;
+- ``disk``: every rank writes its share of the bytes in 16 MiB blocks, with the same
+  early writeback as our shards, then reads all of them back: the file system's
+  sequential rate through the page cache, the physical limit of that path.
+
+The state is replicated on every rank (data parallelism): parameters plus Adam's two
+moments, random float32. Every save is fsynced before its clock stops (DCP fsyncs by
+itself), so no row is timed against the page cache; loads read what was just written,
+through the page cache, alike for all. Files are deleted and ``sync``ed between
+measurements, untimed. Rounds interleave the implementations so that a noisy machine
+hurts them alike; a time is the slowest rank's, a row the median round after one
+warm-up round. MBps is the state's bytes over the time (each rank loads all of it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpc.checkpoint.load import load_into, open_checkpoint
+from hpc.checkpoint.pieces import Piece
+from hpc.checkpoint.save import Checkpointer, writeback_while_writing
+
+IMPLS = ("hdf5", "hdf5-async", "torch.save", "dcp", "disk")
+COLUMNS = ("impl", "op", "bytes", "ranks", "time_s", "MBps", "stall_s", "of_disk")
+BLOCK = 16 << 20
+WIDTH = 1024
+
+
+def training_state(nbytes: int, tensors: int = 8) -> dict[str, torch.Tensor]:
+    """``tensors`` weight matrices and their Adam moments, ``nbytes`` in all."""
+    rows = max(1, -(-nbytes // (3 * tensors * WIDTH * 4)))
+    generator = torch.Generator().manual_seed(0)
+    state = {}
+    for i in range(tensors):
+        for name in (f"model/layer{i}.weight", f"optim/layer{i}.weight/exp_avg", f"optim/layer{i}.weight/exp_avg_sq"):
+            state[name] = torch.randn(rows, WIDTH, generator=generator)
+    return state
+
+
+def _slowest(seconds: float, group: dist.ProcessGroup) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return value.item()
+
+
+def _timed(fn: Callable[[], object], group: dist.ProcessGroup) -> float:
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    fn()
+    return _slowest(time.perf_counter() - start, group)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Bench:
+    """Each implementation's save and load of ``state``; HDF5 savers persist, as in a training job."""
+
+    def __init__(self, root: Path, state: dict[str, torch.Tensor], group: dist.ProcessGroup) -> None:
+        self.root, self.state, self.group = root, state, group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.into = {name: torch.empty_like(t) for name, t in state.items()}
+        self.savers = {mode: Checkpointer(root / mode, group, keep=1, async_save=mode == "hdf5-async")
+                       for mode in ("hdf5", "hdf5-async")}
+
+    def run(self, impl: str, step: int) -> tuple[float, float, float]:
+        """(save seconds, stall seconds, load seconds), then the files are removed."""
+        if impl in self.savers:
+            measured = self.hdf5(self.savers[impl], step)
+        else:
+            save, load = {"torch.save": self.torch_save, "dcp": self.dcp, "disk": self.disk}[impl]()
+            measured = (save, save, load)
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            for child in self.root.iterdir():
+                shutil.rmtree(child / f"step-{step:08d}" if child.name in self.savers else child, ignore_errors=True)
+            os.sync()  # with `-o discard` the freed blocks are trimmed at the next journal commit: not in a timed one
+        dist.barrier(group=self.group)
+        return measured
+
+    def hdf5(self, saver: Checkpointer, step: int) -> tuple[float, float, float]:
+        pieces = [Piece.whole(name, t) for name, t in self.state.items()]
+        stalls = []
+
+        def save() -> None:
+            started = time.perf_counter()
+            saver.save(step, pieces)
+            stalls.append(time.perf_counter() - started)
+            saver.finalize()
+
+        elapsed = _timed(save, self.group)
+        stall = _slowest(stalls[0], self.group)
+        step_dir = saver.root / f"step-{step:08d}"
+
+        def load() -> None:
+            load_into(open_checkpoint(step_dir), [Piece.whole(n, t) for n, t in self.into.items()])
+
+        return elapsed, stall, _timed(load, self.group)
+
+    def torch_save(self) -> tuple[float, float]:
+        path = self.root / "torch" / "state.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+        def save() -> None:
+            if self.rank == 0:
+                torch.save(self.state, path)
+                _fsync(path)
+
+        elapsed = _timed(save, self.group)
+        return elapsed, _timed(lambda: torch.load(path, weights_only=True), self.group)
+
+    def dcp(self) -> tuple[float, float]:
+        import torch.distributed.checkpoint as dcp
+
+        path = self.root / "dcp"
+        elapsed = _timed(lambda: dcp.save(self.state, checkpoint_id=path, process_group=self.group), self.group)
+        return elapsed, _timed(lambda: dcp.load(self.into, checkpoint_id=path, process_group=self.group), self.group)
+
+    def disk(self) -> tuple[float, float]:
+        nbytes = sum(t.numel() * t.element_size() for t in self.state.values())
+        share = -(-nbytes // self.size)
+        block = memoryview(os.urandom(BLOCK))
+        paths = [self.root / "disk" / f"rank-{r}.bin" for r in range(self.size)]
+        paths[0].parent.mkdir(parents=True, exist_ok=True)
+
+        def save() -> None:
+            fd = os.open(paths[self.rank], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                with writeback_while_writing(paths[self.rank]):
+                    for offset in range(0, share, BLOCK):
+                        os.write(fd, block[: min(BLOCK, share - offset)])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        def load() -> None:
+            buffer = bytearray(BLOCK)
+            for path in paths:
+                with open(path, "rb", buffering=0) as handle:
+                    while handle.readinto(buffer):
+                        pass
+
+        elapsed = _timed(save, self.group)
+        return elapsed, _timed(load, self.group)
+
+
+def bench_checkpoint(directory: Path, nbytes: int, iters: int, group: dist.ProcessGroup) -> list[dict]:
+    """Rows of ``COLUMNS``, the same on every rank; ``directory`` is this run's alone."""
+    state = training_state(nbytes)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    bench = _Bench(directory, state, group)
+    samples: dict[tuple[str, str], list[tuple[float, float | None]]] = {}
+    for step in range(iters + 1):  # step 0 warms up (and allocates the async host buffers)
+        for impl in IMPLS:
+            save, stall, load = bench.run(impl, step)
+            if step:
+                samples.setdefault((impl, "save"), []).append((save, stall))
+                samples.setdefault((impl, "load"), []).append((load, None))
+    return _rows(samples, total, dist.get_world_size(group))
+
+
+def _rows(samples: dict[tuple[str, str], list[tuple[float, float | None]]], nbytes: int, ranks: int) -> list[dict]:
+    rows = []
+    for (impl, op), runs in samples.items():
+        seconds = statistics.median(t for t, _ in runs)
+        stalls = [s for _, s in runs if s is not None]
+        rows.append({"impl": impl, "op": op, "bytes": nbytes, "ranks": ranks, "time_s": seconds,
+                     "MBps": nbytes / seconds / 1e6, "stall_s": statistics.median(stalls) if stalls else None})
+    disk = {row["op"]: row["MBps"] for row in rows if row["impl"] == "disk"}
+    for row in rows:
+        row["of_disk"] = row["MBps"] / disk[row["op"]]
+    return sorted(rows, key=lambda r: (r["op"] != "save", IMPLS.index(r["impl"])))
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'impl':>11} {'op':>5} {'bytes':>12} {'ranks':>5} {'time(s)':>9} {'MB/s':>9} {'stall(s)':>9} "
+             f"{'of disk':>8}"]
+    for r in rows:
+        stall = "-" if r["stall_s"] is None else f"{r['stall_s']:.3f}"
+        lines.append(f"{r['impl']:>11} {r['op']:>5} {r['bytes']:>12} {r['ranks']:>5} {r['time_s']:>9.3f} "
+                     f"{r['MBps']:>9.0f} {stall:>9} {r['of_disk']:>7.2f}x")
+    return "\n".join(lines)

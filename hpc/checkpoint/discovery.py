@@ -1,0 +1,130 @@
+"""Finding checkpoints in a directory, the ``latest`` pointer, and retention.
+
+The truth is the directory listing: a checkpoint is a ``step-XXXXXXXX`` directory
+holding a ``COMPLETE`` marker. Saves write into ``step-XXXXXXXX.tmp-<token>`` and
+rename only once complete, so a crash at any moment leaves the previous checkpoint
+as the newest complete one; ``latest`` is a convenience for people and tools,
+updated last, and never trusted over the listing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.checkpoint.format import (
+    COMPLETE,
+    LATEST,
+    RETIRED_DIR,
+    STEP_DIR,
+    TMP_DIR,
+    CheckpointError,
+    fsync_path,
+    step_dir_name,
+)
+
+
+@dataclass(frozen=True)
+class Entry:
+    step: int
+    path: Path
+    complete: bool  # False: a save in progress or one that never finished (a .tmp directory)
+
+
+def list_checkpoints(root: str | Path) -> list[Entry]:
+    """Every step directory and unfinished save under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    entries = []
+    for child in root.iterdir():
+        done, unfinished = STEP_DIR.fullmatch(child.name), TMP_DIR.fullmatch(child.name)
+        if done and child.is_dir():
+            entries.append(Entry(int(done[1]), child, (child / COMPLETE).is_file()))
+        elif unfinished and child.is_dir():
+            entries.append(Entry(int(unfinished[1]), child, False))
+    return sorted(entries, key=lambda e: (e.step, e.complete, e.path.name))
+
+
+def find_latest(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None."""
+    complete = [e for e in list_checkpoints(root) if e.complete]
+    return complete[-1].path if complete else None
+
+
+def resolve_resume(resume: str, root: str | Path) -> Path | None:
+    """``checkpoint.resume``: 'never', 'auto' (newest complete under ``root``, if any), or a path.
+
+    A path may name a step directory or a directory of checkpoints (its newest one is
+    taken); either way it must exist and be complete, since the user asked for it.
+    """
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return find_latest(root)
+    path = Path(resume)
+    if STEP_DIR.fullmatch(path.name) and path.is_dir():
+        if not (path / COMPLETE).is_file():
+            raise CheckpointError(f"checkpoint.resume={resume}: that checkpoint is incomplete (no {COMPLETE} marker)")
+        return path
+    latest = find_latest(path)
+    if latest is None:
+        raise CheckpointError(f"checkpoint.resume={resume}: no complete checkpoint there")
+    return latest
+
+
+def read_latest(root: str | Path) -> str | None:
+    try:
+        return (Path(root) / LATEST).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def write_latest(root: Path, step_dir: Path) -> None:
+    """Point ``latest`` at ``step_dir`` atomically: write a temporary file, then rename it over."""
+    temporary = root / f".{LATEST}.tmp-{os.getpid()}"
+    temporary.write_text(step_dir.name + "\n")
+    os.replace(temporary, root / LATEST)
+    fsync_path(root)
+
+
+def publish(tmp_dir: Path, step: int) -> tuple[Path, list[Path]]:
+    """Rename a finished save into place; returns it and what it replaced, retired, for deletion."""
+    final = tmp_dir.parent / step_dir_name(step)
+    replaced = [_retire(final)] if final.exists() else []
+    os.rename(tmp_dir, final)
+    fsync_path(final.parent)
+    return final, replaced
+
+
+def retire_old(root: Path, keep: int, current: Path) -> list[Path]:
+    """Beyond the ``keep`` newest complete checkpoints (``current`` always stays), retire the rest.
+
+    Retiring is a rename out of the ``step-XXXXXXXX`` namespace, so deleting can happen
+    later, in the background, and a crash half-way through never leaves a checkpoint
+    that looks complete but lacks files. Call only after ``current`` is published: by
+    then no save of this job is in flight, so every ``.tmp`` directory left was
+    abandoned by a crash. Returns every directory to delete.
+    """
+    entries = list_checkpoints(root)
+    complete = [e.path for e in entries if e.complete]
+    doomed = [_retire(path) for path in complete[:-keep] if path != current]
+    abandoned = [e.path for e in entries if TMP_DIR.fullmatch(e.path.name)]
+    leftovers = [child for child in root.iterdir() if RETIRED_DIR.fullmatch(child.name)]
+    if doomed:
+        fsync_path(root)
+    return doomed + abandoned + [p for p in leftovers if p not in doomed]
+
+
+def _retire(path: Path) -> Path:
+    retired = path.with_name(f"{path.name}.retired-{uuid.uuid4().hex}")
+    os.rename(path, retired)
+    return retired
+
+
+def delete(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)

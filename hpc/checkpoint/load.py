@@ -1,0 +1,158 @@
+"""Loading: each rank reads exactly the blocks its own layout needs, from whichever shards hold them.
+
+A rank asks for pieces (name, offsets, shape) of the global tensors, in any layout;
+every stored piece that overlaps is read as a hyperslab straight into the
+destination tensor, so a change of dp, tp, pp or world size costs no extra copy and
+reads only the chunks that overlap. Reads go to the shard datasets rather than
+through the index's virtual datasets: a missing VDS source reads silently as fill
+values, and a direct read names the file and dataset that fail. Completeness is
+checked before anything is read: the marker, and every shard at its recorded size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from hpc.checkpoint.format import (
+    COMPLETE,
+    RANK_STATE,
+    CheckpointError,
+    CheckpointIndex,
+    first_line,
+    read_index,
+    shard_name,
+    storage_offsets,
+    storage_shape,
+)
+from hpc.checkpoint.pieces import Piece
+
+
+def open_checkpoint(step_dir: str | Path) -> CheckpointIndex:
+    """The index of a checkpoint that is complete: marker present, every shard there at full size."""
+    index = read_index(step_dir)
+    if not (index.path / COMPLETE).is_file():
+        raise CheckpointError(f"{index.path} is incomplete: no {COMPLETE} marker", file=str(index.path / COMPLETE))
+    for shard in index.shards.values():
+        path = index.path / shard.file
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing", file=str(path))
+        size = path.stat().st_size
+        if size != shard.size:
+            lost = sorted(name for name, (_, end) in shard.extents.items() if end > size)
+            raise CheckpointError(
+                f"{path} is truncated ({size} of {shard.size} bytes); datasets cut off: "
+                f"{', '.join(lost) or 'none, only HDF5 metadata'}",
+                file=str(path),
+            )
+    return index
+
+
+@contextmanager
+def open_shards(index: CheckpointIndex) -> Iterator[dict[str, h5py.File]]:
+    """Shard files opened on first use and closed together."""
+    files: dict[str, h5py.File] = {}
+    try:
+        yield files
+    finally:
+        for handle in files.values():
+            handle.close()
+
+
+def _dataset(index: CheckpointIndex, files: dict[str, h5py.File], file: str, dataset: str) -> h5py.Dataset:
+    path = index.path / file
+    try:
+        if file not in files:
+            files[file] = h5py.File(path, "r")
+        return files[file][dataset]
+    except (OSError, KeyError) as exc:
+        raise CheckpointError(f"cannot open {dataset} in {path}: {first_line(exc)}", file=str(path),
+                              dataset=dataset) from exc
+
+
+def _read(dataset: h5py.Dataset, out: np.ndarray, source: tuple[slice, ...] | None = None,
+          dest: tuple[slice, ...] | None = None) -> None:
+    try:
+        dataset.read_direct(out, source_sel=source, dest_sel=dest)
+    except OSError as exc:
+        file = dataset.file.filename
+        raise CheckpointError(f"cannot read {dataset.name.lstrip('/')} from {file}: {first_line(exc)}",
+                              file=file, dataset=dataset.name.lstrip("/")) from exc
+
+
+def load_into(index: CheckpointIndex, pieces: Sequence[Piece]) -> None:
+    """Fill each piece's tensor, in place, with its block of the checkpointed global tensor."""
+    with open_shards(index) as files:
+        for piece in pieces:
+            _load_piece(index, files, piece)
+
+
+def _load_piece(index: CheckpointIndex, files: dict[str, h5py.File], piece: Piece) -> None:
+    record = index.tensors.get(piece.name)
+    if record is None:
+        raise CheckpointError(f"{index.path} has no tensor {piece.name}", dataset=piece.name)
+    meta = piece.meta()
+    if (meta.dtype, meta.global_shape) != (record.dtype, record.shape):
+        raise CheckpointError(
+            f"{piece.name} is {record.dtype}{list(record.shape)} in the checkpoint, "
+            f"but the piece asks for {meta.dtype}{list(meta.global_shape)}",
+            dataset=piece.name,
+        )
+    out, copy_back = _destination(piece.tensor)
+    want_at, want = storage_offsets(meta.offsets), storage_shape(meta.shape)
+    covered = 0
+    for stored in record.pieces:
+        have_at, have = storage_offsets(stored.offsets), storage_shape(stored.shape)
+        low = [max(a, b) for a, b in zip(want_at, have_at, strict=True)]
+        high = [min(a + n, b + m) for a, n, b, m in zip(want_at, want, have_at, have, strict=True)]
+        if any(lo >= hi for lo, hi in zip(low, high, strict=True)):
+            continue
+        source = tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, have_at, strict=True))
+        dest = tuple(slice(lo - a, hi - a) for lo, hi, a in zip(low, high, want_at, strict=True))
+        _read(_dataset(index, files, stored.file, record.dataset), out, source, dest)
+        covered += math.prod(hi - lo for lo, hi in zip(low, high, strict=True))
+    if covered != math.prod(want) and math.prod(meta.shape):
+        raise CheckpointError(f"the stored pieces of {piece.name} do not cover the block at {meta.offsets}",
+                              dataset=piece.name)
+    if copy_back is not None:
+        copy_back()
+
+
+def _destination(tensor: torch.Tensor) -> tuple[np.ndarray, Callable[[], object] | None]:
+    """A numpy array to read into: the tensor's own memory when possible, else a buffer copied back."""
+    target = tensor.detach()
+    if target.dtype == torch.bfloat16:
+        target = target.view(torch.uint16)
+    if target.device.type == "cpu" and target.is_contiguous():
+        return target.numpy().reshape(storage_shape(tuple(target.shape))), None
+    buffer = torch.empty(target.shape, dtype=target.dtype)
+    return buffer.numpy().reshape(storage_shape(tuple(target.shape))), lambda: target.copy_(buffer)
+
+
+def read_tensor(index: CheckpointIndex, name: str) -> torch.Tensor:
+    """A whole global tensor, assembled from its pieces."""
+    record = index.tensors.get(name)
+    if record is None:
+        raise CheckpointError(f"{index.path} has no tensor {name}", dataset=name)
+    tensor = torch.empty(record.shape, dtype=getattr(torch, record.dtype))
+    load_into(index, [Piece.whole(name, tensor)])
+    return tensor
+
+
+def load_rank_state(index: CheckpointIndex, rank: int) -> dict[str, torch.Tensor]:
+    """What ``rank`` saved as its own state; empty when the checkpoint had no such rank."""
+    state = {}
+    with open_shards(index) as files:
+        for path in index.rank_state_datasets(rank):
+            dataset = _dataset(index, files, shard_name(rank), path)
+            dtype = dataset.attrs["dtype"]
+            tensor = torch.empty(tuple(int(n) for n in dataset.attrs["shape"]), dtype=getattr(torch, dtype))
+            _read(dataset, _destination(tensor)[0])
+            state[path.removeprefix(f"{RANK_STATE}/")] = tensor
+    return state

@@ -1,0 +1,338 @@
+"""Saving: every rank writes its own shard in parallel; rank 0 commits the step atomically.
+
+Protocol for one step (all ranks, then rank 0 alone):
+
+1. metadata exchange (the only collective): every rank's piece list and rank 0's
+   random token go through ``all_gather_object`` on the group the caller passes;
+   every rank then computes the same write plan (``pieces.plan_writes``);
+2. each rank writes ``rank-XXXXX.h5`` into ``step-XXXXXXXX.tmp-<token>/``, fsyncs it,
+   and announces it with ``rank-XXXXX.done`` (a JSON manifest: size and the byte
+   range of every dataset), or ``rank-XXXXX.failed`` with the error;
+3. rank 0 waits for every rank's ``.done`` file, writes ``index.h5``, fsyncs it,
+   writes ``COMPLETE``, fsyncs the directory, renames it to ``step-XXXXXXXX``,
+   fsyncs the parent, then points ``latest`` at it and retires the checkpoints
+   beyond ``keep`` (renamed at once, deleted in the background).
+
+The "all ranks have written" barrier is made of files rather than a collective on
+purpose: in asynchronous mode steps 2-3 run on a background thread while training
+keeps using the same process group, and torch.distributed does not allow two
+threads to issue collectives on one group concurrently. Only step 1 runs in the
+caller; after it the background thread touches nothing but the file system.
+
+Asynchronous mode copies this rank's share of the pieces into host buffers kept
+between saves (the training loop waits only for that copy), writes in the
+background, keeps at most one save in flight, and raises a failed save's error at
+the next ``save`` or at ``finalize``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpc.checkpoint.discovery import delete, publish, retire_old, write_latest
+from hpc.checkpoint.format import (
+    COMPLETE,
+    FORMAT,
+    INDEX,
+    LIBVER,
+    RANK_STATE,
+    RESERVED_ATTRS,
+    TENSORS,
+    CheckpointError,
+    ShardRecord,
+    check_name,
+    create_checksummed,
+    data_extent,
+    done_name,
+    failed_name,
+    first_line,
+    fsync_path,
+    shard_name,
+    storage_shape,
+    tmp_dir_name,
+    write_index,
+    write_json,
+)
+from hpc.checkpoint.pieces import Piece, PieceMeta, SavePlan, dtype_name, plan_writes
+
+WRITEBACK_INTERVAL_S = 0.02
+
+
+@dataclass(frozen=True)
+class _Array:
+    """One dataset to write: its path in the shard, its bytes (a numpy view of a tensor), its attributes."""
+
+    path: str
+    data: np.ndarray
+    attrs: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class _SaveJob:
+    root: Path
+    tmp: Path
+    step: int
+    rank: int
+    world_size: int
+    arrays: tuple[_Array, ...]
+    plan: SavePlan
+    attrs: Mapping[str, Any]
+    created_unix: float
+    keep: int
+    commit_timeout_s: float
+
+
+class Checkpointer:
+    """Saves steps of a job into ``root``; every rank of ``group`` must call ``save`` for each step."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        group: dist.ProcessGroup,
+        *,
+        keep: int = 3,
+        async_save: bool = False,
+        commit_timeout_s: float = 300.0,
+    ) -> None:
+        if keep < 1:
+            raise CheckpointError(f"keep must be at least 1, got {keep}")
+        self.root = Path(root)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.keep = keep
+        self.async_save = async_save
+        self.commit_timeout_s = commit_timeout_s
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._deleter: threading.Thread | None = None
+        self._outcome: tuple[int, Path | None, BaseException | None] | None = None
+        self._last: Path | None = None
+
+    def save(
+        self,
+        step: int,
+        pieces: Sequence[Piece],
+        rank_state: Mapping[str, torch.Tensor] | None = None,
+        attrs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Checkpoint ``step``: this rank's pieces, its private ``rank_state``, and index ``attrs``.
+
+        Collective over the group. Returns once the step is committed, or in
+        asynchronous mode once the data is copied to host memory.
+        """
+        self.finalize()
+        if step < 0:
+            raise CheckpointError(f"step must be >= 0, got {step}")
+        attrs = dict(attrs or {})
+        clash = RESERVED_ATTRS.intersection(attrs)
+        if clash:
+            raise CheckpointError(f"attrs {sorted(clash)} are reserved for the checkpoint itself")
+        for key in rank_state or {}:
+            check_name(key)
+        metas = [piece.meta() for piece in pieces]
+        plan, token, created = self._exchange(metas)
+        mine = plan.written_by(self.rank)
+        arrays = [
+            _Array(f"{TENSORS}/{meta.name}", self._host(f"{TENSORS}/{meta.name}", piece.tensor),
+                   {"dtype": meta.dtype, "global_shape": meta.global_shape, "offsets": meta.offsets})
+            for piece, meta in zip(pieces, metas, strict=True)
+            if meta.key in mine
+        ]
+        arrays += [
+            _Array(f"{RANK_STATE}/{key}", self._host(f"{RANK_STATE}/{key}", tensor),
+                   {"dtype": dtype_name(tensor), "shape": tuple(tensor.shape)})
+            for key, tensor in (rank_state or {}).items()
+        ]
+        job = _SaveJob(
+            root=self.root, tmp=self.root / tmp_dir_name(step, token), step=step, rank=self.rank,
+            world_size=self.world_size, arrays=tuple(arrays), plan=plan, attrs=attrs, created_unix=created,
+            keep=self.keep, commit_timeout_s=self.commit_timeout_s,
+        )
+        if self.async_save:
+            self._thread = threading.Thread(
+                target=self._run_in_background, args=(job,), name=f"ckpt-{step}", daemon=True
+            )
+            self._thread.start()
+            return
+        self._run_and_agree(job)
+
+    def finalize(self) -> Path | None:
+        """Wait for the save in flight, re-raise its error; returns the newest step directory committed here.
+
+        Only rank 0 commits, so other ranks get None.
+        """
+        for thread in (self._thread, self._deleter):
+            if thread is not None:
+                thread.join()
+        self._thread = self._deleter = None
+        if self._outcome is not None:
+            step, final, error = self._outcome
+            self._outcome = None
+            if error is not None:
+                raise CheckpointError(f"background save of step {step} failed: {first_line(error)}") from error
+            self._last = final or self._last
+        return self._last
+
+    def _exchange(self, metas: list[PieceMeta]) -> tuple[SavePlan, str, float]:
+        mine = {"pieces": [m.to_wire() for m in metas]}
+        if self.rank == 0:
+            mine |= {"token": uuid.uuid4().hex, "created_unix": time.time()}
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        plan = plan_writes([[PieceMeta.from_wire(p) for p in g["pieces"]] for g in gathered])
+        return plan, gathered[0]["token"], gathered[0]["created_unix"]
+
+    def _host(self, path: str, tensor: torch.Tensor) -> np.ndarray:
+        """The bytes to write: a view of the tensor itself when saving synchronously, else a host copy."""
+        tensor = tensor.detach()
+        if self.async_save:
+            buffer = self._buffers.get(path)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+                self._buffers[path] = buffer
+            tensor = buffer.copy_(tensor)
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.view(torch.uint16)
+        return np.ascontiguousarray(tensor.cpu().numpy())
+
+    def _run_in_background(self, job: _SaveJob) -> None:
+        try:
+            final, retired = _write_and_commit(job)
+            delete(retired)
+            self._outcome = (job.step, final, None)
+        except BaseException as exc:  # handed to the training thread at its next save or finalize
+            self._outcome = (job.step, None, exc)
+
+    def _run_and_agree(self, job: _SaveJob) -> None:
+        """Synchronous save: every rank learns whether the step was committed, and why not."""
+        error = None
+        try:
+            final, retired = _write_and_commit(job)
+            self._last = final or self._last
+            if retired:
+                self._deleter = threading.Thread(target=delete, args=(retired,), name="ckpt-prune", daemon=True)
+                self._deleter.start()
+        except Exception as exc:
+            error = f"rank {self.rank}: {first_line(exc)}"
+        outcomes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(outcomes, error, group=self.group)
+        failures = [o for o in outcomes if o]
+        if failures:
+            raise CheckpointError(f"save of step {job.step} failed: {'; '.join(failures)}", dir=str(job.tmp))
+
+
+def _write_and_commit(job: _SaveJob) -> tuple[Path | None, list[Path]]:
+    """This rank's shard; on rank 0 also the commit. Returns (the published step, directories to delete)."""
+    job.tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        shard = _write_shard(job.tmp / shard_name(job.rank), job)
+    except BaseException as exc:
+        (job.tmp / failed_name(job.rank)).write_text(f"{type(exc).__name__}: {first_line(exc)}\n")
+        raise
+    write_json(job.tmp / done_name(job.rank), {"size": shard.size, "extents": shard.extents})
+    return _commit(job) if job.rank == 0 else (None, [])
+
+
+def _write_shard(path: Path, job: _SaveJob) -> ShardRecord:
+    """This rank's file: its share of the pieces and its private state, each dataset checksummed.
+
+    No chunk cache (``rdcc_nbytes=0``): every chunk is written once, whole, so caching
+    it only adds a copy.
+    """
+    extents = {}
+    with h5py.File(path, "w", libver=LIBVER, rdcc_nbytes=0) as shard, writeback_while_writing(path):
+        shard.attrs.update({"format": FORMAT, "step": job.step, "rank": job.rank, "world_size": job.world_size})
+        for array in job.arrays:
+            dataset = create_checksummed(shard, array.path, array.data.shape, array.data.dtype)
+            if array.data.size:
+                dataset.write_direct(array.data.reshape(storage_shape(array.data.shape)))
+            for key, value in array.attrs.items():
+                dataset.attrs[key] = np.asarray(value, dtype=np.int64) if isinstance(value, tuple) else value
+            extents[array.path] = data_extent(dataset)
+    fsync_path(path)
+    return ShardRecord(file=path.name, size=path.stat().st_size, extents=extents)
+
+
+@contextmanager
+def writeback_while_writing(path: Path) -> Iterator[None]:
+    """Push the file's dirty pages to the device while HDF5 is still checksumming the rest.
+
+    Left alone, the kernel starts writeback only past ``dirty_background_ratio`` (GBs)
+    or after half a minute, so the final fsync would wait for the whole file after all
+    the CPU work; flushing from a second thread overlaps the two (HDF5 releases the GIL).
+    """
+    stop = threading.Event()
+
+    def flush() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while not stop.wait(WRITEBACK_INTERVAL_S):
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    flusher = threading.Thread(target=flush, name="ckpt-writeback", daemon=True)
+    flusher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        flusher.join()
+
+
+def _commit(job: _SaveJob) -> tuple[Path, list[Path]]:
+    """Rank 0, once every shard is written: index, marker, rename, ``latest``, retention."""
+    shards = _wait_for_shards(job)
+    write_index(job.tmp / INDEX, job.step, job.world_size, job.created_unix, job.attrs, job.plan.tensors, shards)
+    fsync_path(job.tmp / INDEX)
+    for rank in range(job.world_size):
+        (job.tmp / done_name(rank)).unlink()
+    write_json(job.tmp / COMPLETE, {"step": job.step, "files": len(shards)})
+    fsync_path(job.tmp)
+    final, replaced = publish(job.tmp, job.step)
+    write_latest(job.root, final)
+    return final, replaced + retire_old(job.root, job.keep, final)
+
+
+def _wait_for_shards(job: _SaveJob) -> list[ShardRecord]:
+    """The file barrier: every rank's manifest, a failed rank's error, or a timeout naming the missing."""
+    shards: dict[int, ShardRecord] = {}
+    deadline = time.monotonic() + job.commit_timeout_s
+    pause = 0.001
+    while len(shards) < job.world_size:
+        for rank in range(job.world_size):
+            if rank in shards:
+                continue
+            failed = job.tmp / failed_name(rank)
+            if failed.exists():
+                raise CheckpointError(f"rank {rank} could not write its shard: {failed.read_text().strip()}")
+            done = job.tmp / done_name(rank)
+            if done.exists():
+                manifest = json.loads(done.read_text())
+                extents = {path: tuple(extent) for path, extent in manifest["extents"].items()}
+                shards[rank] = ShardRecord(shard_name(rank), manifest["size"], extents)
+        if len(shards) < job.world_size:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(job.world_size)) - set(shards))
+                raise CheckpointError(
+                    f"ranks {missing} did not finish writing step {job.step} within {job.commit_timeout_s:g} s",
+                    dir=str(job.tmp),
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+    return [shards[rank] for rank in range(job.world_size)]

@@ -1,0 +1,182 @@
+"""``hpc ckpt ls|show|verify|export`` and ``hpc bench checkpoint``.
+
+Nothing heavy at module level (``hpc --help`` imports this): h5py is imported by the
+commands that read checkpoints, torch only by ``export`` and the benchmark.
+The benchmark starts ranks like ``hpc bench allreduce``: each rank runs this module
+with ``--bench-rank OUT`` and rank 0 writes the rows to OUT for the launcher to print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    ckpt = commands.add_parser("ckpt", help="list, inspect, verify and export checkpoints")
+    actions = ckpt.add_subparsers(dest="action", required=True, metavar="ACTION")
+    ls = actions.add_parser("ls", help="the checkpoints in a directory, oldest first")
+    ls.add_argument("dir", help="checkpoint directory (checkpoint.dir, default <run_dir>/<name>/checkpoints)")
+    ls.set_defaults(handler=cmd_ls)
+    show = actions.add_parser("show", help="tensors, shapes, dtypes, layout and sizes of one checkpoint")
+    show.add_argument("step_dir", help="a step-XXXXXXXX directory")
+    show.add_argument("--spec", action="store_true", help="also print the job spec stored in it")
+    show.set_defaults(handler=cmd_show)
+    verify = actions.add_parser("verify", help="check completeness and every checksum; non-zero exit on damage")
+    verify.add_argument("step_dir", help="a step-XXXXXXXX directory")
+    verify.set_defaults(handler=cmd_verify)
+    export = actions.add_parser("export", help="write the global tensors to one .safetensors or .pt file")
+    export.add_argument("step_dir", help="a step-XXXXXXXX directory")
+    export.add_argument("--to", required=True, metavar="FILE", help="destination, ending in .safetensors or .pt")
+    export.add_argument("--only", default="", metavar="PREFIX",
+                        help="keep tensors whose name starts with PREFIX, and strip it (e.g. --only model/)")
+    export.set_defaults(handler=cmd_export)
+
+
+def add_bench_parser(kinds: argparse._SubParsersAction) -> None:
+    bench = kinds.add_parser("checkpoint", help="HDF5 (sync, async) against torch.save, DCP and the raw disk")
+    bench.add_argument("-n", "--nprocs", type=int, default=2, help="ranks (default 2)")
+    bench.add_argument("--size", default="256M", help="bytes of training state, e.g. 64M, 1G (default %(default)s)")
+    bench.add_argument("--iters", type=int, default=3, help="timed rounds; each row is the median (default 3)")
+    bench.add_argument("--dir", default="runs/bench-checkpoint", help="where to write (default %(default)s)")
+    bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
+    bench.add_argument("--json", action="store_true", help="one JSON object per row")
+    bench.set_defaults(handler=cmd_bench_checkpoint)
+
+
+def human_bytes(nbytes: float) -> str:
+    unit = "B"
+    for bigger in ("KiB", "MiB", "GiB"):
+        if nbytes < 1024:
+            break
+        nbytes, unit = nbytes / 1024, bigger
+    return f"{nbytes:.0f} B" if unit == "B" else f"{nbytes:.1f} {unit}"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from hpc.checkpoint.discovery import list_checkpoints, read_latest
+    from hpc.errors import ConfigError
+
+    if not Path(args.dir).is_dir():
+        raise ConfigError(f"no such directory: {args.dir}")
+    entries = list_checkpoints(args.dir)
+    latest = read_latest(args.dir)
+    print(f"{'STEP':>10}  {'STATUS':<10} {'SIZE':>10}  PATH")
+    for entry in entries:
+        size = sum(f.stat().st_size for f in entry.path.iterdir() if f.is_file())
+        status = "complete" if entry.complete else "unfinished"
+        mark = "  <- latest" if entry.path.name == latest else ""
+        print(f"{entry.step:>10}  {status:<10} {human_bytes(size):>10}  {entry.path}{mark}")
+    if not entries:
+        print(f"(no checkpoints in {args.dir})")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from hpc.checkpoint.format import read_index
+
+    index = read_index(args.step_dir)
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(index.created_unix))
+    print(f"checkpoint {index.path}")
+    print(f"step {index.step} | world size {index.world_size} | {len(index.shards)} files, "
+          f"{human_bytes(index.nbytes)} | saved {created}")
+    attrs = " ".join(f"{key}={value}" for key, value in sorted(index.attrs.items()) if key != "job_spec")
+    print(f"attrs {attrs or '-'}{' (and job_spec: --spec)' if 'job_spec' in index.attrs else ''}")
+    width = max((len(name) for name in index.tensors), default=6)
+    print(f"\n{'TENSOR':<{width}}  {'DTYPE':<8} {'SHAPE':<14} {'PIECES':>6} {'BYTES':>10}")
+    for name, record in sorted(index.tensors.items()):
+        shape = "x".join(map(str, record.shape)) or "scalar"
+        size = human_bytes(record.nbytes)
+        print(f"{name:<{width}}  {record.dtype:<8} {shape:<14} {len(record.pieces):>6} {size:>10}")
+    print(f"\n{'FILE':<16} {'SIZE':>10}  RANK STATE")
+    for file, shard in sorted(index.shards.items()):
+        rank = int(file.removeprefix("rank-").removesuffix(".h5"))
+        own = [p.removeprefix("rank/") for p in index.rank_state_datasets(rank)]
+        print(f"{file:<16} {human_bytes(shard.size):>10}  {', '.join(own) or '-'}")
+    if args.spec and "job_spec" in index.attrs:
+        print("\njob spec:")
+        print(json.dumps(json.loads(index.attrs["job_spec"]), indent=2))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from hpc.checkpoint.format import CheckpointError
+    from hpc.checkpoint.verify import verify_checkpoint
+
+    report = verify_checkpoint(args.step_dir)
+    for problem in report.problems:
+        print(f"hpc ckpt verify: {problem}", file=sys.stderr)
+    if not report.ok:
+        raise CheckpointError(f"{args.step_dir} failed verification: {len(report.problems)} problem(s), listed above")
+    print(f"ok: {report.datasets} datasets in {report.files} files, {human_bytes(report.nbytes)} checked")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from hpc.checkpoint.export import export_tensors
+
+    count = export_tensors(args.step_dir, args.to, args.only)
+    print(f"wrote {count} tensors to {args.to}")
+    return 0
+
+
+def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
+    from hpc import launch
+    from hpc.checkpoint.bench import format_table
+    from hpc.cli.main import launch_ranks
+    from hpc.errors import ConfigError
+    from parallel.bench import parse_size
+
+    try:
+        nbytes = parse_size(args.size)
+    except ValueError as exc:
+        raise ConfigError(f"--size: {exc}") from None
+    if args.iters < 1 or args.nprocs < 1:
+        raise ConfigError("--iters and -n must be at least 1")
+    launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
+    os.makedirs(args.dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="run-", dir=args.dir) as scratch:
+        out = os.path.join(scratch, "rows.json")
+        argv = (sys.executable, "-m", "hpc.cli.ckpt", "--bench-rank", out, "--size", str(nbytes),
+                "--iters", str(args.iters), "--dir", os.path.abspath(os.path.join(scratch, "files")))
+        launch_ranks(args.nprocs, argv, launcher, hosts=[], bind_to=None, progress="off", dry_run=False)
+        with open(out) as handle:
+            rows = json.load(handle)
+    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    return 0
+
+
+def bench_rank_main(argv: Sequence[str] | None = None) -> int:
+    from hpc.cli.rank import run_as_rank
+
+    parser = argparse.ArgumentParser(prog="python -m hpc.cli.ckpt --bench-rank OUT")
+    parser.add_argument("--bench-rank", dest="out", required=True)
+    parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--iters", type=int, required=True)
+    parser.add_argument("--dir", required=True)
+    args = parser.parse_args(argv)
+
+    def measure() -> None:
+        import torch.distributed as dist
+
+        import hpc
+        from hpc.checkpoint.bench import bench_checkpoint
+
+        world = hpc.init("gloo")
+        rows = bench_checkpoint(Path(args.dir), args.size, args.iters, dist.group.WORLD)
+        if world.rank == 0:
+            with open(args.out, "w") as handle:
+                json.dump(rows, handle)
+        hpc.shutdown()
+
+    return run_as_rank(measure)
+
+
+if __name__ == "__main__":
+    sys.exit(bench_rank_main())

@@ -1,0 +1,145 @@
+"""Checkpoints in the real training loop: exact resume, and a rank killed in the middle of a save."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpc.checkpoint.discovery import find_latest, list_checkpoints
+from hpc.config import spec_from_dict
+from hpc.mesh import build_mesh, resolve_layout
+from tests.ranks import run_ranks
+
+
+def _base(tmp_path: Path, compression: str, async_save: bool) -> dict:
+    return {
+        "job": {"run_dir": str(tmp_path), "seed": 3},
+        "model": {"hidden_sizes": [32, 16], "dropout": 0.2},
+        "data": {"batch_size": 32},
+        "train": {"lr": 0.01, "optimizer": "adam", "log_every": 100},
+        "parallel": {"compression": compression},
+        "checkpoint": {"every_steps": 10, "keep": 5, "async_save": async_save},
+    }
+
+
+def _split_and_whole(world, base):
+    """10 steps then 10 more resumed from the step-10 checkpoint, and 20 uninterrupted steps."""
+    from jobs.train import train
+
+    mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank)
+    for name, steps, resume in (("split", 10, "auto"), ("split", 20, "auto"), ("whole", 20, "never")):
+        spec = spec_from_dict({**base, "job": {**base["job"], "name": name},
+                               "train": {**base["train"], "steps": steps},
+                               "checkpoint": {**base["checkpoint"], "resume": resume}})
+        train(spec, world, mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("compression", "async_save"), [("none", False), ("int8", True)])
+def test_ten_steps_save_ten_more_equals_twenty_uninterrupted(tmp_path, compression, async_save) -> None:
+    import torch
+
+    from hpc.checkpoint import load_rank_state, open_checkpoint, read_tensor
+
+    run_ranks(2, _split_and_whole, _base(tmp_path, compression, async_save), timeout=180)
+    steps_logged = [json.loads(line)["step"] for line in (tmp_path / "split" / "metrics.jsonl").open()]
+    assert steps_logged == list(range(1, 21)), "the second run did not resume at step 10"
+    split = open_checkpoint(tmp_path / "split" / "checkpoints" / "step-00000020")
+    whole = open_checkpoint(tmp_path / "whole" / "checkpoints" / "step-00000020")
+    assert set(split.tensors) == set(whole.tensors)
+    assert {"optim/0.weight/exp_avg_sq", "optim/0.weight/step", "model/0.weight"} <= set(split.tensors)
+    for name in whole.tensors:
+        assert torch.equal(read_tensor(split, name), read_tensor(whole, name)), name
+    for rank in (0, 1):
+        ours, reference = load_rank_state(split, rank), load_rank_state(whole, rank)
+        assert ours.keys() == reference.keys()
+        assert any(k.startswith("reducer/residual/") for k in ours) == (compression == "int8")
+        for key in reference:
+            assert torch.equal(ours[key], reference[key]), f"rank {rank}: {key}"
+    assert json.loads(whole.attrs["job_spec"])["parallel"]["compression"] == compression
+    assert (whole.attrs["layout_dp"], whole.attrs["layout_tp"], whole.attrs["layout_pp"]) == (2, 1, 1)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as handle:
+        return [int(child) for child in handle.read().split()]
+
+
+def _rank_of(pid: int) -> int | None:
+    with open(f"/proc/{pid}/environ", "rb") as handle:
+        variables = dict(item.partition(b"=")[::2] for item in handle.read().split(b"\0") if item)
+    return int(variables[b"RANK"]) if b"RANK" in variables else None
+
+
+def _wait_for(condition, timeout: float, what: str, proc: subprocess.Popen):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        if proc.poll() is not None:
+            raise AssertionError(f"the job exited ({proc.returncode}) before {what}: {proc.stderr.read()}")
+        time.sleep(0.001)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path) -> None:
+    """Large enough that a save takes a while; rank 1 is killed as soon as a new save starts."""
+    root = tmp_path / "ckpt"
+    spec = tmp_path / "job.toml"
+    spec.write_text(
+        f'[job]\nrun_dir = "{tmp_path}"\n[model]\nhidden_sizes = [4096, 2048]\n[data]\nbatch_size = 32\n'
+        f'[train]\nsteps = 1000\noptimizer = "adam"\nlr = 0.001\n[checkpoint]\ndir = "{root}"\nevery_steps = 2\n'
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "hpc.cli.main", "run", "-n", "2", "--launcher", "local", str(spec)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        first = _wait_for(lambda: find_latest(root), 120, "the first checkpoint", proc)
+        unfinished = _wait_for(
+            lambda: [e.path for e in list_checkpoints(root) if not e.complete and e.step > 2], 60, "a second save", proc
+        )[0]
+        victim = next(pid for pid in _children(proc.pid) if _rank_of(pid) == 1)
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "rank 1 was killed by SIGKILL" in proc.stderr.read()
+    assert first.name == "step-00000002"
+    assert not (unfinished / "rank-00001.done").exists(), "the kill came after rank 1 had finished its shard"
+    assert find_latest(root) == first, [e for e in list_checkpoints(root)]
+    _check_it_loads(first, spec)
+
+
+def _check_it_loads(step_dir: Path, spec_path: Path) -> None:
+    import torch
+
+    from hpc.checkpoint import open_checkpoint, read_tensor, verify_checkpoint
+    from hpc.config import load_spec
+    from jobs.datasets import load_dataset
+    from jobs.optim import build_optimizer
+    from jobs.state import restore
+    from jobs.train import build_model
+    from parallel.reducers import make_reducer
+
+    assert verify_checkpoint(step_dir).ok
+    spec = load_spec(spec_path)
+    model = build_model(spec, load_dataset("digits"))
+    initial = model.state_dict()["0.weight"].clone()
+    optimizer = build_optimizer(spec.train, model.parameters())
+    assert restore(step_dir, 0, model, optimizer, make_reducer("none")) == 2
+    index = open_checkpoint(step_dir)
+    assert torch.equal(model.state_dict()["0.weight"], read_tensor(index, "model/0.weight"))
+    assert not torch.equal(model.state_dict()["0.weight"], initial)
+    assert int(optimizer.state_dict()["state"][0]["step"]) == 2
+    assert np.isfinite(read_tensor(index, "optim/0.weight/exp_avg_sq").numpy()).all()
