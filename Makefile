@@ -42,6 +42,8 @@ lint: install
 # Writes nothing by itself: docs/BENCHMARKS.md records the commands and their output.
 bench: install
 	hpc bench allreduce -n $(RANKS) --sizes 1K,64K,1M,16M,64M,256M
+	hpc bench pipeline --stages 2,4 --microbatches 4,8
+	hpc bench checkpoint -n 2 --size 1G --iters 3
 
 # A real local Slurm (slurm/cluster.py, state in /tmp/hpc-slurm); point clients at it with
 # eval $$($(PYTHON) -m slurm.cluster env). slurm-up-2nodes: two network-namespace nodes.

@@ -30,13 +30,14 @@ def _batch(step: int, part: int | None = None, parts: int = 1) -> tuple[torch.Te
     return x.chunk(parts)[part], y.chunk(parts)[part]
 
 
-def _train(world, steps: int, bucket_bytes: int, passes: int, clip: float, overlap: bool):
+def _train(world, steps: int, bucket_bytes: int, passes: int, clip: float, overlap: bool, reducer: str = "none"):
     """Each rank trains on its slice of the batch (split again into ``passes`` micro-batches)."""
     model = _model()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     optimizer = distributed_optimizer(
         base, TorchTransport(), named_parameters=model.named_parameters(), bucket_bytes=bucket_bytes,
         backward_passes_per_step=passes, overlap=overlap,
+        reducer=make_reducer(reducer, topk_fraction=1.0) if reducer == "topk" else reducer,
     )
     parts = world.size * passes
     backward_ends, launches = [], []
@@ -79,14 +80,17 @@ def _reference(steps: int, clip: float) -> dict:
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 
+# topk keeping every entry checks the momentum correction: momentum moved in front of the
+# reduction (plain SGD after it) must be momentum SGD exactly.
 @pytest.mark.parametrize(
-    ("n", "passes", "clip", "overlap"), [(4, 1, 0.0, True), (2, 2, 0.0, True), (2, 1, 0.5, False)]
+    ("n", "passes", "clip", "overlap", "reducer"),
+    [(4, 1, 0.0, True, "none"), (2, 2, 0.0, True, "none"), (2, 1, 0.5, False, "none"), (2, 1, 0.0, True, "topk")],
 )
-def test_fused_overlapped_reduction_equals_one_process(n, passes, clip, overlap) -> None:
+def test_fused_overlapped_reduction_equals_one_process(n, passes, clip, overlap, reducer) -> None:
     steps, bucket_bytes = 5, 3 * FEATURES * FEATURES * 4  # a few layers per bucket
     expected = _reference(steps, clip)
     for params, collectives, num_params, launched_early, is_sgd in run_ranks(
-        n, _train, steps, bucket_bytes, passes, clip, overlap
+        n, _train, steps, bucket_bytes, passes, clip, overlap, reducer
     ):
         for name, value in expected.items():
             np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
