@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 PYTHON ?= python3
 RANKS ?= 4
-DEMO ?= jobs/examples/mlp.toml
+DEMO ?= jobs/examples/gpt.toml
 DEBS := openmpi-bin libopenmpi-dev hdf5-tools slurm-wlm munge iproute2 mariadb-server slurmdbd
 STAMPS := .stamps
 
@@ -14,7 +14,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 export OMP_NUM_THREADS := 1
 
-.PHONY: install debs run test lint bench slurm-up slurm-up-2nodes slurm-down
+.PHONY: install debs run test lint bench slurm-up slurm-up-2nodes slurm-down submit-demo
 
 install: debs $(STAMPS)/pip
 
@@ -55,3 +55,9 @@ slurm-up-2nodes: install
 
 slurm-down:
 	$(PYTHON) -m slurm.cluster stop
+
+# The demo job through hpc submit on the local cluster (RANKS tasks), then rank 0's log until it ends.
+submit-demo: slurm-up
+	@eval $$($(PYTHON) -m slurm.cluster env) && \
+	job=$$(hpc submit $(DEMO) --ntasks-per-node $(RANKS) | tee /dev/stderr | awk '/^submitted job/ {print $$3+0}') && \
+	hpc logs $$job --follow

@@ -20,7 +20,7 @@ import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
 from hpc.errors import ConfigError
 
@@ -29,6 +29,7 @@ _BOUNDS = (
     ("min", operator.ge, ">="),
     ("gt", operator.gt, ">"),
     ("max_excl", operator.lt, "<"),
+    ("max", operator.le, "<="),
 )
 _NOUNS = types.MappingProxyType(
     {bool: "boolean", int: "integer", float: "number", str: "string"}
@@ -39,7 +40,7 @@ _SLURM_WORD = types.MappingProxyType(
 
 
 def _field(default: Any, **constraints: Any) -> Any:
-    """Default plus the constraints the builder checks (min, gt, max_excl, pattern, describe)."""
+    """Default plus the constraints the builder checks (min, gt, max_excl, max, pattern, describe)."""
     return field(default=default, metadata=constraints)
 
 
@@ -56,14 +57,26 @@ class JobConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: Literal["mlp"] = "mlp"
-    hidden_sizes: tuple[int, ...] = _field((128, 128), min=1)
+    vocab_size: ClassVar[int] = 256  # the GPT reads raw bytes
+
+    kind: Literal["mlp", "gpt"] = "mlp"
+    hidden_sizes: tuple[int, ...] = _field((128, 128), min=1)  # mlp
     dropout: float = _field(0.0, min=0, max_excl=1)
+    n_layers: int = _field(4, min=1)  # gpt
+    n_heads: int = _field(4, min=1)
+    d_model: int = _field(128, min=1)
+    seq_len: int = _field(64, min=1)
+
+    def field_conflict(self) -> tuple[str, str] | None:
+        """(field, what it must be) when fields disagree; the builder adds the path and value."""
+        if self.d_model % self.n_heads:
+            return "d_model", f"divisible by n_heads={self.n_heads}"
+        return None
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: Literal["digits"] = "digits"
+    name: Literal["digits", "licenses"] = "digits"
     batch_size: int = _field(64, min=1)  # global: split across the data-parallel ranks
 
 
@@ -78,6 +91,11 @@ class TrainConfig:
     warmup_steps: int = _field(0, min=0)
     schedule: Literal["constant", "cosine"] = "constant"
     log_every: int = _field(10, min=1)
+    # The global batch size train.lr was tuned for: lr is scaled by data.batch_size / lr_reference_batch
+    # (linear scaling, Goyal et al. 2017), so changing the batch keeps the tuned step size per sample. 0 = off.
+    lr_reference_batch: int = _field(0, min=0)
+    bf16_autocast: bool = False  # forward (loss excluded) under torch.autocast with bfloat16
+    activation_checkpointing: bool = False  # recompute each GPT block's activations in backward
 
 
 @dataclass(frozen=True)
@@ -85,9 +103,17 @@ class ParallelConfig:
     dp: int | Literal["auto"] = _field("auto", min=1)
     tp: int = _field(1, min=1)
     pp: int = _field(1, min=1)
+    microbatches: int = _field(1, min=1)  # per pipeline step; interleaved needs a multiple of pp
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"  # see parallel/schedule.py
+    virtual_stages: int = _field(1, min=1)  # model chunks per pipeline rank (interleaved only)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    compression: Literal["none", "fp16", "bf16", "int8"] = "none"
+    compression: Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"] = "none"
+    topk_fraction: float = _field(0.01, gt=0, max=1)
+    powersgd_rank: int = _field(4, min=1)
+    compression_warmup_steps: int = _field(0, min=0)  # exact reduction before compression starts
     transport: Literal["torch", "mpi"] = "torch"
+    bucket_mb: float = _field(25.0, gt=0)  # gradient fusion threshold
+    overlap: bool = True  # reduce buckets while backward still runs
     init_timeout_s: float = _field(60.0, gt=0)
     timeout_s: float = _field(300.0, gt=0)
 
@@ -153,6 +179,27 @@ class JobSpec:
         )
 
 
+@dataclass(frozen=True)
+class SweepConfig:
+    """The ``[sweep]`` table of a sweep file; the values searched are its ``[params]`` (see slurm/sweep.py)."""
+
+    base: str = ""  # the job spec every config starts from, relative to the sweep file (required)
+    name: str = _field(
+        "",
+        pattern=r"(?:[A-Za-z0-9][A-Za-z0-9._-]*)?",
+        describe="empty (the sweep file's name) or letters, digits, '.', '_' or '-'",
+    )
+    method: Literal["grid", "random", "zip"] = "grid"
+    samples: int = _field(8, min=1)  # random: configs drawn
+    seed: int = _field(0, min=0)  # random
+    metric: str = _field(
+        "final_loss", pattern=r"[A-Za-z_][A-Za-z0-9_]*", describe="a key of the tasks' result.json"
+    )
+    goal: Literal["min", "max"] = "min"
+    max_concurrent: int = _field(4, min=1)  # Slurm array tasks running at once (%k)
+    dir: str = ""  # empty: <job.run_dir of the base spec>/<name>
+
+
 class _Invalid(Exception):
     """A bad value at ``path``; the caller decides whether the file or an override is to blame."""
 
@@ -163,22 +210,26 @@ class _Invalid(Exception):
 
 def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> JobSpec:
     """Read a TOML job spec; every error names the file (or the override) it came from."""
+    return spec_from_dict(read_toml(path), os.fspath(path), overrides)
+
+
+def read_toml(path: str | os.PathLike[str], what: str = "job spec") -> dict[str, Any]:
+    """Parse a TOML file (a job spec, a sweep); every error names the file."""
     source = os.fspath(path)
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"no such job spec: {source}") from None
+        raise ConfigError(f"no such {what}: {source}") from None
     except OSError as exc:
-        raise ConfigError(f"{source}: cannot read job spec: {exc.strerror}") from None
+        raise ConfigError(f"{source}: cannot read {what}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"{source}: invalid TOML: not UTF-8 at byte {exc.start}"
         ) from None
     try:
-        data = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
-    return spec_from_dict(data, source, overrides)
 
 
 def spec_from_dict(
@@ -191,6 +242,14 @@ def spec_from_dict(
     except _Invalid as err:
         raise ConfigError(f"{_blame(err.path, source, overrides)}: {err}") from None
     return spec
+
+
+def table_from_dict(cls: type, data: Mapping[str, Any], path: str, source: str) -> Any:
+    """One table of another TOML file (a sweep's ``[sweep]``), with the job spec's checks and messages."""
+    try:
+        return _build(cls, data, path)
+    except _Invalid as err:
+        raise ConfigError(f"{source}: {err}") from None
 
 
 def apply_overrides(
@@ -284,7 +343,13 @@ def _build(cls: type, data: Any, path: str) -> Any:
         if key not in fields:
             raise _Invalid(child, _unknown_key(child, str(key), path, list(fields)))
         values[key] = _convert(hints[key], value, child, fields[key].metadata)
-    return cls(**values)
+    built = cls(**values)
+    conflict = built.field_conflict() if hasattr(built, "field_conflict") else None
+    if conflict:
+        name, wanted = conflict
+        child = f"{path}.{name}" if path else name
+        raise _Invalid(child, f"{child} must be {wanted}, got {getattr(built, name)!r}")
+    return built
 
 
 def _unknown_key(child: str, key: str, path: str, valid: list[str]) -> str:

@@ -6,7 +6,7 @@ present wins:
 1. torchrun (``RANK`` and ``WORLD_SIZE``),
 2. Open MPI's mpirun (``OMPI_COMM_WORLD_RANK``),
 3. MPICH / Intel MPI Hydra (``PMI_RANK``),
-4. Slurm's srun (``SLURM_PROCID``),
+4. Slurm's srun (``SLURM_PROCID``, inside a job step),
 5. otherwise a single process.
 
 Innermost first because launchers nest: torchrun or mpirun started inside a
@@ -16,6 +16,10 @@ ranks. For the same reason ``PMI_RANK`` counts as Hydra only when Hydra's own
 ``MPI_LOCALRANKID`` is set or there is no ``SLURM_PROCID``: ``srun --mpi=pmi2``
 exports ``PMI_RANK``/``PMI_SIZE`` itself, and then the Slurm variables describe
 the very same ranks, with node placement included.
+
+A batch script is not a step: sbatch gives it ``SLURM_PROCID=0`` and the
+allocation's ``SLURM_NTASKS``, but no step id, and what it runs directly (no
+srun) is one process, not rank 0 of the allocation's tasks waiting for peers.
 
 Launchers that omit local or node variables are assumed to place ranks in
 blocks: the local size defaults to the world size (one node), the local rank to
@@ -89,7 +93,7 @@ def detect_rank_info(environ: Mapping[str, str]) -> RankInfo:
         return _from_rank_variables(environ, _OPENMPI_VARIABLES, job_id)
     if "PMI_RANK" in environ and ("MPI_LOCALRANKID" in environ or "SLURM_PROCID" not in environ):
         return _from_rank_variables(environ, _MPICH_VARIABLES, job_id)
-    if "SLURM_PROCID" in environ:
+    if "SLURM_PROCID" in environ and not _is_batch_script(environ):
         return _from_slurm(environ, job_id)
     return RankInfo(0, 1, 0, 1, 0, 1, (), Launcher.SINGLE, job_id)
 
@@ -359,6 +363,11 @@ def _first_required(
 
 def _first_present(environ: Mapping[str, str], names: Sequence[str]) -> str | None:
     return next((name for name in names if name in environ), None)
+
+
+def _is_batch_script(environ: Mapping[str, str]) -> bool:
+    """A job without a step: srun always exports the step id (``SLURM_STEP_ID``, and its old name ``SLURM_STEPID``)."""
+    return "SLURM_JOB_ID" in environ and "SLURM_STEP_ID" not in environ and "SLURM_STEPID" not in environ
 
 
 def _job_id(environ: Mapping[str, str]) -> str | None:

@@ -24,7 +24,15 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "mlp.toml"
 
 FULL = {
     "job": {"name": "mlp-digits.v2", "seed": 7, "run_dir": "/scratch/runs"},
-    "model": {"kind": "mlp", "hidden_sizes": [256, 256, 128], "dropout": 0.1},
+    "model": {
+        "kind": "gpt",
+        "hidden_sizes": [256, 256, 128],
+        "dropout": 0.1,
+        "n_layers": 6,
+        "n_heads": 8,
+        "d_model": 256,
+        "seq_len": 128,
+    },
     "data": {"name": "digits", "batch_size": 32},
     "train": {
         "steps": 2000,
@@ -36,14 +44,25 @@ FULL = {
         "warmup_steps": 100,
         "schedule": "cosine",
         "log_every": 50,
+        "lr_reference_batch": 256,
+        "bf16_autocast": True,
+        "activation_checkpointing": True,
     },
     "parallel": {
         "dp": 2,
         "tp": 2,
         "pp": 2,
+        "microbatches": 8,
+        "schedule": "interleaved",
+        "virtual_stages": 2,
         "backend": "nccl",
         "compression": "int8",
+        "topk_fraction": 0.05,
+        "powersgd_rank": 2,
+        "compression_warmup_steps": 10,
         "transport": "mpi",
+        "bucket_mb": 4.0,
+        "overlap": False,
         "init_timeout_s": 120.0,
         "timeout_s": 600.0,
     },
@@ -158,6 +177,8 @@ def test_int_is_accepted_for_a_float() -> None:
             "job.toml: checkpoint.async_save must be a boolean, got 1",
         ),
         ("train = 3", "job.toml: train must be a table, got 3"),
+        ("[model]\nn_heads = 3", "job.toml: model.d_model must be divisible by n_heads=3, got 128"),
+        ("[data]\nname = 'text'", "job.toml: data.name must be one of digits, licenses; got 'text'"),
     ],
 )
 def test_bad_value_errors(toml_text: str, expected: str) -> None:
@@ -196,7 +217,8 @@ def test_slurm_time_formats() -> None:
 def test_unknown_key_suggests_the_closest() -> None:
     assert error_of("[train]\nlrr = 0.1") == (
         "job.toml: unknown key train.lrr (did you mean train.lr? valid keys: steps, lr, "
-        "optimizer, momentum, weight_decay, grad_clip, warmup_steps, schedule, log_every)"
+        "optimizer, momentum, weight_decay, grad_clip, warmup_steps, schedule, log_every, lr_reference_batch, "
+        "bf16_autocast, activation_checkpointing)"
     )
 
 
@@ -319,7 +341,7 @@ def test_apply_overrides_does_not_mutate_its_input() -> None:
 
 def test_schema_uses_only_known_constraints() -> None:
     """A misspelt constraint would be silently ignored by the builder."""
-    known = {"min", "gt", "max_excl", "pattern", "describe"}
+    known = {"min", "gt", "max_excl", "max", "pattern", "describe"}
     for name, section in get_type_hints(JobSpec).items():
         for f in dataclasses.fields(section):
             assert set(f.metadata) <= known, f"{name}.{f.name}"

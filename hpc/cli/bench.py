@@ -1,4 +1,4 @@
-"""``hpc bench allreduce``: starts ranks like ``hpc run`` and prints their measurements.
+"""``hpc bench allreduce|pipeline``: starts ranks like ``hpc run`` and prints their measurements.
 
 The ranks run this module with ``--rank``; rank 0 writes the rows to a file that
 the launching process prints, so table and JSON output carry no rank prefixes.
@@ -13,51 +13,115 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+PIPELINE_SIZES = ("virtual", "layers", "width", "rows", "steps")  # integer options passed on to the ranks
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    bench = commands.add_parser("bench", help="measure communication (allreduce)")
+    bench = commands.add_parser("bench", help="measure communication (allreduce) and pipeline schedules (pipeline)")
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
     allreduce = kinds.add_parser("allreduce", help="our ring with each codec against torch.distributed.all_reduce")
     allreduce.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
     allreduce.add_argument("--sizes", default="1K,64K,1M,16M,64M", help="comma list, e.g. 1K,64M (default %(default)s)")
-    allreduce.add_argument("--codecs", default="none,fp16,bf16,int8", help="ring codecs (default %(default)s)")
+    allreduce.add_argument("--codecs", default="none,fp16,bf16,int8,topk,powersgd",
+                           help="gradient codecs (default %(default)s)")
     allreduce.add_argument("--transports", help="ring transports: torch, mpi (default: both under mpirun)")
     allreduce.add_argument("--iters", type=int, default=5, help="timed iterations per row (default 5)")
     allreduce.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
     allreduce.add_argument("--json", action="store_true", help="one JSON object per row")
     allreduce.set_defaults(handler=cmd_bench)
+    pipeline = kinds.add_parser("pipeline", help="bubble and activation memory of gpipe, 1f1b, interleaved 1f1b")
+    pipeline.add_argument("--stages", default="2,4", help="pipeline ranks, one launch each (default %(default)s)")
+    pipeline.add_argument("--microbatches", default="4,8", help="comma list (default %(default)s)")
+    pipeline.add_argument("--schedules", default="gpipe,1f1b,interleaved", help="(default %(default)s)")
+    pipeline.add_argument("--virtual", type=int, default=2, help="chunks per rank, interleaved only (default 2)")
+    pipeline.add_argument("--layers", type=int, default=16, help="Linear+Tanh blocks in the model (default 16)")
+    pipeline.add_argument("--width", type=int, default=512, help="features per block (default 512)")
+    pipeline.add_argument("--rows", type=int, default=64, help="rows per microbatch (default 64)")
+    pipeline.add_argument("--steps", type=int, default=3, help="timed steps per row, after one warm-up (default 3)")
+    pipeline.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
+    pipeline.add_argument("--json", action="store_true", help="one JSON object per row")
+    pipeline.set_defaults(handler=cmd_bench_pipeline)
+    from hpc.cli import ckpt
+
+    ckpt.add_bench_parser(kinds)
 
 
 def _rank_args(args: argparse.Namespace, transports: str) -> list[str]:
     return ["--sizes", args.sizes, "--codecs", args.codecs, "--transports", transports, "--iters", str(args.iters)]
 
 
+def _launch_for_rows(n: int, kind_argv: Sequence[str], launcher: str) -> list[dict]:
+    """Run ``python -m hpc.cli.bench --rank OUT KIND ...`` on n ranks; rank 0's rows."""
+    from hpc.cli.main import launch_ranks
+
+    with tempfile.TemporaryDirectory(prefix="hpc-bench-") as scratch:
+        out = os.path.join(scratch, "rows.json")
+        argv = (sys.executable, "-m", "hpc.cli.bench", "--rank", out, *kind_argv)
+        launch_ranks(n, argv, launcher, hosts=[], bind_to=None, progress="off", dry_run=False)
+        with open(out) as handle:
+            return json.load(handle)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from hpc import launch
-    from hpc.cli.main import launch_ranks
     from hpc.errors import ConfigError
     from parallel.bench import format_table, parse_size
-    from parallel.compression import RING_CODECS
+    from parallel.reducers import REDUCERS
 
     try:
         for size in args.sizes.split(","):
             parse_size(size)
     except ValueError as exc:
         raise ConfigError(f"--sizes: {exc}") from None
-    unknown = set(args.codecs.split(",")) - set(RING_CODECS)
+    unknown = set(args.codecs.split(",")) - set(REDUCERS)
     if unknown:
-        raise ConfigError(f"--codecs: unknown {', '.join(sorted(unknown))} (valid: {', '.join(RING_CODECS)})")
+        raise ConfigError(f"--codecs: unknown {', '.join(sorted(unknown))} (valid: {', '.join(REDUCERS)})")
     launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
     transports = args.transports or ("torch,mpi" if launcher == "mpirun" else "torch")
     if "mpi" in transports.split(",") and launcher != "mpirun":
         raise ConfigError("--transports mpi needs --launcher mpirun")
-    with tempfile.TemporaryDirectory(prefix="hpc-bench-") as scratch:
-        out = os.path.join(scratch, "rows.json")
-        argv = (sys.executable, "-m", "hpc.cli.bench", "--rank", out, "allreduce", *_rank_args(args, transports))
-        launch_ranks(args.nprocs, argv, launcher, hosts=[], bind_to=None, progress="off", dry_run=False)
-        with open(out) as handle:
-            rows = json.load(handle)
+    rows = _launch_for_rows(args.nprocs, ["allreduce", *_rank_args(args, transports)], launcher)
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    return 0
+
+
+def _positive_ints(option: str, text: str) -> list[int]:
+    from hpc.errors import ConfigError
+
+    try:
+        values = [int(item) for item in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{option}: expected a comma list of integers, got {text!r}") from None
+    if min(values) < 1:
+        raise ConfigError(f"{option}: values must be >= 1, got {text!r}")
+    return values
+
+
+def cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    """Every (stages, schedule, microbatches) is checked against the model before any launch."""
+    from hpc import launch
+    from parallel.schedule import build_schedule, stage_bounds
+
+    stages, microbatches = _positive_ints("--stages", args.stages), _positive_ints("--microbatches", args.microbatches)
+    for option in PIPELINE_SIZES:
+        _positive_ints(f"--{option}", str(getattr(args, option)))
+    schedules = args.schedules.split(",")
+    for p in stages:
+        for name in schedules:
+            v = args.virtual if name == "interleaved" else 1
+            stage_bounds(args.layers, p, v)
+            for m in microbatches:
+                build_schedule(name, p, m, v)
+    launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
+    kind_argv = ["pipeline", "--microbatches", args.microbatches, "--schedules", args.schedules,
+                 *(arg for option in PIPELINE_SIZES for arg in (f"--{option}", str(getattr(args, option))))]
+    rows = [row for p in stages for row in _launch_for_rows(p, kind_argv, launcher)]
+    if args.json:
+        print("\n".join(json.dumps(r) for r in rows))
+    else:
+        from parallel.pipeline_bench import format_table
+
+        print(format_table(rows))
     return 0
 
 
@@ -66,28 +130,50 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m hpc.cli.bench --rank OUT")
     parser.add_argument("--rank", dest="out", required=True)
-    parser.add_argument("kind", choices=("allreduce",))
-    parser.add_argument("--sizes", required=True)
-    parser.add_argument("--codecs", required=True)
-    parser.add_argument("--transports", required=True)
-    parser.add_argument("--iters", type=int, required=True)
+    kinds = parser.add_subparsers(dest="kind", required=True)
+    allreduce = kinds.add_parser("allreduce")
+    allreduce.add_argument("--sizes", required=True)
+    allreduce.add_argument("--codecs", required=True)
+    allreduce.add_argument("--transports", required=True)
+    allreduce.add_argument("--iters", type=int, required=True)
+    pipeline = kinds.add_parser("pipeline")
+    pipeline.add_argument("--microbatches", required=True)
+    pipeline.add_argument("--schedules", required=True)
+    for option in PIPELINE_SIZES:
+        pipeline.add_argument(f"--{option}", type=int, required=True)
     args = parser.parse_args(argv)
 
     def measure() -> None:
         import hpc
-        from parallel.bench import bench_allreduce, parse_size
 
         world = hpc.init("gloo")
-        rows = bench_allreduce(
-            [parse_size(s) for s in args.sizes.split(",")], args.codecs.split(","), args.transports.split(","),
-            iters=args.iters,
-        )
+        rows = _measure_pipeline(args) if args.kind == "pipeline" else _measure_allreduce(args)
         if world.rank == 0:
             with open(args.out, "w") as handle:
                 json.dump(rows, handle)
         hpc.shutdown()
 
     return run_as_rank(measure)
+
+
+def _measure_allreduce(args: argparse.Namespace) -> list[dict]:
+    from parallel.bench import bench_allreduce, parse_size
+
+    return bench_allreduce(
+        [parse_size(s) for s in args.sizes.split(",")], args.codecs.split(","), args.transports.split(","),
+        iters=args.iters,
+    )
+
+
+def _measure_pipeline(args: argparse.Namespace) -> list[dict]:
+    import torch.distributed as dist
+
+    from parallel.pipeline_bench import bench_pipeline
+
+    return bench_pipeline(
+        dist.group.WORLD, args.schedules.split(","), [int(m) for m in args.microbatches.split(",")], args.virtual,
+        layers=args.layers, width=args.width, rows=args.rows, steps=args.steps,
+    )
 
 
 if __name__ == "__main__":

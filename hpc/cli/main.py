@@ -1,4 +1,4 @@
-"""``hpc``: run a job spec on local ranks or under mpirun (Slurm submission comes with ``hpc submit``).
+"""``hpc``: run a job spec on local ranks or under mpirun, or submit it to Slurm (``hpc submit``, ``hpc sweep``).
 
 Nothing heavy is imported at module level: ``hpc --help`` must answer instantly on
 a login node. Every check that can fail (the spec, the layout, the host list) runs
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="run a job spec on local ranks or under mpirun")
-    run.add_argument("spec", help="job spec (TOML)")
+    run.add_argument("spec", help="job spec (TOML), or a Python script (e.g. a Horovod one) followed by its arguments")
     run.add_argument("-n", "--nprocs", type=int, default=1, help="number of ranks (default 1)")
     run.add_argument(
         "--launcher",
@@ -39,19 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="print the command lines and start nothing")
     run.set_defaults(handler=cmd_run)
 
-    from hpc.cli import bench
+    from hpc.cli import bench, ckpt, slurm
 
     bench.add_parser(commands)
+    ckpt.add_parser(commands)
+    slurm.add_parser(commands)
     return parser
 
 
 def check_layout(spec, world_size: int):
-    """The layout and batch split, checked before launch so a bad one costs nothing."""
+    """The layout, the model's cut, the pipeline schedule and the batch split, checked before launch."""
     from hpc.mesh import resolve_layout
+    from jobs.layout import check_job_layout
 
     shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world_size)
-    if spec.data.batch_size % shape.dp:
-        raise LayoutError(f"data.batch_size={spec.data.batch_size} is not divisible by dp={shape.dp}")
+    check_job_layout(spec, shape)
     return shape
 
 
@@ -65,6 +67,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.nprocs < 1:
         raise LayoutError(f"-n must be at least 1, got {args.nprocs}")
+    if args.spec.endswith(".py"):
+        return run_script(args)
     spec = load_spec(args.spec, args.overrides)
     hosts = launch.parse_hosts(args.hosts) if args.hosts else []
     if hosts and sum(slots for _, slots in hosts) < args.nprocs:
@@ -78,6 +82,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     progress = "tty" if sys.stdout.isatty() else "plain"
     argv = launch.rank_argv(os.path.abspath(args.spec), args.overrides)
     launch_ranks(args.nprocs, argv, launcher, hosts, args.bind_to, progress, args.dry_run)
+    return 0
+
+
+def run_script(args: argparse.Namespace) -> int:
+    """``hpc run -n 4 train.py --epochs 2``: every rank runs the script, as ``horovodrun`` or torchrun would."""
+    from hpc import launch
+
+    if not os.path.isfile(args.spec):
+        raise ConfigError(f"script {args.spec}: no such file")
+    if args.overrides:
+        raise ConfigError("--set overrides job spec values; pass a script's options after the script")
+    launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
+    hosts = launch.parse_hosts(args.hosts) if args.hosts else []
+    argv = (sys.executable, "-u", os.path.abspath(args.spec), *args.script_args)
+    launch_ranks(args.nprocs, argv, launcher, hosts, args.bind_to, "plain", args.dry_run)
     return 0
 
 
@@ -102,7 +121,11 @@ def launch_ranks(n: int, argv, launcher: str, hosts, bind_to: str | None, progre
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not (args.command == "run" and args.spec.endswith(".py")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.script_args = unknown  # a script's own options: hpc run -n 4 train.py --epochs 5
     try:
         return args.handler(args)
     except RankFailedError as exc:

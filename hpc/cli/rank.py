@@ -10,12 +10,18 @@ stops the rest.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import NoReturn
 
 from hpc.errors import HpcError
+
+RESULT_FILE = "result.json"  # in the run directory: the final measures, where sweeps read them
 
 
 def _rank_label() -> str:
@@ -25,7 +31,7 @@ def _rank_label() -> str:
     return "0"
 
 
-def abort_job(exc: BaseException) -> None:
+def abort_job(exc: BaseException) -> NoReturn:
     """Report the failure on this rank and take every other rank down with it."""
     label = _rank_label()
     if not isinstance(exc, HpcError):
@@ -38,21 +44,25 @@ def abort_job(exc: BaseException) -> None:
     os._exit(1)
 
 
-def run_as_rank(body: Callable[[], None]) -> int:
-    """Run a rank's work; any failure (a clean exit aside) aborts the whole job."""
+def run_as_rank(body: Callable[[], int | None]) -> int:
+    """Run a rank's work and return its exit status; any failure (a clean exit aside) aborts the whole job."""
     try:
-        body()
+        return body() or 0
     except BaseException as exc:  # any failure must take the whole job down
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
         abort_job(exc)
-    return 0
+
+
+MEASURES = {"train_loss": "train loss {:.4f}", "test_accuracy": "test accuracy {:.1%}",
+            "held_out_loss": "held-out loss {:.4f}"}
 
 
 def summary_line(result, world, shape, metrics_path) -> str:
+    measures = "".join(f"{MEASURES[name].format(value)} | " for name, value in result.evaluation.items())
     return (
         f"summary: {result.steps} steps in {result.wall_s:.1f} s | final loss {result.final_loss:.4f} | "
-        f"test accuracy {result.test_accuracy:.1%} | {result.samples_per_s:,.0f} samples/s | "
+        f"{measures}{result.throughput:,.0f} {result.unit}/s | "
         f"{world.size} ranks ({shape}) {world.backend} via {world.info.launcher.value} | metrics {metrics_path}"
     )
 
@@ -63,29 +73,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
 
-    def train_job() -> None:
-        import torch
+    def train_job() -> int:
+        from hpc import preemption
 
-        from hpc import bootstrap
-        from hpc.config import load_spec
-        from hpc.env import detect_rank_info
-        from hpc.launch import threads_per_rank
-        from hpc.mesh import build_mesh, resolve_layout
-        from hpc.progress import progress_mode
-        from jobs.train import train
-
-        spec = load_spec(args.spec, args.overrides)
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(threads_per_rank(detect_rank_info(os.environ).local_size))
-        world = bootstrap.init(spec.parallel.backend, spec.parallel.init_timeout_s, spec.parallel.timeout_s)
-        shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world.size)
-        mesh = build_mesh(shape, world.rank)
-        result, _ = train(spec, world, mesh, progress_mode())
-        if world.rank == 0:
-            print(summary_line(result, world, shape, spec.run_path / "metrics.jsonl"), flush=True)
-        bootstrap.shutdown()
+        watcher = preemption.watch(os.environ)  # first: a warning signal during start-up must not kill the rank
+        with watcher or contextlib.nullcontext():
+            return train_rank(args.spec, args.overrides, watcher)
 
     return run_as_rank(train_job)
+
+
+def train_rank(spec_path: str, overrides: Sequence[str], watcher) -> int:
+    """One rank of the job; PREEMPTED_EXIT when a signal stopped it at a checkpoint (hpc/preemption.py)."""
+    import torch
+    import torch.distributed as dist
+
+    from hpc import bootstrap, preemption
+    from hpc.config import load_spec
+    from hpc.env import detect_rank_info
+    from hpc.launch import threads_per_rank
+    from hpc.mesh import build_mesh, resolve_layout
+    from hpc.progress import progress_mode
+    from jobs.train import train
+
+    spec = load_spec(spec_path, overrides)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads_per_rank(detect_rank_info(os.environ).local_size))
+    world = bootstrap.init(spec.parallel.backend, spec.parallel.init_timeout_s, spec.parallel.timeout_s)
+    shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world.size)
+    mesh = build_mesh(shape, world.rank)
+    try:
+        result, _ = train(spec, world, mesh, progress_mode(), watcher)
+    except preemption.Preempted as stop:
+        preemption.conclude(stop, world.rank, dist.group.WORLD, os.environ, spec.slurm.max_requeues)
+        bootstrap.shutdown()
+        return preemption.PREEMPTED_EXIT
+    if world.rank == 0:
+        write_result(spec.run_path / RESULT_FILE, result, world)
+        print(summary_line(result, world, shape, spec.run_path / "metrics.jsonl"), flush=True)
+    bootstrap.shutdown()
+    return 0
+
+
+def write_result(path: Path, result, world) -> None:
+    """The run's TrainResult as flat JSON (evaluation measures at the top level), replaced atomically."""
+    from hpc.checkpoint.format import write_json
+
+    record: dict[str, object] = {}
+    for key, value in dataclasses.asdict(result).items():
+        record.update(value if isinstance(value, Mapping) else {key: value})
+    write_json(path, {**record, "world_size": world.size, "job_id": world.info.job_id})
 
 
 if __name__ == "__main__":

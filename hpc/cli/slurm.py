@@ -1,0 +1,268 @@
+"""``hpc submit``, ``status``, ``logs``, ``cancel`` and ``sweep``: job specs on Slurm, sweeps also on local ranks.
+
+Nothing heavy at module level (``hpc --help`` stays instant): slurm.* and submitit are
+imported by the handlers. Every check that can fail (the spec, the resources, the layout,
+each config of a sweep) runs before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from hpc.errors import ConfigError, RankFailedError
+
+# (option, type, help): each overrides the spec's slurm.<option>.
+RESOURCES = (
+    ("nodes", int, "nodes"),
+    ("ntasks_per_node", int, "ranks per node"),
+    ("gpus_per_node", int, "GPUs per node"),
+    ("cpus_per_task", int, "CPUs per rank"),
+    ("mem", str, "memory per node, e.g. 64G"),
+    ("partition", str, "partition"),
+    ("time", str, "time limit, e.g. 02:00:00 or 1-00:00:00"),
+    ("account", str, "account to charge"),
+    ("qos", str, "quality of service"),
+    ("constraint", str, "node features, e.g. a100"),
+)
+JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")
+SWEEP_VIEWS = ("status", "results")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    submit = commands.add_parser("submit", help="submit a job spec to Slurm (sbatch via submitit, one task per rank)")
+    submit.add_argument("spec", help="job spec (TOML); resources come from its [slurm] section")
+    for name, kind, what in RESOURCES:
+        submit.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"{what} (default: slurm.{name})")
+    submit.add_argument("--setup", action="append", metavar="LINE",
+                        help="a command run before the ranks start, e.g. 'module load cuda/12' (repeatable; "
+                             "replaces slurm.setup; arguments are literal: no $VAR, ';' or pipes)")
+    _add_run_options(submit, "print the sbatch script and submit nothing")
+    submit.set_defaults(handler=cmd_submit)
+
+    status = commands.add_parser("status", help="state, elapsed time, nodes, last step and loss of submitted jobs")
+    status.add_argument("job", nargs="?", help="a job id, or A_T for one array task (default: recent jobs)")
+    status.set_defaults(handler=cmd_status)
+
+    logs = commands.add_parser("logs", help="print a rank's log of a submitted job")
+    logs.add_argument("job", help="job id, or A_T for one array task")
+    logs.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    logs.set_defaults(handler=cmd_logs)
+
+    cancel = commands.add_parser("cancel", help="cancel a Slurm job (scancel)")
+    cancel.add_argument("job", help="job id, or A_T for one array task")
+    cancel.set_defaults(handler=cmd_cancel)
+
+    sweep = commands.add_parser(
+        "sweep", help="run a sweep as one Slurm job array or on local ranks; show its status or results",
+        usage="hpc sweep SWEEP.toml [--executor slurm|local] [--set KEY=VALUE] [--dry-run]\n"
+              "       hpc sweep status DIR\n       hpc sweep results DIR")
+    sweep.add_argument("target", metavar="SWEEP.toml|status|results", help="a sweep file to run, or a view")
+    sweep.add_argument("dir", nargs="?", help="with status or results: the sweep directory")
+    sweep.add_argument("--executor", choices=("slurm", "local"),
+                       help="slurm: one job array (default); local: one config after the other on local ranks")
+    _add_run_options(sweep, "print the sbatch script (or the local command lines) and run nothing")
+    sweep.set_defaults(handler=cmd_sweep)
+
+
+def _add_run_options(parser: argparse.ArgumentParser, dry_run_help: str) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a spec value, e.g. --set train.lr=3e-4 (repeatable)")
+    parser.add_argument("--dry-run", action="store_true", help=dry_run_help)
+
+
+def _rank_argv(spec_path: str, overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """hpc-rank's arguments: the spec by absolute path (the job may start in another directory)."""
+    return [os.path.abspath(spec_path), *(arg for override in overrides for arg in ("--set", override))]
+
+
+def _with_resources(spec, args: argparse.Namespace):
+    """The spec with the resource options applied, checked like the spec itself."""
+    from hpc.config import spec_from_dict, spec_to_dict
+
+    given = {name: getattr(args, name) for name, _, _ in RESOURCES if getattr(args, name) is not None}
+    if args.setup is not None:
+        given["setup"] = args.setup
+    if not given:
+        return spec
+    data = spec_to_dict(spec)
+    data["slurm"].update(given)
+    return spec_from_dict(data, "hpc submit options")
+
+
+def _ranks(spec) -> int:
+    return spec.slurm.nodes * spec.slurm.ntasks_per_node
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from hpc.cli.main import check_layout
+    from hpc.config import load_spec
+    from slurm import jobs, submit
+
+    spec = _with_resources(load_spec(args.spec, args.overrides), args)
+    ranks = _ranks(spec)
+    check_layout(spec, ranks)
+    folder = spec.run_path.absolute() / "slurm"
+    executor = submit.make_executor(folder, spec.slurm, spec.job.name)
+    if args.dry_run:
+        print(submit.sbatch_script(executor), end="")
+        return 0
+    job_id = submit.submit(executor, _rank_argv(args.spec, args.overrides))
+    jobs.Registry.default().add(jobs.JobRecord(job_id, spec.job.name, ranks, str(folder),
+                                               (str(spec.run_path.absolute()),)))
+    nodes = spec.slurm.nodes
+    print(f"submitted job {job_id}: {spec.job.name}, {ranks} rank{'s' * (ranks > 1)} on {nodes} "
+          f"node{'s' * (nodes > 1)}")
+    last = f" ... {submit.log_path(folder, job_id, ranks - 1).name} (one per rank)" if ranks > 1 else ""
+    print(f"logs: {submit.log_path(folder, job_id, 0)}{last}")
+    print(f"then: hpc status {job_id} | hpc logs {job_id} --follow | hpc cancel {job_id}")
+    return 0
+
+
+def _job_id(text: str) -> str:
+    if not JOB_ID.fullmatch(text):
+        raise ConfigError(f"{text!r} is not a job id (digits, or A_T for an array task)")
+    return text
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from slurm import jobs
+
+    registry = jobs.Registry.default()
+    records = [registry.get(_job_id(args.job))] if args.job else registry.recent()
+    if not records:
+        print(f"no jobs submitted from here yet (records go to {registry.root})")
+        return 0
+    rows = jobs.status_rows(records, jobs.sacct_states(r.job_id for r in records))
+    if args.job and "_" in args.job:
+        rows = [row for row in rows if row[0] == args.job]
+    print(jobs.format_table(jobs.STATUS_HEADER, rows))
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from slurm import jobs, submit
+
+    job_id = _job_id(args.job)
+    record = jobs.Registry.default().get(job_id)
+    record.run_path(job_id)  # an array needs a task, a plain job none
+    if not 0 <= args.rank < record.ranks:
+        raise ConfigError(f"--rank {args.rank}: job {job_id} has ranks 0 to {record.ranks - 1}")
+    path = submit.log_path(Path(record.log_dir), job_id, args.rank)
+    if args.follow:
+        jobs.follow(path, lambda: jobs.sacct_states([job_id]).get(job_id, {}).get("State") in jobs.DONE_STATES)
+    elif path.exists():
+        sys.stdout.write(path.read_text(errors="replace"))
+    else:
+        raise jobs.JobLookupError(f"no log yet: {path} (has job {job_id} started? hpc status {job_id})")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from slurm import jobs
+
+    job_id = _job_id(args.job)
+    jobs.slurm_command(["scancel", job_id])
+    print(f"cancelled job {job_id}")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    if args.target in SWEEP_VIEWS:
+        if args.dir is None:
+            raise ConfigError(f"hpc sweep {args.target} needs the sweep directory")
+        if args.executor or args.overrides or args.dry_run:
+            raise ConfigError("--executor, --set and --dry-run apply to running a sweep, not to viewing one")
+        return show_sweep(Path(args.dir), ranked=args.target == "results")
+    if args.dir is not None:
+        raise ConfigError(f"unexpected argument {args.dir!r}: hpc sweep SWEEP.toml takes no directory")
+    return run_sweep(args)
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from hpc.cli.main import check_layout
+    from slurm import sweep as sweeps
+
+    sweep = sweeps.load_sweep(args.target)
+    directory, planned = sweeps.plan(sweep, args.overrides)
+    ranks = _ranks(planned[0][1])  # slurm.* is never swept: every task has the same resources
+    for task, spec in planned:
+        try:
+            check_layout(spec, ranks)
+        except ConfigError as exc:
+            raise type(exc)(f"{sweep.source}: config {task.index}: {exc}") from None
+    if (directory / sweeps.MANIFEST).exists() and not args.dry_run:
+        raise ConfigError(f"{directory} already holds a sweep: remove it, or give this one another sweep.name or "
+                          "sweep.dir")
+    tasks = [task for task, _ in planned]
+    argvs = [_rank_argv(str(sweep.base), task.overrides) for task in tasks]
+    if (args.executor or "slurm") == "slurm":
+        return _submit_sweep(sweep, directory, tasks, argvs, planned[0][1], args.dry_run)
+    return _run_sweep_locally(sweep, directory, tasks, argvs, ranks, args.dry_run)
+
+
+def _submit_sweep(sweep, directory: Path, tasks, argvs, spec, dry_run: bool) -> int:
+    from slurm import jobs, submit
+    from slurm import sweep as sweeps
+
+    folder = directory / "slurm"
+    executor = submit.make_executor(folder, spec.slurm, sweep.name, array_parallelism=sweep.settings.max_concurrent)
+    if dry_run:
+        print(submit.sbatch_script(executor, array_size=len(tasks)), end="")
+        print("\n# array tasks (hpc-rank arguments):")
+        print("\n".join(f"# {task.index}: {shlex.join(argv)}" for task, argv in zip(tasks, argvs, strict=True)))
+        return 0
+    job_id = submit.submit_array(executor, argvs)
+    ranks = _ranks(spec)
+    sweeps.write_manifest(directory, sweep, tasks, "slurm", ranks, job_id)
+    jobs.Registry.default().add(jobs.JobRecord(job_id, sweep.name, ranks, str(folder),
+                                               tuple(str(t.run_path) for t in tasks), array=True))
+    print(f"submitted sweep {sweep.name}: {len(tasks)} configs as job array {job_id} "
+          f"(at most {sweep.settings.max_concurrent} at once, {ranks} rank{'s' * (ranks > 1)} each)")
+    print(f"then: hpc sweep status {directory} | hpc sweep results {directory}")
+    return 0
+
+
+def _run_sweep_locally(sweep, directory: Path, tasks, argvs, ranks: int, dry_run: bool) -> int:
+    """One config after the other, each on ``ranks`` local ranks exactly as ``hpc run --launcher local``."""
+    from hpc.cli.main import launch_ranks
+    from slurm import sweep as sweeps
+
+    if dry_run:
+        for task, argv in zip(tasks, argvs, strict=True):
+            print(f"# task {task.index}: {ranks} local rank{'s' * (ranks > 1)} of")
+            print(shlex.join([sys.executable, "-m", "hpc.cli.rank", *argv]))
+        return 0
+    sweeps.write_manifest(directory, sweep, tasks, "local", ranks)
+    for task, argv in zip(tasks, argvs, strict=True):
+        print(f"sweep {sweep.name}: task {task.index + 1}/{len(tasks)}: "
+              f"{' '.join(sweeps.as_overrides(task.params))}", flush=True)
+        try:
+            launch_ranks(ranks, (sys.executable, "-m", "hpc.cli.rank", *argv), "local", [], None, "plain", False)
+        except RankFailedError as exc:
+            sweeps.record_outcome(directory, task.index, "FAILED", str(exc))
+            print(f"sweep {sweep.name}: task {task.index} failed: {exc}", file=sys.stderr, flush=True)
+        else:
+            sweeps.record_outcome(directory, task.index, "COMPLETED")
+    return show_sweep(directory, ranked=True)
+
+
+def show_sweep(directory: Path, ranked: bool) -> int:
+    """Print the sweep's table; non-zero when a task failed, so scripts notice."""
+    from slurm import jobs
+    from slurm import sweep as sweeps
+
+    manifest = sweeps.read_manifest(directory)
+    sacct = jobs.sacct_states([manifest["job_id"]]) if manifest["job_id"] else {}
+    states = sweeps.task_states(manifest, sacct)
+    header, rows = sweeps.table(manifest, states, ranked)
+    counts = ", ".join(f"{states.count(state)} {state.lower()}" for state in dict.fromkeys(states))
+    where = f"job array {manifest['job_id']}" if manifest["job_id"] else "local ranks"
+    print(f"sweep {manifest['name']} ({where}): {counts}")
+    print(jobs.format_table(header, rows))
+    return 1 if any(state in jobs.FAILED_STATES for state in states) else 0

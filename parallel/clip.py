@@ -1,0 +1,46 @@
+"""Global gradient-norm clipping for a model split over tensor- and pipeline-parallel ranks.
+
+The norm must be the single-device model's. Each rank adds up the squares of the
+gradients only it holds: its TP shards, and the tensors replicated over the TP group
+(LayerNorms, row-parallel biases) on one of their holders only. The sum is all-reduced
+over the groups whose ranks hold different parts of the model, TP and PP; DP replicas
+hold identical gradients once reduced, so they are left out. Every rank then scales by
+the same factor. The local arithmetic is torch's own (``get_total_norm``,
+``clip_grads_with_norm_``), so a single process clips exactly as ``clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    counted: Iterable[torch.Tensor],
+    groups: Sequence[ProcessGroup] = (),
+) -> float:
+    """Scale this rank's gradients so the global 2-norm is at most ``max_norm``; returns the norm before.
+
+    ``counted`` are the parameters whose gradients this rank contributes to the norm
+    (each part of the model counted by exactly one rank across ``groups``); all of
+    ``parameters`` are scaled. Collective over each group of ``groups`` with more than one rank.
+    """
+    grads = [p.grad for p in counted if p.grad is not None]
+    local = get_total_norm(grads) if grads else torch.zeros(())
+    shared = [group for group in groups if dist.get_world_size(group) > 1]
+    if shared:
+        squares = local.double().square()
+        for group in shared:
+            dist.all_reduce(squares, group=group)
+        total = squares.sqrt().to(local.dtype)
+    else:
+        total = local
+    clip_grads_with_norm_(list(parameters), max_norm, total)
+    return total.item()

@@ -1,0 +1,190 @@
+"""What ``hpc status``, ``hpc logs`` and ``hpc cancel`` need: submitted jobs, their Slurm states, their files.
+
+Slurm knows a job's state but not where our job keeps its logs and metrics (sacct has no
+output path, and comments are not stored by default), so ``hpc submit`` and ``hpc sweep``
+record each job in a registry: one JSON file per job under ``$HPC_HOME/jobs`` (default
+``~/.hpc/jobs``) on the submitting machine. States come from sacct, which keeps finished
+jobs too (squeue forgets them within minutes); submitit's own sacct parser reads its output,
+array ranges such as ``12_[3-5%2]`` included.
+
+Run directories hold what the ranks write: ``metrics.jsonl`` (one line per step, rank 0)
+and ``result.json`` (the final measures, written by ``hpc-rank`` when training ends).
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from hpc.checkpoint.format import write_json
+from hpc.cli.rank import RESULT_FILE
+from hpc.errors import HpcError
+
+METRICS_FILE = "metrics.jsonl"
+SACCT_FIELDS = ("JobID", "JobName", "State", "Elapsed", "NodeList", "ExitCode")
+DONE_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
+                         "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
+FAILED_STATES = DONE_STATES - {"COMPLETED"}
+
+
+class JobLookupError(HpcError):
+    """A job id that was not submitted from here, or a Slurm command that failed."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One submission: a job, or a job array whose task i runs in ``run_paths[i]``."""
+
+    job_id: str
+    name: str
+    ranks: int  # per task
+    log_dir: str
+    run_paths: tuple[str, ...]
+    array: bool = False
+
+    def run_path(self, job_id: str) -> Path:
+        """The run directory of ``job_id``: this job, or one task ``A_T`` of this array."""
+        _, _, task = job_id.partition("_")
+        if self.array != bool(task):
+            wanted = f"a task of array {self.job_id}, e.g. {self.job_id}_0" if self.array else f"job {self.job_id}"
+            raise JobLookupError(f"{job_id}: name {wanted}")
+        index = int(task) if task else 0
+        if not 0 <= index < len(self.run_paths):
+            raise JobLookupError(f"array {self.job_id} has tasks 0 to {len(self.run_paths) - 1}, not {task}")
+        return Path(self.run_paths[index])
+
+    def task_ids(self) -> list[str]:
+        return [f"{self.job_id}_{i}" for i in range(len(self.run_paths))] if self.array else [self.job_id]
+
+
+class Registry:
+    """Jobs submitted from this machine, one JSON file each."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @classmethod
+    def default(cls, environ: Mapping[str, str] = os.environ) -> Registry:
+        home = environ.get("HPC_HOME") or str(Path("~/.hpc").expanduser())
+        return cls(Path(home) / "jobs")
+
+    def add(self, record: JobRecord) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_json(self.root / f"{record.job_id}.json", dataclasses.asdict(record))
+
+    def get(self, job_id: str) -> JobRecord:
+        """The record of a job id, or of the array an ``A_T`` task id belongs to."""
+        base = job_id.partition("_")[0]
+        path = self.root / f"{base}.json"
+        if not base.isdigit() or not path.exists():
+            raise JobLookupError(f"job {job_id} was not submitted with hpc submit or hpc sweep from here "
+                                 f"(no record in {self.root})")
+        return _record(json.loads(path.read_text()))
+
+    def recent(self, limit: int = 20) -> list[JobRecord]:
+        paths = sorted(self.root.glob("*.json"), key=lambda p: int(p.stem), reverse=True) if self.root.exists() else []
+        return [_record(json.loads(p.read_text())) for p in paths[:limit]]
+
+
+def _record(data: dict) -> JobRecord:
+    return JobRecord(**{**data, "run_paths": tuple(data["run_paths"])})
+
+
+def slurm_command(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> str:
+    """Run a Slurm client command; its error becomes one line."""
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, env=environ, timeout=60)
+    except FileNotFoundError:
+        raise JobLookupError(f"{argv[0]} not found: is this a Slurm login node?") from None
+    if done.returncode != 0:
+        message = (done.stderr or done.stdout).strip().splitlines()
+        raise JobLookupError(f"{argv[0]} failed: {message[-1] if message else f'exit status {done.returncode}'}")
+    return done.stdout
+
+
+def sacct_states(job_ids: Iterable[str], environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """sacct's fields for every job and array task of ``job_ids``, keyed ``"12"`` or ``"12_3"``.
+
+    ``State`` is one word (sacct writes ``CANCELLED by 0``); jobs sacct does not know yet are absent.
+    """
+    from submitit.slurm.slurm import SlurmInfoWatcher
+
+    bases = sorted({job_id.partition("_")[0] for job_id in job_ids})
+    if not bases:
+        return {}
+    out = slurm_command(["sacct", "-X", "--parsable2", "-o", ",".join(SACCT_FIELDS), "-j", ",".join(bases)], environ)
+    info = SlurmInfoWatcher().read_info(out)
+    return {job_id: {**fields, "State": fields["State"].split(" ")[0]} for job_id, fields in info.items()}
+
+
+def last_metrics(run_path: Path) -> dict | None:
+    """The last step rank 0 logged, or None before the first."""
+    path = run_path / METRICS_FILE
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 4096))
+            lines = handle.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:  # the first line read may be cut, the last one half written
+            continue
+    return None
+
+
+def read_result(run_path: Path) -> dict | None:
+    path = run_path / RESULT_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def status_rows(records: Sequence[JobRecord], states: Mapping[str, Mapping[str, str]]) -> list[list[str]]:
+    """One row per job or array task: id, name, state, elapsed, nodes, last step, last loss."""
+    rows = []
+    for record in records:
+        for job_id in record.task_ids():
+            fields = states.get(job_id, {})
+            metrics = last_metrics(record.run_path(job_id)) or {}
+            rows.append([job_id, record.name, fields.get("State", "UNKNOWN"), fields.get("Elapsed", "-"),
+                         fields.get("NodeList", "-"), str(metrics.get("step", "-")),
+                         f"{metrics['loss']:.4f}" if "loss" in metrics else "-"])
+    return rows
+
+
+STATUS_HEADER = ("JOB", "NAME", "STATE", "ELAPSED", "NODES", "STEP", "LOSS")
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns as wide as their widest cell."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    lines = ("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)) for row in (header, *rows))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def follow(path: Path, finished: Callable[[], bool], out: TextIO = sys.stdout, poll_s: float = 0.5) -> None:
+    """Print ``path`` and what is appended to it until the job is over (``tail -f`` that knows when to stop)."""
+    offset = 0
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span two reads
+    while True:
+        over = finished()  # asked before reading, so the last lines written before the end are printed
+        if path.exists():
+            with path.open("rb") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+            offset += len(chunk)
+            out.write(decoder.decode(chunk))
+            out.flush()
+        if over:
+            return
+        time.sleep(poll_s)

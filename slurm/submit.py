@@ -1,0 +1,153 @@
+"""A job spec's ``[slurm]`` section as an sbatch script, through submitit; one srun task per rank.
+
+submitit writes the script (``#SBATCH`` lines from the parameters, the setup lines, then
+``srun ... python -m submitit.core._submit FOLDER``), submits it with sbatch, and in every
+task unpickles and calls :func:`run_rank`: ``hpc-rank SPEC --set ...`` in-process, which
+joins through ``hpc.init`` from the SLURM_* variables srun sets, exactly as ``srun hpc-rank``
+does. Each rank logs stdout and stderr to one file, ``FOLDER/<job>_<rank>_log.out``
+(``<array job>_<task>`` in place of ``<job>`` for array tasks); appended to, so a requeued
+job continues its logs.
+
+Quoting: submitit quotes the ``#SBATCH`` values and paths; the rank's arguments travel in
+the pickle, not in the script. Setup lines are shell written by users, so each is split into
+words and joined back quoted (shlex): a line runs as one command with literal arguments, and
+``$(...)``, backticks, ``;``, pipes, globs or ``$VAR`` in it are plain text. Anything fancier
+belongs in a script that a setup line sources. Nothing from the submitting environment is
+written into the script (sbatch passes it on by itself).
+
+Runs on login nodes: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hpc.config import SlurmConfig
+from hpc.errors import ConfigError, HpcError
+
+# srun: one dead rank ends the step at once instead of leaving the others in a collective.
+SRUN_ARGS = ("--kill-on-bad-exit=1",)
+WARNING_SIGNAL = "USR1"  # see hpc/preemption.py
+
+
+class SubmitError(HpcError):
+    """sbatch refused the job, or Slurm is not there to ask."""
+
+
+def time_minutes(limit: str) -> int:
+    """A Slurm time limit (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``) in whole minutes, rounded up.
+
+    submitit computes with ``time`` as minutes, so it gets a number rather than Slurm's text.
+    """
+    days, dash, clock = limit.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if dash:  # D-HH, D-HH:MM, D-HH:MM:SS
+        hours, minutes, seconds = [*parts, 0, 0][:3]
+        hours += 24 * int(days)
+    elif len(parts) == 3:  # HH:MM:SS
+        hours, minutes, seconds = parts
+    else:  # MM, MM:SS
+        hours, (minutes, seconds) = 0, [*parts, 0][:2]
+    return math.ceil((hours * 3600 + minutes * 60 + seconds) / 60)
+
+
+def quote_setup(lines: Sequence[str]) -> list[str]:
+    """Each setup line as one command with literal, quoted arguments (see the module docs)."""
+    quoted = []
+    for line in lines:
+        try:
+            words = shlex.split(line)
+        except ValueError as exc:
+            raise ConfigError(f"slurm.setup line {line!r}: {exc}") from None
+        if words:
+            quoted.append(shlex.join(words))
+    return quoted
+
+
+def executor_parameters(slurm: SlurmConfig, name: str, array_parallelism: int | None = None) -> dict[str, Any]:
+    """submitit's ``update_parameters`` for a spec's resources; unset optional resources stay out of the script."""
+    params: dict[str, Any] = {
+        "job_name": name,
+        "nodes": slurm.nodes,
+        "ntasks_per_node": slurm.ntasks_per_node,
+        "cpus_per_task": slurm.cpus_per_task,
+        "time": time_minutes(slurm.time),
+        "signal_delay_s": slurm.signal_delay_s,
+        "stderr_to_stdout": True,
+        "srun_args": list(SRUN_ARGS),
+        "wckey": None,  # submitit's default tags every job "submitit"
+        # Ours, not submitit's USR2; requeue: also after a node failure.
+        "additional_parameters": {"signal": f"{WARNING_SIGNAL}@{slurm.signal_delay_s}", "requeue": True},
+    }
+    optional = {"gpus_per_node": slurm.gpus_per_node or None, "mem": slurm.mem, "partition": slurm.partition,
+                "account": slurm.account, "qos": slurm.qos, "constraint": slurm.constraint}
+    params.update({key: value for key, value in optional.items() if value})
+    setup = quote_setup(slurm.setup)
+    if setup:
+        params["setup"] = ["set -e  # a failed setup line ends the job", *setup]
+    if array_parallelism is not None:
+        params["array_parallelism"] = array_parallelism
+    return params
+
+
+def make_executor(folder: Path, slurm: SlurmConfig, name: str, array_parallelism: int | None = None):
+    """A submitit SlurmExecutor writing into ``folder`` (which must be shared by every node)."""
+    import submitit
+
+    try:
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
+    except RuntimeError as exc:  # submitit's "Could not detect srun"
+        raise SubmitError(f"Slurm is not available here: {exc}") from None
+    executor.update_parameters(**executor_parameters(slurm, name, array_parallelism))
+    return executor
+
+
+def sbatch_script(executor, array_size: int | None = None) -> str:
+    """The script ``submit`` (or ``submit_array`` of ``array_size`` tasks) would hand to sbatch, for ``--dry-run``.
+
+    submitit has no public dry run: this is the function its own submission writes the file with,
+    given the parameters it adds for an array.
+    """
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = {**executor.parameters, **({"map_count": array_size} if array_size else {})}
+    return _make_sbatch_string(command=executor._submitit_command_str, folder=executor.folder, **params)
+
+
+def submit(executor, argv: Sequence[str]) -> str:
+    """Submit one job of ``ntasks`` ranks running ``hpc-rank ARGV``; returns its job id."""
+    return _submitted(lambda: [executor.submit(run_rank, list(argv))])[0]
+
+
+def submit_array(executor, argvs: Sequence[Sequence[str]]) -> str:
+    """Submit one job array, task i running ``hpc-rank ARGVS[i]``; returns the array's job id."""
+    job_ids = _submitted(lambda: executor.map_array(run_rank, [list(argv) for argv in argvs]))
+    return job_ids[0].partition("_")[0]
+
+
+def _submitted(submission) -> list[str]:
+    from submitit.core.utils import FailedJobError
+
+    try:
+        return [job.job_id for job in submission()]
+    except FailedJobError as exc:  # sbatch's own message, e.g. "Requested node configuration is not available"
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        raise SubmitError(f"sbatch refused the job: {lines[-1] if lines else exc}") from None
+
+
+def log_path(folder: Path, job_id: str, rank: int) -> Path:
+    """Where rank ``rank`` of job ``job_id`` (``A_T`` for an array task) logs; see submitit's JobPaths."""
+    return folder / f"{job_id}_{rank}_log.out"
+
+
+def run_rank(argv: list[str]) -> None:
+    """What every srun task runs (submitit pickles a reference to it): one rank, as ``hpc-rank ARGV``."""
+    from hpc.cli import rank
+
+    status = rank.main(argv)
+    if status:
+        raise SystemExit(status)  # past submitit's error handling: the task ends with this status

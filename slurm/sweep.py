@@ -1,0 +1,244 @@
+"""Sweeps: a base job spec plus a search over dotted keys, expanded into configs, one run directory each.
+
+A sweep file (``jobs/examples/sweep.toml``)::
+
+    [sweep]
+    base = "mlp.toml"          # the job spec, relative to this file
+    method = "grid"            # grid | random | zip
+    metric = "final_loss"      # a key of each task's result.json; goal = "min" or "max"
+    max_concurrent = 2         # array tasks running at once
+
+    [params]
+    "train.lr" = [0.1, 0.05]
+    "model.hidden_sizes" = [[64], [128, 64]]
+    "train.momentum" = {uniform = [0.0, 0.9]}   # random only: uniform, log_uniform
+
+grid is the product of the lists (the last key varies fastest), zip pairs them up, random
+draws ``samples`` configs with ``random.Random(seed)``: one item of a list, or a value of a
+range. :func:`expand` is pure. Config i runs as the base spec with its values as ``--set``
+overrides in ``DIR/task-i`` (``job.run_dir`` and ``job.name`` are the sweep's), where the
+ranks write ``metrics.jsonl`` and ``result.json``. ``DIR/sweep.json`` records the configs,
+the executor and the array's job id; ``hpc sweep status|results DIR`` read it, the result
+files and, for Slurm, sacct.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc.checkpoint.format import write_json
+from hpc.config import JobSpec, SweepConfig, load_spec, read_toml, table_from_dict
+from hpc.errors import ConfigError
+from slurm.jobs import FAILED_STATES, last_metrics, read_result
+
+MANIFEST = "sweep.json"
+DISTRIBUTIONS = ("uniform", "log_uniform")
+RESERVED = ("job.name", "job.run_dir")  # each task's own run directory
+
+
+@dataclass(frozen=True)
+class Sweep:
+    settings: SweepConfig
+    params: tuple[tuple[str, Any], ...]  # (dotted key, list of values or {distribution: [low, high]})
+    source: Path  # the sweep file
+
+    @property
+    def base(self) -> Path:
+        return (self.source.parent / self.settings.base).resolve()
+
+    @property
+    def name(self) -> str:
+        return self.settings.name or self.source.stem
+
+
+@dataclass(frozen=True)
+class Task:
+    index: int
+    params: dict[str, Any]
+    run_path: Path
+    overrides: tuple[str, ...]  # every --set of the task, the sweep's own included
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Read and check a sweep file (the configs themselves are checked against the base spec by :func:`plan`)."""
+    source = Path(path)
+    data = read_toml(source, "sweep file")
+    unknown = sorted(set(data) - {"sweep", "params"})
+    if unknown:
+        raise ConfigError(f"{source}: unknown table {unknown[0]} (valid: sweep, params)")
+    settings = table_from_dict(SweepConfig, data.get("sweep", {}), "sweep", str(source))
+    if not settings.base:
+        raise ConfigError(f"{source}: sweep.base must name the job spec to start from")
+    params = tuple(_flatten(data.get("params", {})))
+    if not params:
+        raise ConfigError(f"{source}: [params] is empty: nothing to search")
+    for key, values in params:
+        _check_param(source, settings.method, key, values)
+    if settings.method == "zip" and len({len(values) for _, values in params}) > 1:
+        lengths = ", ".join(f"{key}: {len(values)}" for key, values in params)
+        raise ConfigError(f"{source}: zip needs lists of one length, got {lengths}")
+    return Sweep(settings, params, source)
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``"train.lr" = [...]`` and ``[params.train] lr = [...]`` alike, as dotted keys."""
+    for key, value in table.items():
+        if isinstance(value, dict) and not (len(value) == 1 and next(iter(value)) in DISTRIBUTIONS):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _check_param(source: Path, method: str, key: str, values: Any) -> None:
+    where = f"{source}: params.{key}"
+    if key.startswith("slurm.") or key in RESERVED:
+        raise ConfigError(f"{where}: {key} is set by the sweep itself (every array task gets the same resources "
+                          "and its own run directory)")
+    if isinstance(values, dict):
+        (kind, bounds), = values.items()
+        if method != "random":
+            raise ConfigError(f"{where}: a {kind} range needs method = \"random\" ({method} takes lists)")
+        numbers = isinstance(bounds, list) and len(bounds) == 2 and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
+        if not numbers or not bounds[0] < bounds[1] or (kind == "log_uniform" and bounds[0] <= 0):
+            low = "0 < low" if kind == "log_uniform" else "low"
+            raise ConfigError(f"{where}: {kind} takes [low, high] with {low} < high, got {bounds!r}")
+    elif not isinstance(values, list) or not values:
+        raise ConfigError(f"{where}: expected a non-empty list of values or, for random, "
+                          f"{{uniform = [low, high]}} or {{log_uniform = [low, high]}}; got {values!r}")
+
+
+def expand(sweep: Sweep) -> list[dict[str, Any]]:
+    """Every config of the sweep, as {dotted key: value}, in a fixed order."""
+    keys = [key for key, _ in sweep.params]
+    values = [value for _, value in sweep.params]
+    method = sweep.settings.method
+    if method == "grid":
+        return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
+    if method == "zip":
+        return [dict(zip(keys, combo, strict=True)) for combo in zip(*values, strict=True)]
+    rng = random.Random(sweep.settings.seed)
+    return [{key: _draw(value, rng) for key, value in sweep.params} for _ in range(sweep.settings.samples)]
+
+
+def _draw(values: Any, rng: random.Random) -> Any:
+    if isinstance(values, list):
+        return rng.choice(values)
+    (kind, (low, high)), = values.items()
+    if kind == "log_uniform":
+        return math.exp(rng.uniform(math.log(low), math.log(high)))
+    return rng.uniform(low, high)
+
+
+def as_overrides(config: Mapping[str, Any]) -> list[str]:
+    """``--set`` strings, whose values hpc.config reads back as TOML."""
+    return [f"{key}={toml_value(value)}" for key, value in config.items()]
+
+
+def toml_value(value: Any) -> str:
+    """A TOML literal. Hand-written because JSON, TOML for numbers, booleans and lists, writes strings
+    TOML rejects (characters past U+FFFF as surrogate pairs, DEL unescaped); tomli-w is no dependency of ours."""
+    if isinstance(value, str):
+        return '"' + "".join(_TOML_ESCAPES.get(ch, ch) for ch in value) + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    return json.dumps(value)
+
+
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", **{chr(c): f"\\u{c:04x}" for c in (*range(0x20), 0x7F)}}
+
+
+def plan(sweep: Sweep, overrides: Sequence[str] = ()) -> tuple[Path, list[tuple[Task, JobSpec]]]:
+    """The sweep directory and every task with its spec, each config checked against the base spec.
+
+    ``overrides`` (``hpc sweep --set``) apply to every task, before its own values.
+    """
+    base = load_spec(sweep.base, overrides)
+    directory = Path(sweep.settings.dir or Path(base.job.run_dir) / sweep.name).absolute()
+    configs = expand(sweep)
+    width = max(3, len(str(len(configs) - 1)))
+    planned = []
+    for index, config in enumerate(configs):
+        run_path = directory / f"task-{index:0{width}d}"
+        own = as_overrides({**config, "job.run_dir": str(directory), "job.name": run_path.name})
+        task = Task(index, config, run_path, (*overrides, *own))
+        try:
+            spec = load_spec(sweep.base, task.overrides)
+        except ConfigError as exc:
+            raise ConfigError(f"{sweep.source}: config {index} ({_describe(config)}): {exc}") from None
+        planned.append((task, spec))
+    return directory, planned
+
+
+def _describe(config: Mapping[str, Any]) -> str:
+    return ", ".join(as_overrides(config))
+
+
+def write_manifest(directory: Path, sweep: Sweep, tasks: Sequence[Task], executor: str, ranks: int,
+                   job_id: str | None = None) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    write_json(directory / MANIFEST, {
+        "name": sweep.name, "source": str(sweep.source.resolve()), "base": str(sweep.base),
+        "settings": dataclasses.asdict(sweep.settings), "executor": executor, "job_id": job_id, "ranks": ranks,
+        "tasks": [{"index": t.index, "params": t.params, "run_path": str(t.run_path), "overrides": list(t.overrides)}
+                  for t in tasks],
+    })
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST
+    if not path.exists():
+        raise ConfigError(f"{directory}: not a sweep directory (no {MANIFEST})")
+    return json.loads(path.read_text())
+
+
+def record_outcome(directory: Path, index: int, state: str, error: str | None = None) -> None:
+    """What the local executor learnt about task ``index`` (Slurm's tasks are in sacct)."""
+    manifest = read_manifest(directory)
+    manifest["tasks"][index].update({"state": state, "error": error})
+    write_json(directory / MANIFEST, manifest)
+
+
+def task_states(manifest: Mapping[str, Any], sacct: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """Each task's state: sacct's for an array task, else what the local executor recorded, else from its files."""
+    job_id, states = manifest["job_id"], []
+    for task in manifest["tasks"]:
+        known = sacct.get(f"{job_id}_{task['index']}", {}).get("State") if job_id else task.get("state")
+        states.append(known or ("COMPLETED" if read_result(Path(task["run_path"])) else "PENDING"))
+    return states
+
+
+def table(manifest: Mapping[str, Any], states: Sequence[str], ranked: bool) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): one row per task; ranked: completed tasks best first by the metric, the rest after."""
+    metric, goal = manifest["settings"]["metric"], manifest["settings"]["goal"]
+    keys = list(manifest["tasks"][0]["params"]) if manifest["tasks"] else []
+    rows = []
+    for task, state in zip(manifest["tasks"], states, strict=True):
+        run_path = Path(task["run_path"])
+        result = read_result(run_path) or {}
+        metrics = last_metrics(run_path) or {}
+        value = result.get(metric)
+        if result and value is None:
+            raise ConfigError(f"sweep.metric {metric!r} is not in {run_path / 'result.json'} "
+                              f"(it has {', '.join(sorted(result))})")
+        marked = f"{state} !" if state in FAILED_STATES else state
+        cells = [task["index"], marked, *(toml_value(task["params"][k]) for k in keys),
+                 metrics.get("step", "-"), _number(metrics.get("loss")), _number(value)]
+        rows.append((value, task["index"], [str(c) for c in cells]))
+    if ranked:
+        sign = 1 if goal == "min" else -1
+        rows.sort(key=lambda r: (r[0] is None, sign * r[0] if r[0] is not None else 0, r[1]))
+    header = ["TASK", "STATE", *keys, "STEP", "LOSS", f"{metric} ({goal})"]
+    return header, [cells for _, _, cells in rows]
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"

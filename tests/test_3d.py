@@ -1,0 +1,235 @@
+"""The GPT under DP x TP x PP must train exactly like one process on the whole batch.
+
+Every layout runs the real training loop (``jobs.train.train``) for 10 steps of Adam
+with gradient clipping active, fp32 and no compression, from the same seed. Losses
+and gradient norms are read back from rank 0's metrics file; each rank returns its
+parameters as pieces of the single-device tensors (what a checkpoint would write),
+which are assembled and compared with the single-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpc.config import load_spec, spec_from_dict
+from hpc.mesh import MeshShape, build_mesh
+from tests.ranks import run_ranks
+
+STEPS, LR, CLIP = 10, 3e-3, 0.5
+TINY_GPT = {"kind": "gpt", "n_layers": 4, "n_heads": 2, "d_model": 32, "seq_len": 16}
+# Adam divides each gradient by its running RMS, so a rounding difference (the summation
+# order differs between layouts) in a small gradient becomes an absolute update error:
+# stay under a thousandth of one Adam step (a wrong shard or a missing reduction is off by whole steps).
+PARAM_ATOL = 1e-3 * LR
+GPT_EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "gpt.toml"
+MLP_EXAMPLE = GPT_EXAMPLE.with_name("mlp.toml")
+
+
+def gpt_spec(run_dir: str, name: str, layout, schedule: str = "1f1b", microbatches: int = 1, virtual: int = 1,
+             **train):
+    dp, tp, pp = layout
+    return spec_from_dict({
+        "job": {"run_dir": run_dir, "name": name, "seed": 5},
+        "model": TINY_GPT,
+        "data": {"name": "licenses", "batch_size": 8},
+        "train": {"steps": STEPS, "lr": LR, "optimizer": "adam", "grad_clip": CLIP, "log_every": 100, **train},
+        "parallel": {"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "microbatches": microbatches,
+                     "virtual_stages": virtual},
+    })
+
+
+def pieces_as_numpy(model, mesh) -> list[tuple[str, tuple, tuple, np.ndarray]]:
+    """This rank's parameters as (name, global shape, offsets, values): torch tensors cannot outlive a rank."""
+    from jobs.state import model_pieces
+
+    return [(p.name, p.global_shape, p.offsets, p.tensor.numpy().copy())
+            for p in model_pieces(model, mesh.index("tp"), mesh.size("tp"))]
+
+
+def assemble(per_rank) -> dict[str, np.ndarray]:
+    """The single-device tensors from every rank's pieces; each element must come from some rank."""
+    whole: dict[str, np.ndarray] = {}
+    for pieces in per_rank:
+        for name, global_shape, offsets, values in pieces:
+            target = whole.setdefault(name, np.full(global_shape, np.nan, dtype=values.dtype))
+            target[tuple(slice(o, o + n) for o, n in zip(offsets, values.shape, strict=True))] = values
+    for name, values in whole.items():
+        assert not np.isnan(values).any(), f"no rank holds part of {name}"
+    return whole
+
+
+def _train_cases(world, run_dir: str, cases, train_options=None):
+    from jobs.train import train
+
+    results = []
+    for name, layout, schedule, microbatches, virtual in cases:
+        spec = gpt_spec(run_dir, name, layout, schedule, microbatches, virtual, **(train_options or {}).get(name, {}))
+        mesh = build_mesh(MeshShape(*layout), world.rank)
+        _, model = train(spec, world, mesh)
+        results.append(pieces_as_numpy(model, mesh))
+    return results
+
+
+def _metrics(run_dir: Path, name: str) -> tuple[list[float], list[float]]:
+    records = [json.loads(line) for line in (run_dir / name / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return [r["loss"] for r in records], [r["grad_norm"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    (pieces,) = run_ranks(1, _train_cases, str(run_dir), [("single", (1, 1, 1), "1f1b", 1, 1)], timeout=120)[0]
+    losses, norms = _metrics(run_dir, "single")
+    assert losses[-1] < losses[0] - 0.5  # it learns
+    assert max(norms) > CLIP  # clipping is active, so its global norm matters
+    return losses, norms, assemble([pieces])
+
+
+def _initial_weights() -> dict[str, np.ndarray]:
+    from jobs.gpt import build_gpt
+
+    model = build_gpt(spec_from_dict({"model": TINY_GPT}).model, seed=5)
+    return {f"model/{name}": value.detach().numpy() for name, value in model.state_dict().items()}
+
+
+def _check_matches(single_process, run_dir: Path, cases, results) -> None:
+    ref_losses, ref_norms, ref_params = single_process
+    initial = _initial_weights()
+    for number, (name, *_) in enumerate(cases):
+        losses, norms = _metrics(run_dir, name)
+        assert losses == pytest.approx(ref_losses, rel=1e-5), name
+        assert norms == pytest.approx(ref_norms, rel=1e-5), name
+        params = assemble([per_rank[number] for per_rank in results])
+        assert params.keys() == ref_params.keys()
+        for key, expected in ref_params.items():
+            np.testing.assert_allclose(params[key], expected, rtol=1e-5, atol=PARAM_ATOL, err_msg=f"{name}: {key}")
+            assert not np.array_equal(expected, initial[key]), f"{key} did not train"
+
+
+TWO_RANKS = [  # (name, (dp, tp, pp), schedule, microbatches, virtual stages)
+    ("tp2", (1, 2, 1), "1f1b", 1, 1),
+    ("pp2-gpipe", (1, 1, 2), "gpipe", 2, 1),
+    ("pp2-1f1b", (1, 1, 2), "1f1b", 4, 1),
+    ("pp2-interleaved", (1, 1, 2), "interleaved", 2, 2),
+]
+FOUR_RANKS = [
+    ("dp2-tp2", (2, 2, 1), "1f1b", 1, 1),
+    ("dp2-pp2-gpipe", (2, 1, 2), "gpipe", 2, 1),
+    ("dp2-pp2-1f1b", (2, 1, 2), "1f1b", 2, 1),
+    ("tp2-pp2-gpipe", (1, 2, 2), "gpipe", 4, 1),
+    ("tp2-pp2-1f1b", (1, 2, 2), "1f1b", 2, 1),
+]
+
+
+@pytest.mark.parametrize("cases", [TWO_RANKS, FOUR_RANKS], ids=["2-ranks", "4-ranks"])
+def test_every_layout_trains_like_one_process(single_process, tmp_path, cases) -> None:
+    world_size = math.prod(cases[0][1])
+    results = run_ranks(world_size, _train_cases, str(tmp_path), cases, timeout=300)
+    _check_matches(single_process, tmp_path, cases, results)
+
+
+def test_recomputed_blocks_train_exactly_and_bf16_autocast_closely(single_process, tmp_path) -> None:
+    ref_losses, _, ref_params = single_process
+    cases = [("recompute", (1, 1, 2), "gpipe", 2, 1), ("bf16", (1, 2, 1), "1f1b", 1, 1)]
+    options = {"recompute": {"activation_checkpointing": True}, "bf16": {"bf16_autocast": True}}
+    results = run_ranks(2, _train_cases, str(tmp_path), cases, options, timeout=300)
+    _check_matches(single_process, tmp_path, cases[:1], results)
+    bf16_losses, _ = _metrics(tmp_path, "bf16")
+    assert bf16_losses == pytest.approx(ref_losses, rel=2e-2)
+    assert bf16_losses != pytest.approx(ref_losses, rel=1e-4)  # bfloat16 did run: 8 bits of mantissa show
+    params = assemble([per_rank[1] for per_rank in results])
+    for key, expected in ref_params.items():
+        np.testing.assert_allclose(params[key], expected, atol=0.2 * STEPS * LR, err_msg=key)
+
+
+def test_the_learning_rate_scales_with_the_global_batch() -> None:
+    from jobs.train import base_learning_rate
+
+    train = spec_from_dict({"train": {"lr": 0.1, "lr_reference_batch": 32}}).train
+    assert base_learning_rate(train, 128) == pytest.approx(0.4)
+    assert base_learning_rate(train, 16) == pytest.approx(0.05)
+    assert base_learning_rate(spec_from_dict({"train": {"lr": 0.1}}).train, 128) == 0.1
+
+
+def _clip_once(world, layout, max_norm: float):
+    """One step's gradients under ``layout`` (dp = 1), clipped; returns the norm and the clipped gradients."""
+    from jobs.layout import uses_pipeline
+    from jobs.train import clip_gradients, forward_backward
+    from jobs.workloads import build_workload
+    from parallel.schedule import build_schedule
+
+    spec = gpt_spec("unused", "clip", layout, "1f1b", microbatches=2)
+    mesh = build_mesh(MeshShape(*layout), world.rank)
+    workload = build_workload(spec, mesh)
+    actions = build_schedule("1f1b", layout[2], 2)[mesh.index("pp")] if uses_pipeline(spec.parallel) else None
+    inputs, targets = workload.batch(0)
+    forward_backward(workload, actions, mesh.group("pp"), inputs, targets, microbatches=2)
+    model = workload.model
+    norm = clip_gradients(model, mesh, max_norm)
+    grads = dict(model.named_parameters())
+    return norm, [(name, shape, offsets, grads[name.removeprefix("model/")].grad.numpy().copy())
+                  for name, shape, offsets, _ in pieces_as_numpy(model, mesh)]
+
+
+def test_clipping_across_tp_and_pp_equals_torch_on_the_single_device_model() -> None:
+    import torch
+
+    from jobs.datasets import byte_windows, load_licenses, window_starts
+    from jobs.gpt import build_gpt, lm_loss
+
+    results = run_ranks(4, _clip_once, (1, 2, 2), 0.1, timeout=120)
+    spec = gpt_spec("unused", "clip", (1, 1, 1))
+    model = build_gpt(spec.model, spec.job.seed)
+    corpus = load_licenses()
+    inputs, targets = byte_windows(corpus.train, window_starts(len(corpus.train), 8, 16, seed=5, step=0), 16)
+    lm_loss(model(inputs), targets).backward()
+    expected_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item()
+    assert expected_norm > 0.1
+    for norm, _ in results:
+        assert norm == pytest.approx(expected_norm, rel=1e-5)
+    grads = assemble([pieces for _, pieces in results])
+    for name, param in model.named_parameters():
+        np.testing.assert_allclose(grads[f"model/{name}"], param.grad.numpy(), rtol=1e-4, atol=1e-8, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    ("example", "args", "message"),
+    [
+        (GPT_EXAMPLE, ["-n", "6", "--set", "parallel.tp=3"], "model.n_heads=4 is not divisible by parallel.tp=3"),
+        (GPT_EXAMPLE, ["-n", "4", "--set", "parallel.tp=1", "--set", "parallel.pp=4", "--set",
+                       "parallel.schedule=interleaved", "--set", "parallel.virtual_stages=2"],
+         "model.n_layers=4 is not divisible by parallel.pp * virtual stages = 4*2 = 8"),
+        (GPT_EXAMPLE, ["-n", "4", "--set", "parallel.microbatches=3"],
+         "data.batch_size=32 is not divisible by dp * parallel.microbatches = 1*3 = 3"),
+        (GPT_EXAMPLE, ["-n", "4", "--set", "parallel.virtual_stages=2"],
+         "virtual_stages=2 needs schedule='interleaved'"),
+        (GPT_EXAMPLE, ["-n", "4", "--set", "parallel.schedule=interleaved", "--set", "parallel.microbatches=2",
+                       "--set", "parallel.tp=1", "--set", "parallel.pp=4"], "microbatches to be a multiple"),
+        (MLP_EXAMPLE, ["-n", "4", "--set", "parallel.tp=2"], "model.kind='mlp' trains data-parallel only"),
+        (GPT_EXAMPLE, ["-n", "4", "--set", "data.name=digits"], "model.kind='gpt' trains on data.name='licenses'"),
+    ],
+)
+def test_a_layout_that_does_not_fit_is_one_error_line_before_launch(capsys, example, args, message) -> None:
+    from hpc.cli.main import main
+
+    code = main(["run", "--launcher", "local", "--dry-run", *args, str(example)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert re.match(r"hpc: error: ", err) and message in err
+
+
+def test_the_gpt_example_passes_the_checks_and_runs_3d_on_four_ranks(capsys) -> None:
+    from hpc.cli.main import check_layout, main
+
+    spec = load_spec(GPT_EXAMPLE)
+    shape = check_layout(spec, 4)
+    assert shape.tp * shape.pp > 1 and shape.pp > 1, shape
+    assert main(["run", "-n", "4", "--launcher", "local", "--dry-run", str(GPT_EXAMPLE)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 4

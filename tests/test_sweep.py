@@ -1,0 +1,188 @@
+"""Sweep files and their expansion (pure, no processes), and a sweep run on local ranks.
+
+The same sweeps as Slurm job arrays run in tests/test_submit.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hpc.config import apply_overrides
+from hpc.errors import ConfigError
+from slurm.sweep import as_overrides, expand, load_sweep, plan, read_manifest
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = """
+[job]
+name = "digits"
+[model]
+hidden_sizes = [16]
+[data]
+batch_size = 32
+[train]
+steps = 20
+log_every = 100
+"""
+
+
+def _sweep(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "base.toml").write_text(BASE)
+    path = tmp_path / "sweep.toml"
+    path.write_text(text)
+    return path
+
+
+# Dotted keys and their value lists, as they come out of a [params] table.
+params = st.dictionaries(
+    st.from_regex(r"[a-z]{1,6}\.[a-z]{1,6}", fullmatch=True),
+    st.lists(st.integers(-5, 5), min_size=1, max_size=4),
+    min_size=1, max_size=4,
+)
+
+
+def _params_toml(table: dict[str, list]) -> str:
+    return "\n".join(f'"{key}" = {json.dumps(values)}' for key, values in table.items())
+
+
+@given(table=params)
+def test_grid_is_every_combination_once_the_last_key_fastest(tmp_path_factory, table) -> None:
+    path = _sweep(tmp_path_factory.mktemp("grid"), f'[sweep]\nbase = "base.toml"\n[params]\n{_params_toml(table)}')
+    configs = expand(load_sweep(path))
+    assert configs == [dict(zip(table, combo, strict=True)) for combo in itertools.product(*table.values())]
+    assert len(configs) == math.prod(len(v) for v in table.values())
+
+
+@given(table=params.filter(lambda t: len({len(v) for v in t.values()}) == 1))
+def test_zip_pairs_the_lists(tmp_path_factory, table) -> None:
+    path = _sweep(tmp_path_factory.mktemp("zip"),
+                  f'[sweep]\nbase = "base.toml"\nmethod = "zip"\n[params]\n{_params_toml(table)}')
+    configs = expand(load_sweep(path))
+    length = len(next(iter(table.values())))
+    assert configs == [{key: values[i] for key, values in table.items()} for i in range(length)]
+
+
+@given(seed=st.integers(0, 2**32), samples=st.integers(1, 20))
+def test_random_is_seeded_and_stays_in_its_lists_and_ranges(tmp_path_factory, seed, samples) -> None:
+    text = (f'[sweep]\nbase = "base.toml"\nmethod = "random"\nseed = {seed}\nsamples = {samples}\n[params]\n'
+            '"train.optimizer" = ["sgd", "adam"]\n"train.lr" = {log_uniform = [1e-4, 1e-1]}\n'
+            '[params.train]\nmomentum = {uniform = [0.0, 0.9]}\n')
+    sweep = load_sweep(_sweep(tmp_path_factory.mktemp("random"), text))
+    configs = expand(sweep)
+    assert configs == expand(sweep), "not reproducible"
+    assert len(configs) == samples
+    for config in configs:
+        assert list(config) == ["train.optimizer", "train.lr", "train.momentum"]  # nested tables become dotted keys
+        assert config["train.optimizer"] in ("sgd", "adam")
+        assert 1e-4 <= config["train.lr"] <= 1e-1 and 0.0 <= config["train.momentum"] <= 0.9
+
+
+json_values = st.recursive(
+    st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False) | st.booleans() | st.text(),
+    lambda inner: st.lists(inner, max_size=3), max_leaves=6,
+)
+
+
+@given(value=json_values)
+def test_overrides_give_back_the_value_the_config_holds(value) -> None:
+    (override,) = as_overrides({"a.b": value})
+    assert apply_overrides({}, [override]) == {"a": {"b": value}}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[params]\n"train.lr" = [0.1]', "sweep.base must name the job spec"),
+        ('[sweep]\nbase = "base.toml"', "[params] is empty"),
+        ('[sweep]\nbase = "base.toml"\nmethod = "bayes"\n[params]\n"train.lr" = [0.1]',
+         "sweep.method must be one of grid, random, zip; got 'bayes'"),
+        ('[sweep]\nbase = "base.toml"\n[params]\n"slurm.nodes" = [1, 2]', "slurm.nodes is set by the sweep itself"),
+        ('[sweep]\nbase = "base.toml"\n[params]\n"job.name" = ["a"]', "job.name is set by the sweep itself"),
+        ('[sweep]\nbase = "base.toml"\n[params]\n"train.lr" = {uniform = [0, 1]}', 'range needs method = "random"'),
+        ('[sweep]\nbase = "base.toml"\nmethod = "random"\n[params]\n"train.lr" = {log_uniform = [0, 1]}',
+         "log_uniform takes [low, high] with 0 < low < high, got [0, 1]"),
+        ('[sweep]\nbase = "base.toml"\n[params]\n"train.lr" = []', "expected a non-empty list"),
+        ('[sweep]\nbase = "base.toml"\nmethod = "zip"\n[params]\n"train.lr" = [1, 2]\n"train.steps" = [3]',
+         "zip needs lists of one length, got train.lr: 2, train.steps: 1"),
+        ('[sweep]\nbase = "base.toml"\n[params]\n"train.lr" = [0.1]\n[grid]\n', "unknown table grid"),
+    ],
+)
+def test_a_bad_sweep_file_is_one_line_naming_it(tmp_path: Path, text: str, message: str) -> None:
+    path = _sweep(tmp_path, text)
+    with pytest.raises(ConfigError) as raised:
+        load_sweep(path)
+    assert str(raised.value).startswith(str(path)) and message in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_each_config_is_checked_against_the_base_spec_before_anything_runs(tmp_path: Path) -> None:
+    path = _sweep(tmp_path, '[sweep]\nbase = "base.toml"\n[params]\n"train.lr" = [0.1, -1.0]')
+    with pytest.raises(ConfigError, match=r"config 1 \(train.lr=-1.0\): .*train.lr must be > 0, got -1.0"):
+        plan(load_sweep(path))
+    path = _sweep(tmp_path, '[sweep]\nbase = "base.toml"\n[params]\n"train.lrr" = [0.1]')
+    with pytest.raises(ConfigError, match=r"unknown key train.lrr \(did you mean train.lr\?"):
+        plan(load_sweep(path))
+
+
+def test_every_task_gets_its_own_run_directory_under_the_sweep(tmp_path: Path) -> None:
+    path = _sweep(tmp_path, '[sweep]\nbase = "base.toml"\nname = "lr"\n[params]\n"train.lr" = [0.1, 0.2]')
+    directory, planned = plan(load_sweep(path), [f"job.run_dir={tmp_path / 'runs'}"])
+    assert directory == tmp_path / "runs" / "lr"
+    assert [spec.run_path for _, spec in planned] == [directory / "task-000", directory / "task-001"]
+    assert [spec.train.lr for _, spec in planned] == [0.1, 0.2]
+    assert [task.run_path for task, _ in planned] == [spec.run_path for _, spec in planned]
+
+
+# Task 1 cannot start: its checkpoint to resume from does not exist (found only when it runs).
+FAILING_SWEEP = """
+[sweep]
+base = "base.toml"
+name = "one-fails"
+method = "zip"
+[params]
+"train.lr" = [0.1, 0.1]
+"checkpoint.resume" = ["auto", "/no/such/checkpoint"]
+"""
+
+
+def _final_loss(world, spec_path: str, overrides: list[str]) -> float:
+    """The single-process reference: the training loop called directly."""
+    from hpc.config import load_spec
+    from hpc.mesh import build_mesh, resolve_layout
+    from jobs.train import train
+
+    result, _ = train(load_spec(spec_path, overrides), world, build_mesh(resolve_layout("auto", 1, 1, 1), 0))
+    return result.final_loss
+
+
+@pytest.mark.slow
+def test_local_executor_runs_every_config_and_marks_the_failed_one(tmp_path: Path) -> None:
+    from tests.ranks import run_ranks
+
+    path = _sweep(tmp_path, FAILING_SWEEP)
+    runs = tmp_path / "runs"
+    argv = [sys.executable, "-m", "hpc.cli.main", "sweep", str(path), "--executor", "local",
+            "--set", f"job.run_dir={runs}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per rank, as the reference
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+    assert done.returncode == 1, done.stderr  # a failed task makes the sweep fail
+    assert "task 1 failed: rank 0 exited with code 1" in done.stderr
+    manifest = read_manifest(runs / "one-fails")
+    assert [(t.get("state"), t["params"]["checkpoint.resume"]) for t in manifest["tasks"]] == [
+        ("COMPLETED", "auto"), ("FAILED", "/no/such/checkpoint")]
+    result = json.loads((runs / "one-fails" / "task-000" / "result.json").read_text())
+    assert not (runs / "one-fails" / "task-001" / "result.json").exists()
+    reference = run_ranks(1, _final_loss, str(tmp_path / "base.toml"), [f"job.run_dir={tmp_path / 'ref'}"])[0]
+    assert result["final_loss"] == reference
+    table = done.stdout[done.stdout.index("sweep one-fails (local ranks): 1 completed, 1 failed"):].splitlines()
+    assert table[1].split() == ["TASK", "STATE", "train.lr", "checkpoint.resume", "STEP", "LOSS", "final_loss", "(min)"]
+    assert table[2].split()[:2] == ["0", "COMPLETED"] and table[3].split()[:3] == ["1", "FAILED", "!"]
