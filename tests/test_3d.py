@@ -144,9 +144,12 @@ def test_recomputed_blocks_train_exactly_and_bf16_autocast_closely(single_proces
     bf16_losses, _ = _metrics(tmp_path, "bf16")
     assert bf16_losses == pytest.approx(ref_losses, rel=2e-2)
     assert bf16_losses != pytest.approx(ref_losses, rel=1e-4)  # bfloat16 did run: 8 bits of mantissa show
-    params = assemble([per_rank[1] for per_rank in results])
-    for key, expected in ref_params.items():
-        np.testing.assert_allclose(params[key], expected, atol=0.2 * STEPS * LR, err_msg=key)
+    params, initial = assemble([per_rank[1] for per_rank in results]), _initial_weights()
+    # Adam turns small gradients' rounding into whole steps, so compare the updates as a whole
+    drift = math.sqrt(sum(np.sum((params[k] - v) ** 2) for k, v in ref_params.items()))
+    update = math.sqrt(sum(np.sum((v - initial[k]) ** 2) for k, v in ref_params.items()))
+    print(f"bf16 drift {drift:.4g} against an update of {update:.4g}")
+    assert drift < 0.1 * update
 
 
 def test_the_learning_rate_scales_with_the_global_batch() -> None:

@@ -113,6 +113,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(submit.sbatch_script(executor), end="")
         return 0
     job_id = submit.submit(executor, _rank_argv(args.spec, args.overrides))
+    if not spec.checkpoint.every_steps:
+        print("note: checkpoint.every_steps = 0: if Slurm stops this job early, it starts again from step 0",
+              file=sys.stderr)
     jobs.Registry.default().add(jobs.JobRecord(job_id, spec.job.name, ranks, str(folder),
                                                (str(spec.run_path.absolute()),)))
     nodes = spec.slurm.nodes
