@@ -178,11 +178,11 @@ class TrainingCheckpoints:
             print(f"resumed from {path} at step {step}", flush=True)
         return step
 
-    def after_step(self, done: int) -> None:
-        """Save when ``done`` steps are a multiple of ``every_steps``, and after the last one."""
+    def after_step(self, done: int, force: bool = False) -> None:
+        """Save when ``done`` steps are a multiple of ``every_steps``, after the last one, or when forced."""
         if self.checkpointer is None:
             return
-        if done % self.spec.checkpoint.every_steps == 0 or done == self.spec.train.steps:
+        if force or done % self.spec.checkpoint.every_steps == 0 or done == self.spec.train.steps:
             pieces = state_pieces(self.model, self.optimizer, self.mesh.index("tp"), self.mesh.size("tp"))
             self.checkpointer.save(done, pieces, rank_state(self.reducer), self.attrs)
 

@@ -27,7 +27,7 @@ from hpc.preemption import Preempted, Preemption
 from hpc.progress import Progress
 from jobs.layout import check_job_layout, uses_pipeline
 from jobs.optim import build_optimizer, learning_rate
-from jobs.state import TrainingCheckpoints, rank_state, state_pieces, tp_split_dims
+from jobs.state import TrainingCheckpoints, tp_split_dims
 from jobs.workloads import Workload, build_workload, sum_over_replicas
 from jobs.workloads import build_mlp as build_model
 from parallel.clip import clip_grad_norm_
@@ -147,12 +147,9 @@ def train(
                      f"{workload.unit}_per_s": rate, "step_time_s": step_time,
                      "comm_bytes": optimizer.stats.bytes_sent, "comm_s": optimizer.stats.reduce_seconds}
                 )
-            checkpoints.after_step(step + 1)
             stop = preemption.agreed(dist.group.WORLD) if preemption is not None and step + 1 < cfg.steps else None
-            if stop is not None:  # save now, off schedule: the requeued job resumes from here
-                if checkpoints.checkpointer is not None:
-                    pieces = state_pieces(model, optimizer, mesh.index("tp"), mesh.size("tp"))
-                    checkpoints.checkpointer.save(step + 1, pieces, rank_state(optimizer.reducer), checkpoints.attrs)
+            checkpoints.after_step(step + 1, force=stop is not None)  # preempted: save now, off schedule
+            if stop is not None:  # the requeued job resumes from this checkpoint
                 checkpoints.finalize()
                 raise Preempted(step + 1, stop, checkpointed=checkpoints.checkpointer is not None)
         checkpoints.finalize()
