@@ -108,16 +108,6 @@ def build_mlp(spec: JobSpec, dataset: Dataset) -> MLP:
     return MLP(dataset.num_features, spec.model.hidden_sizes, dataset.num_classes, spec.model.dropout)
 
 
-def evaluate_mlp(model: nn.Module, dataset: Dataset) -> tuple[float, float]:
-    """(loss on the whole training set, accuracy on the test set): less noisy than one batch's loss."""
-    model.eval()
-    with torch.no_grad():
-        train_loss = F.cross_entropy(model(dataset.x_train), dataset.y_train).item()
-        predicted = model(dataset.x_test).argmax(dim=1)
-    model.train()
-    return train_loss, (predicted == dataset.y_test).float().mean().item()
-
-
 class DigitsMLP(Workload):
     unit, items_per_sample = "samples", 1
 
@@ -136,8 +126,14 @@ class DigitsMLP(Workload):
         return F.cross_entropy(output.float(), targets)
 
     def evaluate(self) -> dict[str, float]:
-        train_loss, test_accuracy = evaluate_mlp(self.model, self.dataset)
-        return {"train_loss": train_loss, "test_accuracy": test_accuracy}
+        """Loss on the whole training set (less noisy than one batch's) and accuracy on the test set."""
+        data = self.dataset
+        self.model.eval()
+        with torch.no_grad():
+            train_loss = F.cross_entropy(self.model(data.x_train), data.y_train).item()
+            predicted = self.model(data.x_test).argmax(dim=1)
+        self.model.train()
+        return {"train_loss": train_loss, "test_accuracy": (predicted == data.y_test).float().mean().item()}
 
 
 def keep_stages(model: GPT, p: int, rank: int, v: int, bf16_autocast: bool, recompute_blocks: bool) -> list[Stage]:

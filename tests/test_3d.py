@@ -236,3 +236,17 @@ def test_the_gpt_example_passes_the_checks_and_runs_3d_on_four_ranks(capsys) -> 
     assert shape.tp * shape.pp > 1 and shape.pp > 1, shape
     assert main(["run", "-n", "4", "--launcher", "local", "--dry-run", str(GPT_EXAMPLE)]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 4
+
+
+def test_the_gpt_summary_reports_tokens_per_second_and_the_held_out_loss() -> None:
+    from types import SimpleNamespace
+
+    from hpc.cli.rank import summary_line
+    from jobs.train import TrainResult
+
+    result = TrainResult(steps=120, final_loss=2.5157, evaluation={"held_out_loss": 2.7032}, throughput=6121.4,
+                         unit="tokens", wall_s=40.1)
+    world = SimpleNamespace(size=4, backend="gloo", info=SimpleNamespace(launcher=SimpleNamespace(value="openmpi")))
+    line = summary_line(result, world, MeshShape(1, 2, 2), "runs/gpt-licenses/metrics.jsonl")
+    assert line == ("summary: 120 steps in 40.1 s | final loss 2.5157 | held-out loss 2.7032 | 6,121 tokens/s | "
+                    "4 ranks (dp=1 tp=2 pp=2) gloo via openmpi | metrics runs/gpt-licenses/metrics.jsonl")

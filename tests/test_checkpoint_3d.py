@@ -106,15 +106,14 @@ def _restored_state(world, step_dir: str, layout):
             for p in state_pieces(workload.model, optimizer, mesh.index("tp"), mesh.size("tp"))]
 
 
-def _save_under_2_2_1_then_reshard(world, run_dir: str, targets):
-    """The original run (20 steps, saving at 10 and 20); then the step-10 checkpoint under each target
-    layout, restored (to compare) and trained to step 20 (to continue the original's losses)."""
+def _resume_under(world, run_dir: str, layouts):
+    """The original run's step-10 checkpoint under each layout: restored (to compare with what was
+    saved) and trained to step 20 (to continue the original's losses)."""
     from jobs.train import train
 
-    train(_spec(run_dir, "original", (2, 2, 1), 20, "never"), world, build_mesh(MeshShape(2, 2, 1), world.rank))
     step_dir = f"{run_dir}/original/checkpoints/step-00000010"
     restored = {}
-    for layout in targets:
+    for layout in layouts:
         restored[layout] = _restored_state(world, step_dir, layout)
         mesh = build_mesh(MeshShape(*layout), world.rank)
         train(_spec(run_dir, f"resumed-{'-'.join(map(str, layout))}", layout, 20, step_dir, every_steps=0),
@@ -122,14 +121,12 @@ def _save_under_2_2_1_then_reshard(world, run_dir: str, targets):
     return restored
 
 
-def _resume_alone(world, run_dir: str):
+def _save_under_2_2_1_then_resume(world, run_dir: str, layouts):
+    """The original run: 20 steps under (2, 2, 1), saving at 10 and 20."""
     from jobs.train import train
 
-    step_dir = f"{run_dir}/original/checkpoints/step-00000010"
-    restored = _restored_state(world, step_dir, (1, 1, 1))
-    train(_spec(run_dir, "resumed-1-1-1", (1, 1, 1), 20, step_dir, every_steps=0), world,
-          build_mesh(MeshShape(1, 1, 1), world.rank))
-    return {(1, 1, 1): restored}
+    train(_spec(run_dir, "original", (2, 2, 1), 20, "never"), world, build_mesh(MeshShape(2, 2, 1), world.rank))
+    return _resume_under(world, run_dir, layouts)
 
 
 def _losses(run_dir: Path, name: str) -> dict[int, float]:
@@ -140,9 +137,9 @@ def test_a_checkpoint_saved_under_2_2_1_resumes_under_other_layouts(tmp_path) ->
     from hpc.checkpoint import open_checkpoint, read_tensor
     from tests.test_3d import assemble
 
-    per_rank = run_ranks(4, _save_under_2_2_1_then_reshard, str(tmp_path), [(4, 1, 1), (1, 2, 2)], timeout=300)
-    restored = {layout: [ranks[layout] for ranks in per_rank] for layout in per_rank[0]}
-    restored |= {layout: [pieces] for layout, pieces in run_ranks(1, _resume_alone, str(tmp_path))[0].items()}
+    per_rank = run_ranks(4, _save_under_2_2_1_then_resume, str(tmp_path), [(4, 1, 1), (1, 2, 2)], timeout=300)
+    per_rank[0] |= run_ranks(1, _resume_under, str(tmp_path), [(1, 1, 1)])[0]
+    restored = {layout: [ranks[layout] for ranks in per_rank if layout in ranks] for layout in per_rank[0]}
     index = open_checkpoint(tmp_path / "original" / "checkpoints" / "step-00000010")
     saved = {name: read_tensor(index, name).numpy() for name in index.tensors}
     assert any(name.endswith("/exp_avg_sq") for name in saved) and any(name.endswith("/step") for name in saved)
