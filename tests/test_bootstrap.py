@@ -9,7 +9,7 @@ from hpc.errors import LaunchEnvError, RendezvousError
 SLURM_STEP = {
     "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
     "SLURM_JOB_NODELIST": "gpu-a[01-02]", "SLURM_JOB_NUM_NODES": "2", "SLURM_TASKS_PER_NODE": "4(x2)",
-    "SLURM_JOB_ID": "123456",
+    "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0",  # srun always exports the step id
 }
 
 
