@@ -49,6 +49,7 @@ from hpc.errors import HpcError
 from slurm import netns
 
 DEFAULT_STATE = Path("/tmp/hpc-slurm")
+CHECKOUT = Path(__file__).resolve().parents[1]
 CLUSTER_NAME = "hpc"
 CPUS_PER_NODE = 8
 CRED_EXPIRE_S = 5
@@ -369,18 +370,20 @@ def _node_files(layout: Layout, testbed: netns.Testbed, controller: str) -> None
 def _node_argv(layout: Layout, testbed: netns.Testbed, index: int) -> list[str]:
     """slurmd for one namespace node: own hostname, own /etc/hosts, private /tmp.
 
-    When STATE is itself under /tmp, the private /tmp would hide it (configuration,
-    spool, sockets), so STATE is first bound into the node's /tmp at the same place and
-    the node's /tmp is bound recursively over /tmp.
+    When STATE (configuration, spool, sockets) or this checkout (the code every task
+    imports: a fresh clone under /tmp in CI) lives under /tmp, the private /tmp would
+    hide it, so it is first bound into the node's /tmp at the same place and the node's
+    /tmp is bound recursively over /tmp.
     """
     name = testbed.namespace(index)
     node_dir = layout.state / "nodes" / name
     private_tmp = node_dir / "tmp"
     script = [f"hostname {name}", f"mount --bind {shlex.quote(str(node_dir / 'hosts'))} /etc/hosts"]
-    if layout.state.is_relative_to("/tmp"):
-        inner = private_tmp / layout.state.relative_to("/tmp")
-        inner.mkdir(parents=True, exist_ok=True)
-        script.append(f"mount --bind {shlex.quote(str(layout.state))} {shlex.quote(str(inner))}")
+    for shared in dict.fromkeys((layout.state, CHECKOUT)):
+        if shared.is_relative_to("/tmp"):
+            inner = private_tmp / shared.relative_to("/tmp")
+            inner.mkdir(parents=True, exist_ok=True)
+            script.append(f"mount --bind {shlex.quote(str(shared))} {shlex.quote(str(inner))}")
     script += [f"mount --rbind {shlex.quote(str(private_tmp))} /tmp", f"exec slurmd -D -N {name}"]
     inner_argv = ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-ec", "; ".join(script)]
     return netns.exec_argv(testbed, index, inner_argv)

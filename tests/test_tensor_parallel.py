@@ -46,18 +46,25 @@ def _assert_pairs(per_rank: list[dict]) -> None:
             np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}: {name}")
 
 
-def _column_linear(world, tp):
+def _linear_reference():
+    """A seeded Linear(12, 8), its input and upstream gradient, after the single-device backward."""
     import torch
 
-    from parallel.tensor_parallel import ColumnParallelLinear
-
-    group = _tp_group(world, tp)
     torch.manual_seed(0)
     full = torch.nn.Linear(12, 8)
     x = torch.randn(3, 5, 12, requires_grad=True)
     upstream = torch.randn(3, 5, 8)
     reference = full(x)
     (reference * upstream).sum().backward()
+    return full, x, upstream, reference
+
+
+def _column_linear(world, tp):
+
+    from parallel.tensor_parallel import ColumnParallelLinear
+
+    group = _tp_group(world, tp)
+    full, x, upstream, reference = _linear_reference()
 
     layer = ColumnParallelLinear.from_full(full, group)
     x_tp = x.detach().clone().requires_grad_()
@@ -72,17 +79,11 @@ def _column_linear(world, tp):
 
 
 def _row_linear(world, tp):
-    import torch
 
     from parallel.tensor_parallel import RowParallelLinear
 
     group = _tp_group(world, tp)
-    torch.manual_seed(0)
-    full = torch.nn.Linear(12, 8)
-    x = torch.randn(3, 5, 12, requires_grad=True)
-    upstream = torch.randn(3, 5, 8)
-    reference = full(x)
-    (reference * upstream).sum().backward()
+    full, x, upstream, reference = _linear_reference()
 
     layer = RowParallelLinear.from_full(full, group)
     x_tp = _own_slice(x, -1, group).clone().requires_grad_()
