@@ -36,19 +36,10 @@ from hpc.checkpoint.load import load_into, load_rank_state, open_checkpoint
 from hpc.config import JobSpec, spec_to_dict
 from hpc.mesh import Mesh
 from parallel.reducers import Reducer
+from parallel.tensor_parallel import tp_split_dims
 
 RNG = "rng/torch_cpu"
 REDUCER = "reducer/"
-
-
-def tp_split_dims(model: torch.nn.Module) -> dict[str, int]:
-    """Name -> dimension split over the TP group, for every tensor a tensor-parallel layer holds a shard of."""
-    return {
-        f"{prefix}.{name}" if prefix else name: dim
-        for prefix, module in model.named_modules()
-        for name, dim in getattr(module, "partition_dims", {}).items()
-        if getattr(module, name) is not None
-    }
 
 
 def _placed(name: str, tensor: torch.Tensor, split_dim: int | None, tp_rank: int, tp_size: int) -> Piece:

@@ -27,7 +27,7 @@ from hpc.preemption import Preempted, Preemption
 from hpc.progress import Progress
 from jobs.layout import check_job_layout, uses_pipeline
 from jobs.optim import build_optimizer, learning_rate
-from jobs.state import TrainingCheckpoints, tp_split_dims
+from jobs.state import TrainingCheckpoints
 from jobs.workloads import Workload, build_workload, sum_over_replicas
 from jobs.workloads import build_mlp as build_model
 from parallel.clip import clip_grad_norm_
@@ -36,6 +36,7 @@ from parallel.pipeline import run_pipeline_step
 from parallel.reducers import make_reducer
 from parallel.ring import make_transport
 from parallel.schedule import Action, build_schedule
+from parallel.tensor_parallel import tp_split_dims
 
 # build_model: the MLP, which tests build as the single-process reference
 __all__ = ["TrainResult", "base_learning_rate", "build_model", "clip_gradients", "forward_backward", "train"]

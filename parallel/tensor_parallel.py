@@ -200,18 +200,23 @@ def vocab_parallel_cross_entropy(
     return _VocabParallelCrossEntropy.apply(logits_shard, targets, group)
 
 
+def tp_split_dims(model: nn.Module) -> dict[str, int]:
+    """Name -> dimension split over the TP group, for every tensor a tensor-parallel layer holds a shard of."""
+    return {
+        f"{prefix}.{name}" if prefix else name: dim
+        for prefix, module in model.named_modules()
+        for name, dim in getattr(module, "partition_dims", {}).items()
+        if getattr(module, name) is not None
+    }
+
+
 def full_state_dict(model: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
     """The single-device state dict of a TP model: split parameters are all-gathered (collective).
 
     Keys match the model before ``from_full`` swapped its layers, so a TP model can
     be compared with, or saved as, its single-device twin.
     """
-    split_dims = {
-        f"{prefix}.{name}" if prefix else name: dim
-        for prefix, module in model.named_modules()
-        for name, dim in getattr(module, "partition_dims", {}).items()
-        if getattr(module, name) is not None
-    }
+    split_dims = tp_split_dims(model)
     size = dist.get_world_size(group)
     state = {}
     for key, value in model.state_dict().items():

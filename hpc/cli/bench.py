@@ -50,16 +50,20 @@ def _rank_args(args: argparse.Namespace, transports: str) -> list[str]:
     return ["--sizes", args.sizes, "--codecs", args.codecs, "--transports", transports, "--iters", str(args.iters)]
 
 
-def _launch_for_rows(n: int, kind_argv: Sequence[str], launcher: str) -> list[dict]:
-    """Run ``python -m hpc.cli.bench --rank OUT KIND ...`` on n ranks; rank 0's rows."""
+def launch_for_rows(n: int, launcher: str, rank_argv, parent: str | None = None) -> list[dict]:
+    """Start ``python *rank_argv(out, scratch)`` on n ranks; rank 0 writes its rows to ``out``, returned here."""
     from hpc.cli.main import launch_ranks
 
-    with tempfile.TemporaryDirectory(prefix="hpc-bench-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="hpc-bench-", dir=parent) as scratch:
         out = os.path.join(scratch, "rows.json")
-        argv = (sys.executable, "-m", "hpc.cli.bench", "--rank", out, *kind_argv)
+        argv = (sys.executable, *rank_argv(out, scratch))
         launch_ranks(n, argv, launcher, hosts=[], bind_to=None, progress="off", dry_run=False)
         with open(out) as handle:
             return json.load(handle)
+
+
+def _bench_rank_argv(kind_argv: Sequence[str]):
+    return lambda out, _scratch: ("-m", "hpc.cli.bench", "--rank", out, *kind_argv)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -80,7 +84,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     transports = args.transports or ("torch,mpi" if launcher == "mpirun" else "torch")
     if "mpi" in transports.split(",") and launcher != "mpirun":
         raise ConfigError("--transports mpi needs --launcher mpirun")
-    rows = _launch_for_rows(args.nprocs, ["allreduce", *_rank_args(args, transports)], launcher)
+    rows = launch_for_rows(args.nprocs, launcher, _bench_rank_argv(["allreduce", *_rank_args(args, transports)]))
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
     return 0
 
@@ -115,7 +119,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
     kind_argv = ["pipeline", "--microbatches", args.microbatches, "--schedules", args.schedules,
                  *(arg for option in PIPELINE_SIZES for arg in (f"--{option}", str(getattr(args, option))))]
-    rows = [row for p in stages for row in _launch_for_rows(p, kind_argv, launcher)]
+    rows = [row for p in stages for row in launch_for_rows(p, launcher, _bench_rank_argv(kind_argv))]
     if args.json:
         print("\n".join(json.dumps(r) for r in rows))
     else:

@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -129,7 +128,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
     from hpc import launch
     from hpc.checkpoint.bench import format_table
-    from hpc.cli.main import launch_ranks
+    from hpc.cli.bench import launch_for_rows
     from hpc.errors import ConfigError
     from parallel.bench import parse_size
 
@@ -141,13 +140,13 @@ def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
         raise ConfigError("--iters and -n must be at least 1")
     launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
     os.makedirs(args.dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="run-", dir=args.dir) as scratch:
-        out = os.path.join(scratch, "rows.json")
-        argv = (sys.executable, "-m", "hpc.cli.ckpt", "--bench-rank", out, "--size", str(nbytes),
-                "--iters", str(args.iters), "--dir", os.path.abspath(os.path.join(scratch, "files")))
-        launch_ranks(args.nprocs, argv, launcher, hosts=[], bind_to=None, progress="off", dry_run=False)
-        with open(out) as handle:
-            rows = json.load(handle)
+
+    def rank_argv(out: str, scratch: str) -> tuple[str, ...]:
+        files = os.path.abspath(os.path.join(scratch, "files"))
+        return ("-m", "hpc.cli.ckpt", "--bench-rank", out, "--size", str(nbytes), "--iters", str(args.iters),
+                "--dir", files)
+
+    rows = launch_for_rows(args.nprocs, launcher, rank_argv, parent=args.dir)
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
     return 0
 
