@@ -96,6 +96,18 @@ class TrainConfig:
     lr_reference_batch: int = _field(0, min=0)
     bf16_autocast: bool = False  # forward (loss excluded) under torch.autocast with bfloat16
     activation_checkpointing: bool = False  # recompute each GPT block's activations in backward
+    timeline: bool = False  # Chrome-trace spans of every rank in <run_path>/timeline.json (hpc/timeline.py)
+    # A rank waiting this long in a collective or a pipeline receive reports who has not arrived
+    # (hpc/stall.py); past stall_abort_s the job aborts with that report instead of hanging.
+    stall_warn_s: float = _field(60.0, gt=0)
+    stall_abort_s: float = _field(240.0, gt=0)
+    health_check: bool = False  # test every group of the mesh before training (hpc/health.py)
+    health_check_timeout_s: float = _field(30.0, gt=0)
+
+    def field_conflict(self) -> tuple[str, str] | None:
+        if self.stall_abort_s <= self.stall_warn_s:
+            return "stall_abort_s", f"greater than stall_warn_s={self.stall_warn_s:g}"
+        return None
 
 
 @dataclass(frozen=True)

@@ -1,26 +1,87 @@
-"""Per-step metrics as JSON lines in the run directory: one object per step, easy to tail and plot."""
+"""Per-step metrics as JSON lines in the run directory (and TensorBoard when installed); per-rank totals.
+
+One object per step, easy to tail, plot (``hpc report``) and load with pandas.
+Rank 0 writes ``metrics.jsonl``: the global loss and its own timings. Every rank
+writes its totals to ``ranks/rank-XXXXX.json`` at the end, which is what the
+per-rank time breakdown compares. ``FIELDS`` is the schema; docs/OBSERVABILITY.md
+lists it, and a test checks the two agree and that a run writes every field.
+"""
 
 from __future__ import annotations
 
 import json
+import resource
 from pathlib import Path
-from types import TracebackType
+from types import MappingProxyType, TracebackType
+from typing import Any
+
+FIELDS = MappingProxyType({
+    "step": "1-based step number",
+    "loss": "the global batch's mean loss",
+    "lr": "learning rate used for the step",
+    "grad_norm": "global gradient norm before clipping, across TP and PP",
+    "samples_per_s": "throughput of a model that counts samples (the MLP); absent otherwise",
+    "tokens_per_s": "throughput of a model that counts tokens (the GPT); absent otherwise",
+    "step_time_s": "wall time of the step",
+    "compute_s": "step time not spent waiting for communication (step_time_s - wait_s)",
+    "comm_s": "time inside gradient reductions (partly hidden behind backward) and pipeline transfers",
+    "wait_s": "time the training loop was blocked on communication: what overlap did not hide",
+    "comm_bytes": "bytes this rank sent for gradient reductions",
+    "raw_bytes": "what an uncompressed ring all-reduce of the same gradients sends: 2 (n-1)/n of their size",
+    "compression_ratio": "raw_bytes / comm_bytes: 1 without compression, about 4 with int8",
+    "peak_memory_bytes": "peak memory: CUDA allocator peak on GPU, peak resident set size on CPU",
+})
+RANK_TOTALS = ("step_time_s", "compute_s", "comm_s", "wait_s")  # summed per rank into ranks/rank-XXXXX.json
+METRICS_FILE = "metrics.jsonl"
+RANKS_DIR = "ranks"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def peak_memory_bytes(device: Any = None) -> int:
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _tensorboard_writer(directory: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(log_dir=str(directory))
 
 
 class MetricsLog:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, tensorboard: bool = True):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file = path.open("a", buffering=1)
+        self._tensorboard = _tensorboard_writer(path.parent / TENSORBOARD_DIR) if tensorboard else None
 
     def write(self, record: dict[str, object]) -> None:
         self._file.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            step = int(record["step"])  # type: ignore[arg-type]
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(key, value, step)
 
     def close(self) -> None:
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
     def __enter__(self) -> MetricsLog:
         return self
 
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self.close()
+
+
+def write_rank_totals(run_dir: Path, rank: int, totals: dict[str, object]) -> Path:
+    path = run_dir / RANKS_DIR / f"rank-{rank:05d}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rank": rank, **totals}))
+    return path

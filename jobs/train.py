@@ -12,6 +12,9 @@ pipeline stage holds.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,10 +24,14 @@ import torch.distributed as dist
 
 from hpc.bootstrap import World
 from hpc.config import JobSpec, TrainConfig
+from hpc.health import check_mesh
 from hpc.mesh import Mesh
-from hpc.metrics import MetricsLog
+from hpc.metrics import METRICS_FILE, RANK_TOTALS, MetricsLog, peak_memory_bytes, write_rank_totals
 from hpc.preemption import Preempted, Preemption
+from hpc.probe import Probe
 from hpc.progress import Progress
+from hpc.stall import StallWatch
+from hpc.timeline import Timeline, merge_rank_files
 from jobs.layout import check_job_layout, uses_pipeline
 from jobs.optim import build_optimizer, learning_rate
 from jobs.state import TrainingCheckpoints
@@ -72,17 +79,32 @@ def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float) -> float
 
 def forward_backward(
     workload: Workload, actions: list[Action] | None, pp_group: dist.ProcessGroup,
-    inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
-) -> float | None:
-    """Accumulate this step's gradients; returns the replica's mean loss on its last pipeline stage, else None."""
+    inputs: torch.Tensor, targets: torch.Tensor, microbatches: int, probe: Probe | None = None,
+) -> tuple[float | None, float]:
+    """Accumulate this step's gradients. Returns the replica's mean loss on its last pipeline stage
+    (else None) and the seconds spent waiting for pipeline messages."""
+    probe = probe or Probe()
     if actions is None:
-        loss = workload.loss(workload.chunks[0](inputs), targets)
-        loss.backward()
-        return loss.item()
-    return run_pipeline_step(
+        with probe.span("forward"):
+            loss = workload.loss(workload.chunks[0](inputs), targets)
+        with probe.span("backward"):
+            loss.backward()
+        return loss.item(), 0.0
+    stats = run_pipeline_step(
         actions, workload.chunks, pp_group, activation_shape=workload.activation_shape(len(inputs) // microbatches),
-        loss_fn=workload.loss, inputs=inputs.chunk(microbatches), targets=targets.chunk(microbatches),
-    ).loss
+        loss_fn=workload.loss, inputs=inputs.chunk(microbatches), targets=targets.chunk(microbatches), probe=probe,
+    )
+    return stats.loss, max(0.0, stats.wall_s - stats.forward_s - stats.backward_s)
+
+
+def build_probe(cfg: TrainConfig, world: World) -> Probe:
+    """The run's timeline and stall inspector, as ``train.timeline`` and the world size ask."""
+    timeline = Timeline(world.rank) if cfg.timeline else None
+    stall = None
+    if world.size > 1:
+        stall = StallWatch.connect(world.rendezvous.addr, world.rendezvous.port, world.rank,
+                                   cfg.stall_warn_s, cfg.stall_abort_s)
+    return Probe(timeline, stall)
 
 
 def train(
@@ -93,15 +115,29 @@ def train(
     Raises Preempted after a checkpoint when ``preemption`` caught a signal on any rank (hpc/preemption.py).
     """
     check_job_layout(spec, mesh.shape)
+    probe = build_probe(spec.train, world)
+    with probe.stall or contextlib.nullcontext():
+        return _train(spec, world, mesh, progress_mode, preemption, probe)
+
+
+def _train(
+    spec: JobSpec, world: World, mesh: Mesh, progress_mode: str, preemption: Preemption | None, probe: Probe
+) -> tuple[TrainResult, torch.nn.Module]:
+    cfg = spec.train
+    if cfg.health_check and world.size > 1:
+        report = check_mesh(mesh, probe, cfg.health_check_timeout_s)
+        if world.rank == 0:
+            print("\n".join(report.lines()), flush=True)
     workload = build_workload(spec, mesh)
     model = workload.model
     dp_group, dp_size, pp_group = mesh.group("dp"), mesh.size("dp"), mesh.group("pp")
+    everyone = range(world.size)
     par = spec.parallel
     pipelined = uses_pipeline(par)
     actions = build_schedule(par.schedule, mesh.size("pp"), par.microbatches, par.virtual_stages)[
         mesh.index("pp")] if pipelined else None
     optimizer = distributed_optimizer(
-        build_optimizer(spec.train, model.parameters()),
+        build_optimizer(cfg, model.parameters()),
         make_transport(par.transport, dp_group),
         named_parameters=model.named_parameters(),
         reducer=make_reducer(par.compression, par.topk_fraction, par.powersgd_rank),
@@ -109,8 +145,8 @@ def train(
         backward_passes_per_step=par.microbatches if pipelined else 1,  # every microbatch's backward adds to .grad
         overlap=par.overlap,
         warmup_steps=par.compression_warmup_steps,
+        probe=probe,
     )
-    cfg = spec.train
     base_lr = base_learning_rate(cfg, spec.data.batch_size)
     items_per_step = spec.data.batch_size * workload.items_per_sample
     checkpoints = TrainingCheckpoints(spec, dist.group.WORLD, mesh, model, optimizer, optimizer.reducer)
@@ -118,40 +154,61 @@ def train(
     is_reporter = world.rank == 0
     progress = Progress(cfg.steps, cfg.log_every, progress_mode if is_reporter else "off", workload.unit,
                         start_step=start_step)
-    metrics = MetricsLog(spec.run_path / "metrics.jsonl") if is_reporter else None
+    metrics = MetricsLog(spec.run_path / METRICS_FILE) if is_reporter else None
+    totals = dict.fromkeys(RANK_TOTALS, 0.0)
+    grad_norm_peers = sorted({*mesh.members["tp"], *mesh.members["pp"]})
+    if probe.timeline is not None:
+        dist.barrier()  # time zero, the same instant on every rank
+        probe.timeline.start()
     started = time.perf_counter()
     throughput = 0.0
     loss_value = float("nan")
     try:
         for step in range(start_step, cfg.steps):
             step_start = time.perf_counter()
+            probe.set_step(step + 1)
             lr = learning_rate(base_lr, step, cfg.steps, cfg.warmup_steps, cfg.schedule)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            inputs, targets = workload.batch(step)
+            with probe.span("data"):
+                inputs, targets = workload.batch(step)
             optimizer.zero_grad(set_to_none=True)
-            loss = forward_backward(workload, actions, pp_group, inputs, targets, par.microbatches)
+            loss, pipeline_wait = forward_backward(workload, actions, pp_group, inputs, targets, par.microbatches,
+                                                   probe)
             optimizer.synchronize()
-            grad_norm = None
-            if cfg.grad_clip:
-                grad_norm = clip_gradients(model, mesh, cfg.grad_clip)
-            with optimizer.skip_synchronize():
+            with probe.collective("gradient norm", "grad-norm", grad_norm_peers):
+                grad_norm = clip_gradients(model, mesh, cfg.grad_clip or math.inf)
+            with probe.span("optimizer step"), optimizer.skip_synchronize():
                 optimizer.step()
-            loss_value = sum_over_replicas([loss or 0.0], mesh)[0] / dp_size
+            with probe.collective("loss all-reduce", "world", everyone):
+                loss_value = sum_over_replicas([loss or 0.0], mesh)[0] / dp_size
             step_time = time.perf_counter() - step_start
             rate = items_per_step / step_time
             throughput = rate if step == start_step else 0.9 * throughput + 0.1 * rate
             progress.update(step, loss_value, lr, throughput)
+            comm = optimizer.stats
+            wait = comm.wait_seconds + pipeline_wait
+            timings = {"step_time_s": step_time, "compute_s": step_time - wait,
+                       "comm_s": comm.reduce_seconds + pipeline_wait, "wait_s": wait}
+            for key, value in timings.items():
+                totals[key] += value
             if metrics is not None:
                 metrics.write(
                     {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                     f"{workload.unit}_per_s": rate, "step_time_s": step_time,
-                     "comm_bytes": optimizer.stats.bytes_sent, "comm_s": optimizer.stats.reduce_seconds}
+                     f"{workload.unit}_per_s": rate, **timings,
+                     "comm_bytes": comm.bytes_sent, "raw_bytes": comm.raw_bytes,
+                     "compression_ratio": comm.raw_bytes / comm.bytes_sent if comm.bytes_sent else None,
+                     "peak_memory_bytes": peak_memory_bytes(world.device)}
                 )
-            stop = preemption.agreed(dist.group.WORLD) if preemption is not None and step + 1 < cfg.steps else None
-            checkpoints.after_step(step + 1, force=stop is not None)  # preempted: save now, off schedule
+            stop = None
+            if preemption is not None and step + 1 < cfg.steps:
+                with probe.collective("preemption check", "world", everyone):
+                    stop = preemption.agreed(dist.group.WORLD)
+            with probe.span("checkpoint"):
+                checkpoints.after_step(step + 1, force=stop is not None)  # preempted: save now, off schedule
             if stop is not None:  # the requeued job resumes from this checkpoint
                 checkpoints.finalize()
+                write_run_records(spec, world, probe, totals, step + 1 - start_step)
                 raise Preempted(step + 1, stop, checkpointed=checkpoints.checkpointer is not None)
         checkpoints.finalize()
     finally:
@@ -160,6 +217,7 @@ def train(
         if metrics is not None:
             metrics.close()
     wall = time.perf_counter() - started
+    write_run_records(spec, world, probe, totals, cfg.steps - start_step)
     result = TrainResult(
         steps=cfg.steps,
         final_loss=loss_value,
@@ -169,3 +227,15 @@ def train(
         wall_s=wall,
     )
     return result, model
+
+
+def write_run_records(spec: JobSpec, world: World, probe: Probe, totals: dict[str, float], steps: int) -> None:
+    """Every rank's time totals and timeline spans, then rank 0 merges the timeline (collective)."""
+    write_rank_totals(spec.run_path, world.rank, {
+        "host": socket.gethostname(), "steps": steps, **totals, "peak_memory_bytes": peak_memory_bytes(world.device)})
+    if probe.timeline is None:
+        return
+    probe.timeline.write_rank_file(spec.run_path)
+    dist.barrier()
+    if world.rank == 0:
+        merge_rank_files(spec.run_path, world.size)

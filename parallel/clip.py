@@ -11,6 +11,7 @@ the same factor. The local arithmetic is torch's own (``get_total_norm``,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -42,5 +43,6 @@ def clip_grad_norm_(
         total = squares.sqrt().to(local.dtype)
     else:
         total = local
-    clip_grads_with_norm_(list(parameters), max_norm, total)
+    if math.isfinite(max_norm):  # inf: measure the norm only (for metrics)
+        clip_grads_with_norm_(list(parameters), max_norm, total)
     return total.item()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hpc.probe import Probe
 from parallel.reducers import Reducer, make_reducer
 from parallel.ring import Transport
 
@@ -47,9 +48,11 @@ class CommStats:
     """What the last synchronized step sent: for tests, metrics and the timeline."""
 
     collectives: int = 0
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # on the wire, by this rank
+    raw_bytes: int = 0  # what an uncompressed ring all-reduce sends, 2 (n-1)/n of the gradients' size
     launch_times: list[float] = field(default_factory=list)
-    reduce_seconds: float = 0.0
+    reduce_seconds: float = 0.0  # inside reductions, overlapped with backward or not
+    wait_seconds: float = 0.0  # the training loop blocked on reductions: what overlap did not hide
 
 
 def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[Bucket]:
@@ -82,12 +85,14 @@ class DistributedOptimizerMixin:
         average: bool,
         overlap: bool,
         warmup_steps: int,
+        probe: Probe,
     ) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         self.transport, self.reducer, self.average = transport, reducer, average
         self.exact_reducer, self.warmup_steps, self.steps_synchronized = make_reducer("none"), warmup_steps, 0
         self._alone = dist.get_world_size(transport.group) == 1
+        self.probe, self._peers = probe, dist.get_process_group_ranks(transport.group)
         self.backward_passes_per_step = backward_passes_per_step
         self.buckets = make_buckets(list(reversed(params)), bucket_bytes)
         self._bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
@@ -140,7 +145,9 @@ class DistributedOptimizerMixin:
         self._next_launch += 1
         self._pending_stats.launch_times.append(time.perf_counter())
         if self._executor is None:
+            started = time.perf_counter()
             self._reduce(bucket)
+            self._pending_stats.wait_seconds += time.perf_counter() - started
         else:
             self._futures.append(self._executor.submit(self._reduce, bucket))
 
@@ -160,9 +167,14 @@ class DistributedOptimizerMixin:
         if self._alone:  # nothing to exchange, and compressing would only lose information
             return
         reducer = self.reducer if self.steps_synchronized >= self.warmup_steps else self.exact_reducer
-        sent = reducer.reduce(bucket.key, grads, self.transport, self.average)
+        size = sum(grad.nbytes for grad in grads)
+        with self.probe.collective(f"allreduce {bucket.key}", "grad-reduce", self._peers, codec=reducer.name,
+                                   bytes=size):
+            sent = reducer.reduce(bucket.key, grads, self.transport, self.average)
         self._pending_stats.collectives += 1
         self._pending_stats.bytes_sent += sent
+        n = len(self._peers)
+        self._pending_stats.raw_bytes += 2 * (n - 1) * size // n
         self._pending_stats.reduce_seconds += time.perf_counter() - started
 
     def synchronize(self) -> None:
@@ -170,8 +182,12 @@ class DistributedOptimizerMixin:
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
         futures, self._futures = self._futures, []
-        for future in futures:
-            future.result()
+        if futures:
+            started = time.perf_counter()
+            with self.probe.span("wait for gradient reductions", "wait"):
+                for future in futures:
+                    future.result()
+            self._pending_stats.wait_seconds += time.perf_counter() - started
         for bucket in self.buckets:
             bucket.ready = 0
         self._passes = dict.fromkeys(self._passes, 0)
@@ -232,12 +248,14 @@ def distributed_optimizer(
     average: bool = True,
     overlap: bool = True,
     warmup_steps: int = 0,
+    probe: Probe | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so its gradients are reduced over ``transport``'s group (the DP group).
 
     ``warmup_steps`` reduce exactly before compression starts: early gradients change
     fastest and compression errors there cost the most (torch's PowerSGD hook does the
     same with ``start_powerSGD_iter``; Deep Gradient Compression ramps its sparsity).
+    ``probe`` sees each bucket's reduction (timeline span, stall inspector).
     """
     if named_parameters is not None:
         params = [p for _, p in named_parameters if p.requires_grad]
@@ -256,5 +274,6 @@ def distributed_optimizer(
         average,
         overlap,
         warmup_steps,
+        probe or Probe(),
     )
     return wrapped

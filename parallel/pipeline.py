@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from hpc.errors import LayoutError
+from hpc.probe import Probe
 from parallel.schedule import Action, Message, stage_bounds
 
 
@@ -64,27 +65,32 @@ def run_pipeline_step(
     targets: Sequence[torch.Tensor] | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    probe: Probe | None = None,
 ) -> StepStats:
     """Run this rank's actions once: forward and backward of every microbatch, grads accumulated.
 
     ``inputs`` (one tensor per microbatch) are needed on rank 0, ``targets`` on the rank of
     the last stage (p-1). The group's size is the number of pipeline ranks. The loss comes
     back on the last stage's rank only, None elsewhere: sharing it costs a collective that
-    only the caller knows whether it needs.
+    only the caller knows whether it needs. ``probe`` sees every compute, send and receive wait
+    (timeline, stall inspector).
     """
     step = _Step(actions, chunks, group, tuple(activation_shape), loss_fn, inputs, targets,
-                 dtype or torch.float32, device)
+                 dtype or torch.float32, device, probe or Probe())
     return step.run()
 
 
 class _Step:
     """One rank during one step: messages posted and in hand, activations kept for backward."""
 
-    def __init__(self, actions, chunks, group, activation_shape, loss_fn, inputs, targets, dtype, device) -> None:
-        self.actions, self.chunks, self.group = actions, chunks, group
+    def __init__(
+        self, actions, chunks, group, activation_shape, loss_fn, inputs, targets, dtype, device, probe
+    ) -> None:
+        self.actions, self.chunks, self.group, self.probe = actions, chunks, group, probe
         self.activation_shape, self.loss_fn, self.inputs, self.targets = activation_shape, loss_fn, inputs, targets
         self.dtype, self.device = dtype, device
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.global_ranks = dist.get_process_group_ranks(group)
         self.num_stages = self.p * len(chunks)
         self.m = 1 + max(action.microbatch for action in actions)
         self.upcoming = iter([action for action in actions if action.kind in ("RECV_F", "RECV_B")])
@@ -103,8 +109,9 @@ class _Step:
                     "F": self._forward, "B": self._backward}
         for action in self.actions:
             handlers[action.kind](action)
-        for pending in self.sends:
-            pending.wait()
+        with self.probe.span("wait for sends", "wait"):
+            for pending in self.sends:
+                pending.wait()
         loss = float(sum(self.losses)) if self.losses else None
         return StepStats(loss, self.forward_s, self.backward_s, time.perf_counter() - started, self.peak)
 
@@ -116,9 +123,16 @@ class _Step:
             tag = message_tag(action.message, self.num_stages)
             self.posted[action.message] = buffer, dist.irecv(buffer, group=self.group, group_src=action.peer, tag=tag)
 
+    def _link(self, src: int, dst: int) -> str:
+        """The stall inspector's channel for messages from pipeline rank src to dst."""
+        return f"p2p:{self.global_ranks[src]}>{self.global_ranks[dst]}"
+
     def _receive(self, action: Action) -> None:
         buffer, pending = self.posted.pop(action.message)
-        pending.wait()
+        message = action.message
+        with self.probe.collective(f"recv {message.direction} mb{message.microbatch} stage{message.stage}",
+                                   self._link(action.peer, self.rank), [self.global_ranks[action.peer]]):
+            pending.wait()
         self.inbox[action.message] = buffer
         self._post_next_receive()
 
@@ -126,12 +140,19 @@ class _Step:
         tensor = self.outbox.pop(action.message)
         tag = message_tag(action.message, self.num_stages)
         self.sends.append(dist.isend(tensor, group=self.group, group_dst=action.peer, tag=tag))
+        message = action.message
+        self.probe.sent(f"send {message.direction} mb{message.microbatch} stage{message.stage}",
+                        self._link(self.rank, action.peer))
 
     def _deliver(self, message: Message, tensor: torch.Tensor) -> None:
         """Output of a compute: to the network, or straight to the next stage when it is ours (p == 1)."""
         (self.inbox if self.p == 1 else self.outbox)[message] = tensor
 
     def _forward(self, action: Action) -> None:
+        with self.probe.span("forward", microbatch=action.microbatch, stage=action.stage):
+            self._forward_compute(action)
+
+    def _forward_compute(self, action: Action) -> None:
         tick = time.perf_counter()
         mb, stage = action.microbatch, action.stage
         x = self.inputs[mb] if stage == 0 else self.inbox.pop(Message("F", mb, stage)).requires_grad_()
@@ -156,6 +177,10 @@ class _Step:
         self.forward_s += time.perf_counter() - tick
 
     def _backward(self, action: Action) -> None:
+        with self.probe.span("backward", microbatch=action.microbatch, stage=action.stage):
+            self._backward_compute(action)
+
+    def _backward_compute(self, action: Action) -> None:
         tick = time.perf_counter()
         mb, stage = action.microbatch, action.stage
         x, out, nbytes = self.stash.pop((mb, stage))

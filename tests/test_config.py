@@ -47,6 +47,11 @@ FULL = {
         "lr_reference_batch": 256,
         "bf16_autocast": True,
         "activation_checkpointing": True,
+        "timeline": True,
+        "stall_warn_s": 5.0,
+        "stall_abort_s": 20.0,
+        "health_check": True,
+        "health_check_timeout_s": 10.0,
     },
     "parallel": {
         "dp": 2,
@@ -178,6 +183,10 @@ def test_int_is_accepted_for_a_float() -> None:
         ),
         ("train = 3", "job.toml: train must be a table, got 3"),
         ("[model]\nn_heads = 3", "job.toml: model.d_model must be divisible by n_heads=3, got 128"),
+        (
+            "[train]\nstall_warn_s = 300",
+            "job.toml: train.stall_abort_s must be greater than stall_warn_s=300, got 240.0",
+        ),
         ("[data]\nname = 'text'", "job.toml: data.name must be one of digits, licenses; got 'text'"),
     ],
 )
@@ -218,7 +227,8 @@ def test_unknown_key_suggests_the_closest() -> None:
     assert error_of("[train]\nlrr = 0.1") == (
         "job.toml: unknown key train.lrr (did you mean train.lr? valid keys: steps, lr, "
         "optimizer, momentum, weight_decay, grad_clip, warmup_steps, schedule, log_every, lr_reference_batch, "
-        "bf16_autocast, activation_checkpointing)"
+        "bf16_autocast, activation_checkpointing, timeline, stall_warn_s, stall_abort_s, health_check, "
+        "health_check_timeout_s)"
     )
 
 

@@ -28,6 +28,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     allreduce.add_argument("--iters", type=int, default=5, help="timed iterations per row (default 5)")
     allreduce.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
     allreduce.add_argument("--json", action="store_true", help="one JSON object per row")
+    allreduce.add_argument("--plot", metavar="PATH",
+                           help="also write a PNG: bus bandwidth against message size, a line per implementation")
     allreduce.set_defaults(handler=cmd_bench)
     pipeline = kinds.add_parser("pipeline", help="bubble and activation memory of gpipe, 1f1b, interleaved 1f1b")
     pipeline.add_argument("--stages", default="2,4", help="pipeline ranks, one launch each (default %(default)s)")
@@ -69,6 +71,7 @@ def _bench_rank_argv(kind_argv: Sequence[str]):
 def cmd_bench(args: argparse.Namespace) -> int:
     from hpc import launch
     from hpc.errors import ConfigError
+    from hpc.plots import bandwidth_figure, check_png_path, save_png
     from parallel.bench import format_table, parse_size
     from parallel.reducers import REDUCERS
 
@@ -84,8 +87,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     transports = args.transports or ("torch,mpi" if launcher == "mpirun" else "torch")
     if "mpi" in transports.split(",") and launcher != "mpirun":
         raise ConfigError("--transports mpi needs --launcher mpirun")
+    plot = check_png_path(args.plot) if args.plot else None
     rows = launch_for_rows(args.nprocs, launcher, _bench_rank_argv(["allreduce", *_rank_args(args, transports)]))
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    if plot:
+        save_png(bandwidth_figure(rows), plot)
+        print(f"wrote {plot}", file=sys.stderr if args.json else sys.stdout)  # --json: stdout stays JSON lines
     return 0
 
 

@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from hpc.units import human_bytes
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     ckpt = commands.add_parser("ckpt", help="list, inspect, verify and export checkpoints")
@@ -47,15 +49,6 @@ def add_bench_parser(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
     bench.add_argument("--json", action="store_true", help="one JSON object per row")
     bench.set_defaults(handler=cmd_bench_checkpoint)
-
-
-def human_bytes(nbytes: float) -> str:
-    unit = "B"
-    for bigger in ("KiB", "MiB", "GiB"):
-        if nbytes < 1024:
-            break
-        nbytes, unit = nbytes / 1024, bigger
-    return f"{nbytes:.0f} B" if unit == "B" else f"{nbytes:.1f} {unit}"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

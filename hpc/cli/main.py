@@ -39,11 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="print the command lines and start nothing")
     run.set_defaults(handler=cmd_run)
 
-    from hpc.cli import bench, ckpt, slurm
+    from hpc.cli import bench, ckpt, report, slurm
 
     bench.add_parser(commands)
     ckpt.add_parser(commands)
     slurm.add_parser(commands)
+    report.add_parser(commands)
     return parser
 
 

@@ -61,11 +61,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sweep = commands.add_parser(
         "sweep", help="run a sweep as one Slurm job array or on local ranks; show its status or results",
         usage="hpc sweep SWEEP.toml [--executor slurm|local] [--set KEY=VALUE] [--dry-run]\n"
-              "       hpc sweep status DIR\n       hpc sweep results DIR")
+              "       hpc sweep status DIR\n       hpc sweep results DIR [--plot [PATH]]")
     sweep.add_argument("target", metavar="SWEEP.toml|status|results", help="a sweep file to run, or a view")
     sweep.add_argument("dir", nargs="?", help="with status or results: the sweep directory")
     sweep.add_argument("--executor", choices=("slurm", "local"),
                        help="slurm: one job array (default); local: one config after the other on local ranks")
+    sweep.add_argument("--plot", nargs="?", const="", metavar="PATH",
+                       help="with results: also plot the metric against each swept key (default DIR/results.png)")
     _add_run_options(sweep, "print the sbatch script (or the local command lines) and run nothing")
     sweep.set_defaults(handler=cmd_sweep)
 
@@ -176,12 +178,21 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    if args.plot is not None and args.target != "results":
+        raise ConfigError("--plot applies to hpc sweep results DIR")
     if args.target in SWEEP_VIEWS:
         if args.dir is None:
             raise ConfigError(f"hpc sweep {args.target} needs the sweep directory")
         if args.executor or args.overrides or args.dry_run:
             raise ConfigError("--executor, --set and --dry-run apply to running a sweep, not to viewing one")
-        return show_sweep(Path(args.dir), ranked=args.target == "results")
+        from hpc.plots import check_png_path
+
+        directory = Path(args.dir)
+        plot = None if args.plot is None else check_png_path(args.plot or directory / "results.png")
+        code = show_sweep(directory, ranked=args.target == "results")
+        if plot is not None:
+            plot_sweep(directory, plot)
+        return code
     if args.dir is not None:
         raise ConfigError(f"unexpected argument {args.dir!r}: hpc sweep SWEEP.toml takes no directory")
     return run_sweep(args)
@@ -253,6 +264,22 @@ def _run_sweep_locally(sweep, directory: Path, tasks, argvs, ranks: int, dry_run
         else:
             sweeps.record_outcome(directory, task.index, "COMPLETED")
     return show_sweep(directory, ranked=True)
+
+
+def plot_sweep(directory: Path, path: Path) -> None:
+    """The metric against each swept key, over the tasks that have a result (show_sweep checked they hold it)."""
+    from hpc.plots import save_png, sweep_figure
+    from slurm import jobs
+    from slurm import sweep as sweeps
+
+    manifest = sweeps.read_manifest(directory)
+    metric, goal = manifest["settings"]["metric"], manifest["settings"]["goal"]
+    points = [(task["params"], result[metric]) for task in manifest["tasks"]
+              if (result := jobs.read_result(Path(task["run_path"]))) is not None]
+    if not points:
+        raise ConfigError(f"{directory}: no task has a result yet: nothing to plot")
+    save_png(sweep_figure(points, f"{metric} ({goal})"), path)
+    print(f"wrote {path}")
 
 
 def show_sweep(directory: Path, ranked: bool) -> int:

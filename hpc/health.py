@@ -1,0 +1,132 @@
+"""Start-up health check: every group of the mesh all-reduces and passes a ring of messages, in time.
+
+A bad NIC, a wrong interface or a straggler node is cheapest to find before the
+first step, when the report can name a link rather than a training step that got
+slow. For the whole world and each mesh axis with groups of more than one rank:
+a small all-reduce whose sum is checked, then a ring in which every rank sends
+``message_bytes`` to the next rank of its group while receiving from the previous
+one, twice (the first pass pays for connection set-up); the second receive's time
+measures the link previous -> this rank. Every operation runs under the stall
+inspector with the health check's timeout, so a dead link aborts the job naming
+the ranks that did not answer instead of hanging. The timings are gathered on
+every rank; rank 0 prints the report.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+
+from hpc.errors import HpcError
+from hpc.mesh import AXES, Mesh
+from hpc.probe import Probe
+
+MESSAGE_BYTES = 1 << 20
+
+
+class HealthCheckError(HpcError):
+    pass
+
+
+@dataclass(frozen=True)
+class Link:
+    axis: str
+    src: int
+    dst: int
+    src_host: str
+    dst_host: str
+    seconds: float
+    nbytes: int
+
+    def __str__(self) -> str:
+        rate = self.nbytes / self.seconds / 1e6 if self.seconds > 0 else float("inf")
+        return (f"{self.axis} rank {self.src} -> {self.dst} ({self.src_host} -> {self.dst_host}): "
+                f"{self.nbytes >> 10} KiB in {self.seconds * 1e3:.2f} ms ({rate:,.0f} MB/s)")
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    allreduce_s: dict[str, float]  # per axis: the slowest rank's all-reduce time
+    links: list[Link]  # every ring link of every checked axis
+
+    def slowest(self, axis: str | None = None) -> Link:
+        return max((link for link in self.links if axis in (None, link.axis)), key=lambda link: link.seconds)
+
+    def lines(self) -> list[str]:
+        out = []
+        for axis, seconds in self.allreduce_s.items():
+            times = sorted(link.seconds for link in self.links if link.axis == axis)
+            out.append(f"health: {axis}: all-reduce {seconds * 1e3:.2f} ms; ring median link "
+                       f"{times[len(times) // 2] * 1e3:.2f} ms, slowest {self.slowest(axis)}")
+        if self.links:
+            out.append(f"health: slowest link overall: {self.slowest()}")
+        return out
+
+
+def _groups(mesh: Mesh) -> list[tuple[str, object, tuple[int, ...]]]:
+    import torch.distributed as dist
+
+    checked = [("world", dist.group.WORLD, tuple(range(mesh.shape.size)))]
+    return checked + [(axis, mesh.group(axis), mesh.members[axis]) for axis in AXES if mesh.size(axis) > 1]
+
+
+def _ring_pass(group, members: tuple[int, ...], me: int, payload, received) -> float:
+    import torch.distributed as dist
+
+    position = members.index(me)
+    started = time.perf_counter()
+    send = dist.isend(payload, group=group, group_dst=(position + 1) % len(members))
+    dist.recv(received, group=group, group_src=(position - 1) % len(members))
+    seconds = time.perf_counter() - started
+    send.wait()
+    return seconds
+
+
+def check_mesh(mesh: Mesh, probe: Probe, timeout_s: float, message_bytes: int = MESSAGE_BYTES) -> HealthReport:
+    """Collective over the whole world: every rank calls it and gets the same report."""
+    import torch
+    import torch.distributed as dist
+
+    groups = _groups(mesh)
+    me = mesh.rank
+    timings = torch.zeros(len(groups), 2, dtype=torch.float64)  # per group: all-reduce s, ring receive s
+    payload = torch.ones(message_bytes // 4, dtype=torch.float32)
+    received = torch.empty_like(payload)
+    for row, (axis, group, members) in enumerate(groups):
+        ones = torch.ones(1)
+        started = time.perf_counter()
+        with probe.collective(f"health check all-reduce ({axis})", f"health-{axis}", members, abort_s=timeout_s):
+            dist.all_reduce(ones, group=group)
+        timings[row, 0] = time.perf_counter() - started
+        if int(ones.item()) != len(members):
+            raise HealthCheckError(f"all-reduce over {axis} summed to {ones.item():g}, expected {len(members)}",
+                                   rank=me, ranks=list(members))
+        if len(members) > 1:
+            previous = members[(members.index(me) - 1) % len(members)]
+            with probe.collective(f"health check ring ({axis})", f"health-{axis}", [previous], abort_s=timeout_s):
+                _ring_pass(group, members, me, payload, received)
+                timings[row, 1] = _ring_pass(group, members, me, payload, received)
+    world = dist.get_world_size()
+    everyone = [torch.zeros_like(timings) for _ in range(world)]
+    hosts: list[str | None] = [None] * world
+    with probe.collective("health check gather", "world", range(world), abort_s=timeout_s):
+        dist.all_gather(everyone, timings)
+        dist.all_gather_object(hosts, socket.gethostname())
+    allreduce_s, links = {}, []
+    for row, (axis, _, _members) in enumerate(groups):
+        allreduce_s[axis] = max(float(everyone[rank][row, 0]) for rank in range(world))
+        for rank in range(world):
+            ring = _members_of(mesh, axis, rank)
+            if len(ring) > 1:
+                src = ring[(ring.index(rank) - 1) % len(ring)]
+                links.append(Link(axis, src, rank, str(hosts[src]), str(hosts[rank]),
+                                  float(everyone[rank][row, 1]), message_bytes))
+    return HealthReport(allreduce_s, links)
+
+
+def _members_of(mesh: Mesh, axis: str, rank: int) -> tuple[int, ...]:
+    """The group along ``axis`` (or the world) that ``rank`` belongs to."""
+    if axis == "world":
+        return tuple(range(mesh.shape.size))
+    return next(ranks for ranks in mesh.shape.group_ranks(axis) if rank in ranks)

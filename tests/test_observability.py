@@ -1,0 +1,228 @@
+"""Metrics, timeline, health check and stall inspector: what a run writes and how a stalled job ends."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc.config import spec_from_dict
+from hpc.metrics import FIELDS
+from hpc.stall import StallWatch
+from tests.ranks import run_ranks
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _observed_run(world, run_dir: str):
+    from hpc.mesh import build_mesh, resolve_layout
+    from jobs.train import train
+
+    spec = spec_from_dict({
+        "job": {"name": "observed", "run_dir": run_dir},
+        "model": {"kind": "gpt", "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 16},
+        "data": {"name": "licenses", "batch_size": 8},
+        "train": {"steps": 3, "timeline": True, "health_check": True, "log_every": 1},
+        "parallel": {"dp": 2, "pp": 2, "microbatches": 2, "compression": "int8"},
+    })
+    mesh = build_mesh(resolve_layout(2, 1, 2, world.size), world.rank)
+    train(spec, world, mesh)
+    return str(spec.run_path)
+
+
+@pytest.fixture(scope="module")
+def observed_run(tmp_path_factory) -> Path:
+    """A 4-rank GPT run (dp=2 x pp=2, int8) with the timeline and the health check on."""
+    run_dir = tmp_path_factory.mktemp("runs")
+    return Path(run_ranks(4, _observed_run, str(run_dir), timeout=240)[0])
+
+
+def documented_fields() -> list[str]:
+    text = (REPO / "docs" / "OBSERVABILITY.md").read_text()
+    return re.findall(r"^\| `(\w+)` \|", text, flags=re.MULTILINE)
+
+
+def test_the_documented_fields_are_the_schema() -> None:
+    assert documented_fields() == list(FIELDS)
+
+
+def test_metrics_file_has_every_documented_field(observed_run: Path) -> None:
+    records = [json.loads(line) for line in (observed_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    expected = set(FIELDS) - {"samples_per_s"}  # the GPT counts tokens
+    for record in records:
+        assert expected <= set(record), expected - set(record)
+        assert record["wait_s"] <= record["step_time_s"]
+        assert record["compute_s"] == pytest.approx(record["step_time_s"] - record["wait_s"])
+        assert record["comm_bytes"] > 0 and record["peak_memory_bytes"] > 0
+        assert record["grad_norm"] > 0
+    # int8 after no warm-up: about a quarter of the bytes of an uncompressed ring
+    assert 2.5 < records[-1]["compression_ratio"] < 4.5
+
+
+def test_tensorboard_gets_the_same_scalars(observed_run: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(observed_run / "tensorboard"))
+    events.Reload()
+    records = [json.loads(line) for line in (observed_run / "metrics.jsonl").read_text().splitlines()]
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([r["loss"] for r in records])
+    assert "tokens_per_s" in events.Tags()["scalars"]
+
+
+def test_every_rank_writes_its_time_totals(observed_run: Path) -> None:
+    for rank in range(4):
+        totals = json.loads((observed_run / "ranks" / f"rank-{rank:05d}.json").read_text())
+        assert totals["rank"] == rank and totals["steps"] == 3
+        assert totals["compute_s"] + totals["wait_s"] == pytest.approx(totals["step_time_s"])
+
+
+def test_timeline_is_chrome_trace_with_spans_from_every_rank(observed_run: Path) -> None:
+    trace = json.loads((observed_run / "timeline.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    for event in spans:
+        assert {"name", "cat", "ts", "dur", "pid", "tid"} <= set(event) and event["dur"] >= 0
+    names = {(e["pid"], e["name"]) for e in spans}
+    for rank in range(4):
+        assert {(rank, "forward"), (rank, "backward"), (rank, "optimizer step"), (rank, "allreduce bucket0")} <= names
+    reductions = [e for e in spans if e["name"].startswith("allreduce")]
+    assert {e["args"]["codec"] for e in reductions} == {"none", "int8"} or {e["args"]["codec"] for e in reductions} == {
+        "int8"}
+    stage0_sends = [e for e in trace["traceEvents"] if e["pid"] in (0, 1) and e["name"].startswith("send F")]
+    stage1_receives = [e for e in spans if e["pid"] in (2, 3) and e["name"].startswith("recv F")]
+    assert len(stage0_sends) == len(stage1_receives) == 2 * 2 * 3  # 2 ranks x 2 microbatches x 3 steps
+    process_names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert sorted(process_names) == [0, 1, 2, 3] and process_names[3].startswith("rank 3 (")
+
+
+def test_health_check_reports_the_slowest_link() -> None:
+    reports = run_ranks(4, _health, timeout=120)
+    report = reports[0]
+    assert set(report.allreduce_s) == {"world", "tp", "dp"}
+    links = {(link.axis, link.src, link.dst) for link in report.links}
+    assert links == {("world", (r - 1) % 4, r) for r in range(4)} | {("tp", 1, 0), ("tp", 0, 1), ("tp", 3, 2),
+                                                                     ("tp", 2, 3), ("dp", 2, 0), ("dp", 0, 2),
+                                                                     ("dp", 3, 1), ("dp", 1, 3)}
+    slowest = report.slowest()
+    assert slowest.seconds == max(link.seconds for link in report.links)
+    assert f"rank {slowest.src} -> {slowest.dst}" in report.lines()[-1]
+    assert all(r.links == report.links for r in reports)  # gathered: every rank holds the same report
+
+
+def _health(world):
+    from hpc.health import check_mesh
+    from hpc.mesh import build_mesh, resolve_layout
+    from hpc.probe import Probe
+
+    return check_mesh(build_mesh(resolve_layout(2, 2, 1, 4), world.rank), Probe(), timeout_s=30, message_bytes=1 << 16)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.aborted: list[str] = []
+
+
+def _watches(recorder: _Recorder, warn_s: float, abort_s: float) -> tuple[StallWatch, StallWatch, object]:
+    import torch.distributed as dist
+
+    from hpc.bootstrap import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=5))
+    watch = StallWatch(server, 0, warn_s, abort_s, interval_s=0.05, log=recorder.lines.append,
+                       on_abort=recorder.aborted.append)
+    peer = StallWatch(client, 1, warn_s, abort_s, interval_s=0.05, log=recorder.lines.append,
+                      on_abort=recorder.aborted.append)
+    return watch, peer, server
+
+
+def test_stall_names_the_missing_rank_and_what_it_does_then_aborts() -> None:
+    recorder = _Recorder()
+    watch, peer, _server = _watches(recorder, warn_s=0.3, abort_s=0.9)
+    with watch, peer:
+        watch.step = peer.step = 7
+        peer.doing("data")
+        with peer.waiting("allreduce bucket0", "grad-reduce", [0, 1]):
+            pass  # the peer finished the step before: its count on grad-reduce is 1
+        with watch.waiting("allreduce bucket0", "grad-reduce", [0, 1]):
+            pass
+        with watch.waiting("allreduce bucket0", "grad-reduce", [0, 1]):  # the second one: the peer is late
+            deadline = time.monotonic() + 5
+            while not recorder.aborted and time.monotonic() < deadline:
+                time.sleep(0.02)
+    warning = next(line for line in recorder.lines if line.startswith("hpc: stall:"))
+    assert "rank 0" in warning and "allreduce bucket0 (#2 on channel grad-reduce) at step 7" in warning
+    assert re.search(r"not arrived: rank 1 \([^)]*step 7, in data for \d+ s\)", warning), warning
+    assert len(recorder.aborted) == 1 and "not arrived: rank 1" in recorder.aborted[0]
+    assert any(line.startswith("hpc: error:") and "aborting" in line for line in recorder.lines)
+
+
+def test_stall_when_every_peer_arrived_blames_the_link() -> None:
+    recorder = _Recorder()
+    watch, peer, _server = _watches(recorder, warn_s=0.2, abort_s=30)
+    with watch, peer:
+        with peer.waiting("recv F mb0 stage1", "p2p:0>1", [0]):
+            with watch.waiting("recv F mb0 stage1", "p2p:0>1", [1]):
+                deadline = time.monotonic() + 5
+                while len(recorder.lines) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+    assert any(line.startswith("hpc: stall: rank 0") and "every peer (1) entered it" in line
+               for line in recorder.lines), recorder.lines
+    assert not recorder.aborted
+
+
+STALLED_JOB = """\
+import sys, time
+import torch.distributed as dist
+import jobs.workloads
+from hpc.cli.rank import main
+
+batch = jobs.workloads.DigitsMLP.batch
+
+def late_batch(self, step):  # rank 3 goes missing at step 3, long past every threshold
+    if step == 3 and dist.get_rank() == 3:
+        time.sleep(600)
+    return batch(self, step)
+
+jobs.workloads.DigitsMLP.batch = late_batch
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_late_rank_is_named_and_the_job_aborts_in_time(tmp_path: Path) -> None:
+    script = tmp_path / "stalled.py"
+    script.write_text(STALLED_JOB)
+    spec = tmp_path / "job.toml"
+    spec.write_text(textwrap.dedent(f"""\
+        [job]
+        name = "stalled"
+        run_dir = "{tmp_path}"
+        [train]
+        steps = 10
+        stall_warn_s = 3
+        stall_abort_s = 8
+    """))
+    started = time.monotonic()
+    done = subprocess.run(["hpc", "run", "-n", "4", "--launcher", "local",
+                           str(script), str(spec)], capture_output=True, text=True, timeout=200, cwd=REPO)
+    elapsed = time.monotonic() - started
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    warnings = [line for line in output.splitlines() if "hpc: stall:" in line]
+    assert warnings, output
+    assert re.search(r"in allreduce bucket0 .* at step 4; not arrived: rank 3 \([^)]*step 4, in data for", warnings[0])
+    assert re.search(r"rank [012] .*aborting the job \(stall abort threshold 8 s\)", output), output
+    # far sooner than the late rank's sleep (600 s) or the backend's timeout (parallel.timeout_s = 300 s)
+    assert elapsed < 120, elapsed
