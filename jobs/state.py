@@ -11,15 +11,20 @@ Names in the checkpoint:
   state (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``), a
   tensor shaped like its parameter placed like it;
 - per rank: ``rng/torch_cpu`` (the default generator, which drives dropout) and
-  ``reducer/<key>``: the gradient reducer's own state (error-feedback residuals,
-  PowerSGD's warm-start matrices), what compression owes the next step;
+  ``comm/<key>``: the distributed optimizer's ``comm_state_dict()``, what data-parallel
+  communication carries into the next step: the reducer's error-feedback residuals
+  (``comm/residual/...``) and PowerSGD's warm starts (``comm/q/...``), top-k's momentum
+  velocity (``comm/velocity/...``, Deep Gradient Compression keeps SGD's momentum there
+  instead of in the optimizer) and ``comm/steps_synchronized``, which decides when
+  ``compression_warmup_steps`` end;
 - attributes: ``layout_dp``, ``layout_tp``, ``layout_pp`` and ``job_spec`` (JSON).
 
 The data position is the step itself: a batch is a pure function of (seed, step)
-(``jobs.datasets.global_batch_indices``). A rank restores its own RNG and residuals
-when the checkpoint was saved under the same (dp, tp, pp) layout; under another one
+(``jobs.datasets.global_batch_indices``). A rank restores its own RNG and communication
+state when the checkpoint was saved under the same (dp, tp, pp) layout; under another one
 the ranks keep their fresh state, since rank r no longer holds what rank r held (its
-residuals describe other buckets).
+residuals and velocities describe other buckets), except ``steps_synchronized``, which
+every rank shares and which is taken from rank 0.
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ from hpc.checkpoint.discovery import resolve_resume
 from hpc.checkpoint.load import load_into, load_rank_state, open_checkpoint
 from hpc.config import JobSpec, spec_to_dict
 from hpc.mesh import Mesh
-from parallel.reducers import Reducer
+from parallel.optimizer import DistributedOptimizerMixin
 from parallel.tensor_parallel import tp_split_dims
 
 RNG = "rng/torch_cpu"
-REDUCER = "reducer/"
+COMM = "comm/"
+SHARED_COMM = COMM + "steps_synchronized"
 
 
 def _placed(name: str, tensor: torch.Tensor, split_dim: int | None, tp_rank: int, tp_size: int) -> Piece:
@@ -76,8 +82,10 @@ def state_pieces(
     return pieces
 
 
-def rank_state(reducer: Reducer) -> dict[str, torch.Tensor]:
-    return {RNG: torch.get_rng_state(), **{REDUCER + key: value for key, value in reducer.state_dict().items()}}
+def rank_state(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's private state: its RNG, and the communication state when ``optimizer`` is distributed."""
+    comm = optimizer.comm_state_dict() if isinstance(optimizer, DistributedOptimizerMixin) else {}
+    return {RNG: torch.get_rng_state(), **{COMM + key: value for key, value in comm.items()}}
 
 
 def restore(
@@ -85,7 +93,6 @@ def restore(
     rank: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    reducer: Reducer,
     mesh: Mesh | None = None,
 ) -> int:
     """Load a checkpoint into a freshly built model and optimizer; returns its step.
@@ -93,6 +100,7 @@ def restore(
     ``mesh`` places this rank's share (its TP shards; its stages are what ``model``
     holds) and decides whether rank-private state applies; None is one process holding
     the whole model, which takes rank ``rank``'s private state whatever the saved layout.
+    A distributed optimizer (``parallel.optimizer``) gets its communication state back.
     """
     index = open_checkpoint(step_dir)
     tp_rank, tp_size = (mesh.index("tp"), mesh.size("tp")) if mesh else (0, 1)
@@ -115,11 +123,12 @@ def restore(
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
     saved_layout = tuple(index.attrs.get(f"layout_{axis}") for axis in ("dp", "tp", "pp"))
     same_layout = mesh is None or saved_layout == (mesh.shape.dp, mesh.shape.tp, mesh.shape.pp)
-    private = load_rank_state(index, rank) if same_layout else {}
+    private = load_rank_state(index, rank) if same_layout else load_rank_state(index, 0, only=(SHARED_COMM,))
     if RNG in private:
         torch.set_rng_state(private[RNG])
-    reducer.load_state_dict({key.removeprefix(REDUCER): value for key, value in private.items()
-                             if key.startswith(REDUCER)})
+    comm = {key.removeprefix(COMM): value for key, value in private.items() if key.startswith(COMM)}
+    if comm and isinstance(optimizer, DistributedOptimizerMixin):
+        optimizer.load_comm_state_dict(comm)
     return index.step
 
 
@@ -133,9 +142,8 @@ class TrainingCheckpoints:
         mesh: Mesh,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        reducer: Reducer,
     ) -> None:
-        self.spec, self.group, self.model, self.optimizer, self.reducer = spec, group, model, optimizer, reducer
+        self.spec, self.group, self.model, self.optimizer = spec, group, model, optimizer
         self.mesh, self.rank = mesh, dist.get_rank(group)
         self.attrs = {
             "layout_dp": mesh.shape.dp, "layout_tp": mesh.shape.tp, "layout_pp": mesh.shape.pp,
@@ -164,7 +172,7 @@ class TrainingCheckpoints:
             raise CheckpointError(error)
         if path is None:
             return 0
-        step = restore(path, self.rank, self.model, self.optimizer, self.reducer, self.mesh)
+        step = restore(path, self.rank, self.model, self.optimizer, self.mesh)
         if self.rank == 0:
             print(f"resumed from {path} at step {step}", flush=True)
         return step
@@ -175,7 +183,7 @@ class TrainingCheckpoints:
             return
         if force or done % self.spec.checkpoint.every_steps == 0 or done == self.spec.train.steps:
             pieces = state_pieces(self.model, self.optimizer, self.mesh.index("tp"), self.mesh.size("tp"))
-            self.checkpointer.save(done, pieces, rank_state(self.reducer), self.attrs)
+            self.checkpointer.save(done, pieces, rank_state(self.optimizer), self.attrs)
 
     def finalize(self) -> None:
         if self.checkpointer is not None:

@@ -149,7 +149,7 @@ def _train(
     )
     base_lr = base_learning_rate(cfg, spec.data.batch_size)
     items_per_step = spec.data.batch_size * workload.items_per_sample
-    checkpoints = TrainingCheckpoints(spec, dist.group.WORLD, mesh, model, optimizer, optimizer.reducer)
+    checkpoints = TrainingCheckpoints(spec, dist.group.WORLD, mesh, model, optimizer)
     start_step = checkpoints.resume()
     is_reporter = world.rank == 0
     progress = Progress(cfg.steps, cfg.log_every, progress_mode if is_reporter else "off", workload.unit,

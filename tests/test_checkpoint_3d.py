@@ -87,7 +87,7 @@ def test_ten_steps_save_ten_more_equals_twenty_uninterrupted(tmp_path, cases) ->
             from hpc.checkpoint import load_rank_state, open_checkpoint
 
             index = open_checkpoint(tmp_path / f"{label}-whole" / "checkpoints" / "step-00000020")
-            assert any(key.startswith("reducer/residual/") for key in load_rank_state(index, 0))
+            assert any(key.startswith("comm/residual/") for key in load_rank_state(index, 0))
 
 
 def _restored_state(world, step_dir: str, layout):
@@ -95,13 +95,17 @@ def _restored_state(world, step_dir: str, layout):
     from jobs.optim import build_optimizer
     from jobs.state import restore, state_pieces
     from jobs.workloads import build_workload
-    from parallel.reducers import make_reducer
+    from parallel.optimizer import distributed_optimizer
+    from parallel.ring import make_transport
 
     spec = _spec("unused", "restored", layout, 20, step_dir)
     mesh = build_mesh(MeshShape(*layout), world.rank)
     workload = build_workload(spec, mesh)
-    optimizer = build_optimizer(spec.train, workload.model.parameters())
-    assert restore(step_dir, world.rank, workload.model, optimizer, make_reducer("none"), mesh) == 10
+    optimizer = distributed_optimizer(build_optimizer(spec.train, workload.model.parameters()),
+                                      make_transport(spec.parallel.transport, mesh.group("dp")))
+    assert restore(step_dir, world.rank, workload.model, optimizer, mesh) == 10
+    optimizer.close()
+    assert optimizer.steps_synchronized == 10  # every rank's count, so it survives a change of layout
     return [(p.name, p.global_shape, p.offsets, p.tensor.numpy().copy())
             for p in state_pieces(workload.model, optimizer, mesh.index("tp"), mesh.size("tp"))]
 

@@ -19,53 +19,87 @@ from hpc.mesh import build_mesh, resolve_layout
 from tests.ranks import run_ranks
 
 
-def _base(tmp_path: Path, compression: str, async_save: bool) -> dict:
+def _base(tmp_path: Path, parallel: dict, async_save: bool, train: dict | None = None, every_steps: int = 10) -> dict:
     return {
         "job": {"run_dir": str(tmp_path), "seed": 3},
         "model": {"hidden_sizes": [32, 16], "dropout": 0.2},
         "data": {"batch_size": 32},
-        "train": {"lr": 0.01, "optimizer": "adam", "log_every": 100},
-        "parallel": {"compression": compression},
-        "checkpoint": {"every_steps": 10, "keep": 5, "async_save": async_save},
+        "train": {"lr": 0.01, "optimizer": "adam", "log_every": 100, **(train or {})},
+        "parallel": parallel,
+        "checkpoint": {"every_steps": every_steps, "keep": 5, "async_save": async_save},
     }
 
 
-def _split_and_whole(world, base):
-    """10 steps then 10 more resumed from the step-10 checkpoint, and 20 uninterrupted steps."""
+def _split_and_whole(world, base, save_at: int, total: int):
+    """``save_at`` steps then the rest resumed from that checkpoint, and ``total`` uninterrupted steps."""
     from jobs.train import train
 
     mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank)
-    for name, steps, resume in (("split", 10, "auto"), ("split", 20, "auto"), ("whole", 20, "never")):
+    for name, steps, resume in (("split", save_at, "auto"), ("split", total, "auto"), ("whole", total, "never")):
         spec = spec_from_dict({**base, "job": {**base["job"], "name": name},
                                "train": {**base["train"], "steps": steps},
                                "checkpoint": {**base["checkpoint"], "resume": resume}})
         train(spec, world, mesh)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("compression", "async_save"), [("none", False), ("int8", True)])
-def test_ten_steps_save_ten_more_equals_twenty_uninterrupted(tmp_path, compression, async_save) -> None:
+def _assert_resumed_equals_uninterrupted(tmp_path: Path, total: int) -> dict[str, dict[int, dict]]:
+    """Every tensor and every rank's private state of the last checkpoints equal, bitwise; returns the latter."""
     import torch
 
     from hpc.checkpoint import load_rank_state, open_checkpoint, read_tensor
 
-    run_ranks(2, _split_and_whole, _base(tmp_path, compression, async_save), timeout=180)
     steps_logged = [json.loads(line)["step"] for line in (tmp_path / "split" / "metrics.jsonl").open()]
-    assert steps_logged == list(range(1, 21)), "the second run did not resume at step 10"
-    split = open_checkpoint(tmp_path / "split" / "checkpoints" / "step-00000020")
-    whole = open_checkpoint(tmp_path / "whole" / "checkpoints" / "step-00000020")
+    assert steps_logged == list(range(1, total + 1)), "the second run did not resume where the first stopped"
+    split = open_checkpoint(tmp_path / "split" / "checkpoints" / f"step-{total:08d}")
+    whole = open_checkpoint(tmp_path / "whole" / "checkpoints" / f"step-{total:08d}")
     assert set(split.tensors) == set(whole.tensors)
-    assert {"optim/0.weight/exp_avg_sq", "optim/0.weight/step", "model/0.weight"} <= set(split.tensors)
     for name in whole.tensors:
         assert torch.equal(read_tensor(split, name), read_tensor(whole, name)), name
+    private = {"split": {}, "whole": {}}
     for rank in (0, 1):
-        ours, reference = load_rank_state(split, rank), load_rank_state(whole, rank)
+        private["split"][rank], private["whole"][rank] = load_rank_state(split, rank), load_rank_state(whole, rank)
+        ours, reference = private["split"][rank], private["whole"][rank]
         assert ours.keys() == reference.keys()
-        assert any(k.startswith("reducer/residual/") for k in ours) == (compression == "int8")
         for key in reference:
             assert torch.equal(ours[key], reference[key]), f"rank {rank}: {key}"
-    assert json.loads(whole.attrs["job_spec"])["parallel"]["compression"] == compression
     assert (whole.attrs["layout_dp"], whole.attrs["layout_tp"], whole.attrs["layout_pp"]) == (2, 1, 1)
+    return private
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("compression", "async_save"), [("none", False), ("int8", True)])
+def test_ten_steps_save_ten_more_equals_twenty_uninterrupted(tmp_path, compression, async_save) -> None:
+    from hpc.checkpoint import open_checkpoint
+
+    run_ranks(2, _split_and_whole, _base(tmp_path, {"compression": compression}, async_save), 10, 20, timeout=180)
+    private = _assert_resumed_equals_uninterrupted(tmp_path, 20)
+    whole = open_checkpoint(tmp_path / "whole" / "checkpoints" / "step-00000020")
+    assert {"optim/0.weight/exp_avg_sq", "optim/0.weight/step", "model/0.weight"} <= set(whole.tensors)
+    assert any(k.startswith("comm/residual/") for k in private["whole"][0]) == (compression == "int8")
+    assert int(private["whole"][0]["comm/steps_synchronized"]) == 20
+    assert json.loads(whole.attrs["job_spec"])["parallel"]["compression"] == compression
+
+
+@pytest.mark.slow
+def test_top_k_with_momentum_resumes_exactly(tmp_path) -> None:
+    """Deep Gradient Compression keeps SGD's momentum as a per-rank velocity in front of the reduction."""
+    base = _base(tmp_path, {"compression": "topk", "topk_fraction": 0.05}, async_save=False,
+                 train={"optimizer": "sgd", "momentum": 0.9}, every_steps=5)
+    run_ranks(2, _split_and_whole, base, 5, 12, timeout=180)
+    private = _assert_resumed_equals_uninterrupted(tmp_path, 12)
+    assert any(k.startswith("comm/velocity/") for k in private["whole"][1])
+    assert any(k.startswith("comm/residual/") for k in private["whole"][1])
+
+
+@pytest.mark.slow
+def test_a_compression_warm_up_spanning_the_save_resumes_exactly(tmp_path) -> None:
+    """Exact reduction for 8 steps, then PowerSGD: the resumed run must switch at step 8, not 5 + 8."""
+    base = _base(tmp_path, {"compression": "powersgd", "powersgd_rank": 2, "compression_warmup_steps": 8},
+                 async_save=True, every_steps=5)
+    run_ranks(2, _split_and_whole, base, 5, 12, timeout=180)
+    private = _assert_resumed_equals_uninterrupted(tmp_path, 12)
+    assert int(private["whole"][0]["comm/steps_synchronized"]) == 12
+    assert any(k.startswith("comm/q/") for k in private["whole"][0])
 
 
 def _children(pid: int) -> list[int]:
@@ -130,14 +164,13 @@ def _check_it_loads(step_dir: Path, spec_path: Path) -> None:
     from jobs.optim import build_optimizer
     from jobs.state import restore
     from jobs.train import build_model
-    from parallel.reducers import make_reducer
 
     assert verify_checkpoint(step_dir).ok
     spec = load_spec(spec_path)
     model = build_model(spec, load_dataset("digits"))
     initial = model.state_dict()["0.weight"].clone()
     optimizer = build_optimizer(spec.train, model.parameters())
-    assert restore(step_dir, 0, model, optimizer, make_reducer("none")) == 2
+    assert restore(step_dir, 0, model, optimizer) == 2
     index = open_checkpoint(step_dir)
     assert torch.equal(model.state_dict()["0.weight"], read_tensor(index, "model/0.weight"))
     assert not torch.equal(model.state_dict()["0.weight"], initial)

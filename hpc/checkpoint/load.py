@@ -12,7 +12,7 @@ checked before anything is read: the marker, and every shard at its recorded siz
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -145,11 +145,16 @@ def read_tensor(index: CheckpointIndex, name: str) -> torch.Tensor:
     return tensor
 
 
-def load_rank_state(index: CheckpointIndex, rank: int) -> dict[str, torch.Tensor]:
-    """What ``rank`` saved as its own state; empty when the checkpoint had no such rank."""
+def load_rank_state(
+    index: CheckpointIndex, rank: int, only: Collection[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """What ``rank`` saved as its own state (just the keys in ``only`` if given, those it has);
+    empty when the checkpoint had no such rank."""
     state = {}
     with open_shards(index) as files:
         for path in index.rank_state_datasets(rank):
+            if only is not None and path.removeprefix(f"{RANK_STATE}/") not in only:
+                continue
             dataset = _dataset(index, files, shard_name(rank), path)
             dtype = dataset.attrs["dtype"]
             tensor = torch.empty(tuple(int(n) for n in dataset.attrs["shape"]), dtype=getattr(torch, dtype))
