@@ -177,13 +177,14 @@ class TrainingCheckpoints:
             print(f"resumed from {path} at step {step}", flush=True)
         return step
 
-    def after_step(self, done: int, force: bool = False) -> None:
-        """Save when ``done`` steps are a multiple of ``every_steps``, after the last one, or when forced."""
-        if self.checkpointer is None:
-            return
-        if force or done % self.spec.checkpoint.every_steps == 0 or done == self.spec.train.steps:
-            pieces = state_pieces(self.model, self.optimizer, self.mesh.index("tp"), self.mesh.size("tp"))
-            self.checkpointer.save(done, pieces, rank_state(self.optimizer), self.attrs)
+    def due(self, done: int, force: bool = False) -> bool:
+        """A save is due when ``done`` steps are a multiple of ``every_steps``, after the last one, or when forced."""
+        return self.checkpointer is not None and (
+            force or done % self.spec.checkpoint.every_steps == 0 or done == self.spec.train.steps)
+
+    def save(self, done: int) -> None:
+        pieces = state_pieces(self.model, self.optimizer, self.mesh.index("tp"), self.mesh.size("tp"))
+        self.checkpointer.save(done, pieces, rank_state(self.optimizer), self.attrs)
 
     def finalize(self) -> None:
         if self.checkpointer is not None:

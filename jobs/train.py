@@ -204,8 +204,9 @@ def _train(
             if preemption is not None and step + 1 < cfg.steps:
                 with probe.collective("preemption check", "world", everyone):
                     stop = preemption.agreed(dist.group.WORLD)
-            with probe.span("checkpoint"):
-                checkpoints.after_step(step + 1, force=stop is not None)  # preempted: save now, off schedule
+            if checkpoints.due(step + 1, force=stop is not None):  # preempted: save now, off schedule
+                with probe.span("checkpoint"):
+                    checkpoints.save(step + 1)
             if stop is not None:  # the requeued job resumes from this checkpoint
                 checkpoints.finalize()
                 write_run_records(spec, world, probe, totals, step + 1 - start_step)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -35,6 +36,10 @@ class Codec:
 
     def decode(self, payload: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return payload
+
+    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """``into += decode(payload)``: what a reduce-scatter hop does; codecs may fuse it."""
+        return into.add_(self.decode(payload, into))
 
     def empty_payload(self, like: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(like)
@@ -91,27 +96,44 @@ class Int8Codec(Codec):
         return (1 + 4 / self.block) / dtype.itemsize
 
     def _blocks(self, chunk: torch.Tensor) -> torch.Tensor:
+        """A (blocks, block) float32 view of ``chunk``; a zero-padded copy when the last block is short."""
         pad = (-chunk.numel()) % self.block
         flat = chunk.reshape(-1).float()
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad)])
         return flat.view(-1, self.block)
 
-    def _scales(self, blocks: torch.Tensor) -> torch.Tensor:
-        return (blocks.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    def _scales(self, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        scales = torch.amax(blocks.abs(), dim=1, out=out)
+        return scales.div_(127.0).clamp_min_(torch.finfo(torch.float32).tiny)
 
+    def _split(self, payload: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload's float32 scales and int8 values, as views (the layout: all scales, then all values)."""
+        n_blocks = -(-numel // self.block)
+        return payload[: 4 * n_blocks].view(torch.float32), payload[4 * n_blocks :].view(torch.int8)
+
+    # Encoding writes straight into the payload and decoding broadcasts the scales over
+    # blocks: no concatenation and no per-element scale tensor, which made these 7x and
+    # 25x slower, and this codec CPU-bound on a 1 Gbit/s link.
     def encode(self, chunk: torch.Tensor) -> torch.Tensor:
+        payload = self.empty_payload(chunk)
+        scales, values = self._split(payload, chunk.numel())
         blocks = self._blocks(chunk)
-        scales = self._scales(blocks)
-        quantized = torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        return torch.cat([scales.view(torch.uint8), quantized.view(-1)[: chunk.numel()].view(torch.uint8)])
+        self._scales(blocks, out=scales)
+        quantized = blocks.div(scales[:, None]).round_().clamp_(-127, 127)
+        values.copy_(quantized.view(-1)[: chunk.numel()])
+        return payload
 
     def decode(self, payload: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        n_blocks = -(-like.numel() // self.block)
-        scales = payload[: 4 * n_blocks].view(torch.float32)
-        quantized = payload[4 * n_blocks :].view(torch.int8).float()
-        per_element = scales.repeat_interleave(self.block)[: like.numel()]
-        return (quantized * per_element).view_as(like).to(like.dtype)
+        return self.add_decoded(payload, torch.zeros_like(like))
+
+    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        scales, values = self._split(payload, into.numel())
+        if into.dtype == torch.float32 and into.is_contiguous() and into.numel() % self.block == 0:
+            into.view(-1, self.block).addcmul_(values.view(-1, self.block).float(), scales[:, None])
+            return into
+        per_element = scales.repeat_interleave(self.block)[: into.numel()]
+        return into.add_((values.float() * per_element).view_as(into).to(into.dtype))
 
     def empty_payload(self, like: torch.Tensor) -> torch.Tensor:
         n_blocks = -(-like.numel() // self.block)
@@ -138,6 +160,7 @@ class TopK:
         if not 0 < fraction <= 1:
             raise ValueError(f"top-k fraction must be in (0, 1], got {fraction}")
         self.fraction = fraction
+        self._scratch: dict[str, torch.Tensor] = {}
 
     def k(self, numel: int) -> int:
         return min(numel, max(1, math.ceil(self.fraction * numel)))
@@ -153,23 +176,31 @@ class TopK:
         only (Deep Gradient Compression's sampling, made exact). If the estimate
         was too high the exact topk over everything runs instead.
         """
-        magnitude = flat.abs()
+        magnitude = torch.abs(flat, out=self._buffer("magnitude", flat, flat.dtype))
         n, k = flat.numel(), self.k(flat.numel())
         if n < 1 << 16 or 8 * k > n:
             return magnitude.topk(k, sorted=False).indices
         stride = max(1, n // max(8192, 200 * n // k))
         sample = magnitude[::stride]
         threshold = sample.topk(max(1, math.ceil(1.5 * k * sample.numel() / n)), sorted=False).values.min()
-        candidates = (magnitude >= threshold).nonzero().squeeze(1)
+        candidates = _flat_nonzero(torch.ge(magnitude, threshold, out=self._buffer("above", flat, torch.bool)))
         if candidates.numel() < k:
             return magnitude.topk(k, sorted=False).indices
         return candidates[magnitude[candidates].topk(k, sorted=False).indices]
 
+    def _buffer(self, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer kept between calls: a fresh 64 MiB one costs ~30 ms of page faults, half the selection."""
+        buffer = self._scratch.get(name)
+        if buffer is None or buffer.numel() < like.numel() or buffer.dtype != dtype or buffer.device != like.device:
+            self._scratch[name] = buffer = torch.empty(like.numel(), dtype=dtype, device=like.device)
+        return buffer[: like.numel()]
+
     def encode(self, flat: torch.Tensor) -> torch.Tensor:
-        """One uint8 payload: k int32 indices, then k values in ``flat``'s dtype."""
-        indices = self.top_indices(flat)
-        values = flat[indices]
-        return torch.cat([indices.to(torch.int32).view(torch.uint8), values.view(torch.uint8)])
+        return self.pack(flat, self.top_indices(flat))
+
+    def pack(self, flat: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """One uint8 payload: k int32 indices, then their k values in ``flat``'s dtype."""
+        return torch.cat([indices.to(torch.int32).view(torch.uint8), flat[indices].view(torch.uint8)])
 
     def add_decoded(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
         k = self.k(into.numel())
@@ -180,6 +211,13 @@ class TopK:
     def error_bound(self, flat: torch.Tensor) -> torch.Tensor:
         kth_largest = flat.abs().topk(self.k(flat.numel())).values[-1]
         return torch.full_like(flat, kth_largest.item())
+
+
+def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Indices of the true entries of a 1-D mask; numpy's scan is 3-4x faster than torch's on CPU."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().squeeze(1)
 
 
 class PowerSGD:
@@ -262,3 +300,18 @@ class ErrorFeedback:
 
     def store(self, key: str, error: torch.Tensor) -> None:
         self.residuals[key] = error
+
+    def reusable(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed buffer for this step's error: last step's residual once ``compensate`` consumed it."""
+        residual = self.residuals.get(key)
+        return residual.zero_() if residual is not None else torch.zeros_like(like)
+
+    def accumulate(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` plus its residual, in the residual's own buffer (the caller then keeps there what it
+        did not send): the same values as ``compensate`` without allocating."""
+        residual = self.residuals.get(key)
+        if residual is None:
+            self.residuals[key] = residual = flat.clone()
+        else:
+            residual.add_(flat)
+        return residual

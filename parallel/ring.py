@@ -19,6 +19,8 @@ InfiniBand transports beat Gloo's TCP on CPU clusters.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -168,7 +170,7 @@ class _Ring:
         for t in range(n - 1):
             index = (rank - t - 1) % n
             for k, segment in enumerate(self.segments[index]):
-                segment.add_(self.codec.decode(next(receives), segment))
+                self.codec.add_decoded(next(receives), segment)
                 if t < n - 2:
                     self._send(self._encode(index, k), right)
         self._wait_sends()  # the chunks they read are overwritten below
@@ -189,18 +191,29 @@ class _Ring:
                     segment.copy_(self.codec.decode(payload, segment))
         self._wait_sends()
 
-    def _receives(self, left: int, chunk_order: list[int], in_place: bool):
-        """Yield received payloads in order, keeping the next ``RECV_WINDOW`` receives posted."""
-        expected = [segment for index in chunk_order for segment in self.segments[index]]
-        posted: list[tuple[torch.Tensor, Pending]] = []
-        for position in range(len(expected)):
-            while len(posted) < RECV_WINDOW and position + len(posted) < len(expected):
-                segment = expected[position + len(posted)]
+    def _receives(self, left: int, chunk_order: list[int], in_place: bool) -> Iterator[torch.Tensor]:
+        """Post the first ``RECV_WINDOW`` receives now (before this rank spends time encoding, so the
+        left neighbour can start sending at once), then yield payloads in order, keeping the window full."""
+        expected = iter([segment for index in chunk_order for segment in self.segments[index]])
+        posted: deque[tuple[torch.Tensor, Pending]] = deque()
+
+        def post_next() -> None:
+            segment = next(expected, None)
+            if segment is not None:
                 buffer = segment if in_place else self.codec.empty_payload(segment)
                 posted.append((buffer, self.transport.recv(buffer, left)))
-            buffer, pending = posted.pop(0)
-            pending.wait()
-            yield buffer
+
+        for _ in range(RECV_WINDOW):
+            post_next()
+
+        def in_order() -> Iterator[torch.Tensor]:
+            while posted:
+                buffer, pending = posted.popleft()
+                pending.wait()
+                post_next()
+                yield buffer
+
+        return in_order()
 
     def _encode(self, index: int, k: int, final: bool = False) -> torch.Tensor:
         segment = self.segments[index][k]
