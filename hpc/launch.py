@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from hpc.errors import ConfigError, RankFailedError
+from hpc.stall import STALL_EXIT
 
 STOP_GRACE_S = 5.0
 # Variables a rank needs from the launching shell; -x copies their current values.
@@ -66,6 +67,8 @@ def describe_exit(returncode: int) -> str:
         except ValueError:
             name = f"signal {-returncode}"
         return f"was killed by {name}"
+    if returncode == STALL_EXIT:
+        return f"exited with code {returncode} (aborted by the stall inspector: see its report above)"
     return f"exited with code {returncode}"
 
 

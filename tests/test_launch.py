@@ -71,6 +71,7 @@ def test_parse_hosts_rejects_malformed(spec) -> None:
 def test_describe_exit() -> None:
     assert launch.describe_exit(3) == "exited with code 3"
     assert launch.describe_exit(-9) == "was killed by SIGKILL"
+    assert "stall inspector" in launch.describe_exit(76)
 
 
 def test_pump_prefixes_lines_and_carriage_returns(tmp_path) -> None:

@@ -224,5 +224,6 @@ def test_a_late_rank_is_named_and_the_job_aborts_in_time(tmp_path: Path) -> None
     assert warnings, output
     assert re.search(r"in allreduce bucket0 .* at step 4; not arrived: rank 3 \([^)]*step 4, in data for", warnings[0])
     assert re.search(r"rank [012] .*aborting the job \(stall abort threshold 8 s\)", output), output
+    assert "aborted by the stall inspector" in output  # the launcher's line naming the rank that exited first
     # far sooner than the late rank's sleep (600 s) or the backend's timeout (parallel.timeout_s = 300 s)
     assert elapsed < 120, elapsed
