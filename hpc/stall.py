@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 STALL_EXIT = 76  # a stalled rank's exit status (PREEMPTED_EXIT is 75)
 KEY_PREFIX = "hpc/stall/rank-"
 SILENT_AFTER_INTERVALS = 5  # a peer whose entry is older than this many intervals is presumed dead or frozen
+STORE_TIMEOUT_S = 5.0  # a frozen store host must not hold a report (and the abort) for long
 
 
 @dataclass
@@ -81,7 +82,7 @@ class StallWatch:
         import torch.distributed as dist
 
         store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=max(10.0, warn_s)))
+                              timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
         return cls(store, rank, warn_s, abort_s)
 
     def __enter__(self) -> StallWatch:
@@ -164,8 +165,9 @@ class StallWatch:
         head = (f"rank {self.rank} ({self._host}) has waited {waited:.0f} s in {wait.op} "
                 f"(#{wait.number} on channel {wait.channel}) at step {self.step}")
         missing, arrived = [], []
+        self._store_error = None
         for peer in wait.peers:
-            state = self._peer_state(peer)
+            state = None if self._store_error else self._peer_state(peer)  # one timeout per report at most
             if state is None:
                 missing.append(f"rank {peer} (no report: never started the watch or the store is unreachable)")
             elif int(state["counts"].get(wait.channel, 0)) < wait.number:

@@ -227,3 +227,29 @@ def test_a_late_rank_is_named_and_the_job_aborts_in_time(tmp_path: Path) -> None
     assert "aborted by the stall inspector" in output  # the launcher's line naming the rank that exited first
     # far sooner than the late rank's sleep (600 s) or the backend's timeout (parallel.timeout_s = 300 s)
     assert elapsed < 120, elapsed
+
+
+def test_stall_report_survives_a_dead_store() -> None:
+    """The store lives on rank 0: when rank 0 is gone the others must still report and abort."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hpc.bootstrap import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=2))
+    recorder = _Recorder()
+    watch = StallWatch(client, 1, 0.2, 0.6, interval_s=0.05, log=recorder.lines.append,
+                       on_abort=recorder.aborted.append)
+    del server  # rank 0 died: its store went with it
+    started = time.monotonic()
+    with watch, watch.waiting("allreduce bucket0", "grad-reduce", [0, 1, 2]):
+        while not recorder.aborted and time.monotonic() - started < 10:
+            time.sleep(0.02)
+    assert recorder.aborted, recorder.lines
+    assert "rank 0 (no report" in recorder.aborted[0] and "rank 2 (no report" in recorder.aborted[0]
+    assert "[store:" in recorder.aborted[0]
+    assert time.monotonic() - started < 5  # one failed query per report, not one timeout per peer
