@@ -107,8 +107,13 @@ class _Step:
         self._post_next_receive()
         handlers = {"RECV_F": self._receive, "RECV_B": self._receive, "SEND_F": self._send, "SEND_B": self._send,
                     "F": self._forward, "B": self._backward}
+        computes = {"F": "forward", "B": "backward"}
         for action in self.actions:
-            handlers[action.kind](action)
+            if action.kind in computes:
+                with self.probe.span(computes[action.kind], microbatch=action.microbatch, stage=action.stage):
+                    handlers[action.kind](action)
+            else:
+                handlers[action.kind](action)
         with self.probe.span("wait for sends", "wait"):
             for pending in self.sends:
                 pending.wait()
@@ -149,10 +154,6 @@ class _Step:
         (self.inbox if self.p == 1 else self.outbox)[message] = tensor
 
     def _forward(self, action: Action) -> None:
-        with self.probe.span("forward", microbatch=action.microbatch, stage=action.stage):
-            self._forward_compute(action)
-
-    def _forward_compute(self, action: Action) -> None:
         tick = time.perf_counter()
         mb, stage = action.microbatch, action.stage
         x = self.inputs[mb] if stage == 0 else self.inbox.pop(Message("F", mb, stage)).requires_grad_()
@@ -177,10 +178,6 @@ class _Step:
         self.forward_s += time.perf_counter() - tick
 
     def _backward(self, action: Action) -> None:
-        with self.probe.span("backward", microbatch=action.microbatch, stage=action.stage):
-            self._backward_compute(action)
-
-    def _backward_compute(self, action: Action) -> None:
         tick = time.perf_counter()
         mb, stage = action.microbatch, action.stage
         x, out, nbytes = self.stash.pop((mb, stage))
