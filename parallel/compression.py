@@ -183,7 +183,7 @@ class TopK:
         stride = max(1, n // max(8192, 200 * n // k))
         sample = magnitude[::stride]
         threshold = sample.topk(max(1, math.ceil(1.5 * k * sample.numel() / n)), sorted=False).values.min()
-        candidates = _flat_nonzero(torch.ge(magnitude, threshold, out=self._buffer("above", flat, torch.bool)))
+        candidates = _indices_at_least(magnitude, threshold, self._buffer("above", flat, torch.bool))
         if candidates.numel() < k:
             return magnitude.topk(k, sorted=False).indices
         return candidates[magnitude[candidates].topk(k, sorted=False).indices]
@@ -213,11 +213,16 @@ class TopK:
         return torch.full_like(flat, kth_largest.item())
 
 
-def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
-    """Indices of the true entries of a 1-D mask; numpy's scan is 3-4x faster than torch's on CPU."""
-    if mask.device.type == "cpu":
+def _indices_at_least(values: torch.Tensor, threshold: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Indices of the entries of 1-D ``values`` that are >= ``threshold``, using ``mask`` as scratch.
+
+    On CPU numpy does it: its comparison is 2x and its scan 3-4x faster than torch's (16M entries:
+    4 + 5 ms against 10 + 16 ms), which matters when top-k's selection bounds the step.
+    """
+    if values.device.type == "cpu" and values.dtype in (torch.float16, torch.float32, torch.float64):  # no bf16
+        np.greater_equal(values.numpy(), threshold.numpy(), out=mask.numpy())
         return torch.from_numpy(np.flatnonzero(mask.numpy()))
-    return mask.nonzero().squeeze(1)
+    return torch.ge(values, threshold, out=mask).nonzero().squeeze(1)
 
 
 class PowerSGD:
