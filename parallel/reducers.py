@@ -118,7 +118,7 @@ class TopKReducer(_WithFeedback):
             compensated = self.feedback.accumulate(f"{key}/{i}", tensor.reshape(-1))
             indices = self.codec.top_indices(compensated)
             payloads.append(self.codec.pack(compensated, indices))
-            compensated[indices] = 0  # what was not sent stays behind as the next step's residual
+            compensated.index_fill_(0, indices, 0)  # what was not sent stays behind as the next step's residual
         gathered = ring_allgather(torch.cat(payloads), transport)
         n = gathered.shape[0]
         per_tensor = gathered.split([p.numel() for p in payloads], dim=1)
@@ -126,9 +126,9 @@ class TopKReducer(_WithFeedback):
             flat = flatten([tensor])
             flat.zero_()
             for row in rows:  # the same order on every rank: identical sums
+                if average:  # the k values, not the whole tensor: a pass over 64 MiB costs ~3 ms
+                    row[4 * self.codec.k(flat.numel()) :].view(flat.dtype).div_(n)
                 self.codec.add_decoded(row, flat)
-            if average:
-                flat.div_(n)
             unflatten_into(flat, [tensor])
         return (n - 1) * gathered.shape[1]
 

@@ -2,11 +2,13 @@
 
 A rank asks for pieces (name, offsets, shape) of the global tensors, in any layout;
 every stored piece that overlaps is read as a hyperslab straight into the
-destination tensor, so a change of dp, tp, pp or world size costs no extra copy and
-reads only the chunks that overlap. Reads go to the shard datasets rather than
-through the index's virtual datasets: a missing VDS source reads silently as fill
-values, and a direct read names the file and dataset that fail. Completeness is
-checked before anything is read: the marker, and every shard at its recorded size.
+destination tensor when it is needed whole, so a resume in the same layout costs no
+extra copy. Every stored piece read is checked against its hash, so one needed only
+in part (after a change of dp, tp, pp or world size) is read whole into a buffer
+first. Reads go to the shard datasets rather than through the index's virtual
+datasets: a missing VDS source reads silently as fill values, and a direct read
+names the file and dataset that fail. Completeness is checked before anything is
+read: the marker, and every shard at its recorded size.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hpc.checkpoint.format import (
     RANK_STATE,
     CheckpointError,
     CheckpointIndex,
+    check_read,
     first_line,
     read_index,
     shard_name,
@@ -76,14 +79,15 @@ def _dataset(index: CheckpointIndex, files: dict[str, h5py.File], file: str, dat
                               dataset=dataset) from exc
 
 
-def _read(dataset: h5py.Dataset, out: np.ndarray, source: tuple[slice, ...] | None = None,
-          dest: tuple[slice, ...] | None = None) -> None:
+def _read_checked(dataset: h5py.Dataset, out: np.ndarray) -> None:
+    """All of ``dataset`` into ``out`` (its shape, C-contiguous), then its hash checked."""
     try:
-        dataset.read_direct(out, source_sel=source, dest_sel=dest)
+        dataset.read_direct(out)
     except OSError as exc:
         file = dataset.file.filename
         raise CheckpointError(f"cannot read {dataset.name.lstrip('/')} from {file}: {first_line(exc)}",
                               file=file, dataset=dataset.name.lstrip("/")) from exc
+    check_read(dataset, out)
 
 
 def load_into(index: CheckpointIndex, pieces: Sequence[Piece]) -> None:
@@ -115,7 +119,14 @@ def _load_piece(index: CheckpointIndex, files: dict[str, h5py.File], piece: Piec
             continue
         source = tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, have_at, strict=True))
         dest = tuple(slice(lo - a, hi - a) for lo, hi, a in zip(low, high, want_at, strict=True))
-        _read(_dataset(index, files, stored.file, record.dataset), out, source, dest)
+        dataset = _dataset(index, files, stored.file, record.dataset)
+        region = out[dest]
+        if region.shape == have and region.flags.c_contiguous:
+            _read_checked(dataset, region)
+        else:
+            whole = np.empty(have, dtype=out.dtype)
+            _read_checked(dataset, whole)
+            region[...] = whole[source]
         covered += math.prod(hi - lo for lo, hi in zip(low, high, strict=True))
     if covered != math.prod(want) and math.prod(meta.shape):
         raise CheckpointError(f"the stored pieces of {piece.name} do not cover the block at {meta.offsets}",
@@ -158,6 +169,6 @@ def load_rank_state(
             dataset = _dataset(index, files, shard_name(rank), path)
             dtype = dataset.attrs["dtype"]
             tensor = torch.empty(tuple(int(n) for n in dataset.attrs["shape"]), dtype=getattr(torch, dtype))
-            _read(dataset, _destination(tensor)[0])
+            _read_checked(dataset, _destination(tensor)[0])
             state[path.removeprefix(f"{RANK_STATE}/")] = tensor
     return state

@@ -55,15 +55,14 @@ from hpc.checkpoint.format import (
     CheckpointError,
     ShardRecord,
     check_name,
-    create_checksummed,
     data_extent,
     done_name,
     failed_name,
     first_line,
     fsync_path,
     shard_name,
-    storage_shape,
     tmp_dir_name,
+    write_checksummed,
     write_index,
     write_json,
 )
@@ -249,18 +248,12 @@ def _write_and_commit(job: _SaveJob) -> tuple[Path | None, list[Path]]:
 
 
 def _write_shard(path: Path, job: _SaveJob) -> ShardRecord:
-    """This rank's file: its share of the pieces and its private state, each dataset checksummed.
-
-    No chunk cache (``rdcc_nbytes=0``): every chunk is written once, whole, so caching
-    it only adds a copy.
-    """
+    """This rank's file: its share of the pieces and its private state, each dataset checksummed."""
     extents = {}
-    with h5py.File(path, "w", libver=LIBVER, rdcc_nbytes=0) as shard, writeback_while_writing(path):
+    with h5py.File(path, "w", libver=LIBVER, ) as shard, writeback_while_writing(path):
         shard.attrs.update({"format": FORMAT, "step": job.step, "rank": job.rank, "world_size": job.world_size})
         for array in job.arrays:
-            dataset = create_checksummed(shard, array.path, array.data.shape, array.data.dtype)
-            if array.data.size:
-                dataset.write_direct(array.data.reshape(storage_shape(array.data.shape)))
+            dataset = write_checksummed(shard, array.path, array.data)
             for key, value in array.attrs.items():
                 dataset.attrs[key] = np.asarray(value, dtype=np.int64) if isinstance(value, tuple) else value
             extents[array.path] = data_extent(dataset)
@@ -270,7 +263,7 @@ def _write_shard(path: Path, job: _SaveJob) -> ShardRecord:
 
 @contextmanager
 def writeback_while_writing(path: Path) -> Iterator[None]:
-    """Push the file's dirty pages to the device while HDF5 is still checksumming the rest.
+    """Push the file's dirty pages to the device while the rest is still being copied into the page cache.
 
     Left alone, the kernel starts writeback only past ``dirty_background_ratio`` (GBs)
     or after half a minute, so the final fsync would wait for the whole file after all

@@ -6,8 +6,8 @@ catches a failure that HDF5 alone would let through or report without a name:
 - a missing shard: virtual datasets over it would read as fill values, silently;
 - a truncated shard: HDF5 refuses the whole file; the recorded byte ranges name the
   datasets that were cut off;
-- a flipped bit: every chunk is read, so Fletcher32 (data) and HDF5's own metadata
-  checksums fail on the dataset that holds it;
+- a flipped bit: every dataset is read and hashed against its ``xxh3_64`` attribute,
+  and HDF5's own metadata checksums fail on the object that holds it;
 - an index whose virtual datasets point at files or datasets the manifest lacks.
 """
 
@@ -24,6 +24,7 @@ from hpc.checkpoint.format import (
     CheckpointError,
     CheckpointIndex,
     ShardRecord,
+    dataset_problem,
     first_line,
     read_index,
 )
@@ -87,11 +88,13 @@ def _check_shard(path: Path, shard: ShardRecord) -> tuple[list[Problem], int, in
         for name in sorted(shard.extents):
             try:
                 dataset = handle[name]
-                for chunk in dataset.iter_chunks() if dataset.chunks else ():  # unchunked: empty
-                    read += dataset[chunk].nbytes
+                problem = dataset_problem(dataset)
+                read += dataset.nbytes
                 checked += 1
+                if problem:
+                    problems.append(Problem(str(path), name, f"damaged: {problem}"))
             except (OSError, KeyError, RuntimeError) as exc:
-                problems.append(Problem(str(path), name, f"unreadable (checksum or structure): {first_line(exc)}"))
+                problems.append(Problem(str(path), name, f"unreadable: {first_line(exc)}"))
     return problems, checked, read
 
 
