@@ -115,8 +115,9 @@ class TopKReducer(_WithFeedback):
         # allocation costs ~30 ms of page faults, more than the selection itself.
         payloads = []
         for i, tensor in enumerate(tensors):
-            compensated = self.feedback.accumulate(f"{key}/{i}", tensor.reshape(-1))
-            indices = self.codec.top_indices(compensated)
+            gradient = tensor.reshape(-1)
+            compensated = self.feedback.residual(f"{key}/{i}", gradient)
+            indices = self.codec.top_indices(compensated, plus=gradient)
             payloads.append(self.codec.pack(compensated, indices))
             compensated.index_fill_(0, indices, 0)  # what was not sent stays behind as the next step's residual
         gathered = ring_allgather(torch.cat(payloads), transport)
