@@ -122,7 +122,7 @@ def test_example_spec_loads() -> None:
     assert spec.model.kind == "mlp"
     assert spec.model.hidden_sizes == (128, 64)
     assert (spec.data.name, spec.data.batch_size) == ("digits", 128)
-    assert (spec.train.steps, spec.train.lr, spec.train.optimizer) == (300, 0.05, "sgd")
+    assert (spec.train.steps, spec.train.lr, spec.train.optimizer) == (300, 0.1, "sgd")
     assert (spec.train.momentum, spec.train.log_every) == (0.9, 20)
     assert spec.parallel.dp == "auto"
     assert spec.run_path == Path("runs/mlp-digits")

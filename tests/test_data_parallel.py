@@ -61,15 +61,11 @@ def test_dp_shards_concatenate_to_the_global_batch() -> None:
 
 
 # Sparse and low-rank codecs start after 50 exact steps (torch's PowerSGD hook does the same).
-# Top-k does not reach 5% on this 300-step demo at any useful fraction (1%: train loss
-# ~0.05-0.07 against 0.039; 25%: 0.042, 6%), so it gets its own, looser, bound below:
-# an open point of issue 3, recorded in docs/BENCHMARKS.md.
 CODEC_SETTINGS = {
     "none": {}, "fp16": {}, "bf16": {}, "int8": {},
     "powersgd": {"compression_warmup_steps": 50},
-    "topk": {"compression_warmup_steps": 50, "topk_fraction": 0.25},
+    "topk": {"compression_warmup_steps": 50, "topk_fraction": 0.1},
 }
-TOLERANCE = {"topk": 0.10}
 
 
 def _demo_with_each_codec(world, base):
@@ -93,5 +89,5 @@ def test_every_codec_reaches_the_uncompressed_loss_on_the_demo(tmp_path) -> None
     base["job"]["run_dir"] = str(tmp_path)
     losses = run_ranks(4, _demo_with_each_codec, base, timeout=400)[0]
     assert losses["none"] < 0.1  # the demo actually learns
-    for codec in CODEC_SETTINGS:
-        assert losses[codec] == pytest.approx(losses["none"], rel=TOLERANCE.get(codec, 0.05)), losses
+    for codec in CODEC_SETTINGS:  # reaches: at most 5% above the uncompressed loss
+        assert losses[codec] <= 1.05 * losses["none"], losses

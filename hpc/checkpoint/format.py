@@ -177,7 +177,7 @@ class ShardRecord:
 
     file: str
     size: int
-    extents: Mapping[str, tuple[int, int]]  # dataset path -> [start, end) of its chunks
+    extents: Mapping[str, tuple[int, int]]  # dataset path -> [start, end) of its data
 
 
 @dataclass(frozen=True)
