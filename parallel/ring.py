@@ -170,7 +170,12 @@ class _Ring:
         # 154-164); uncompressed, there is nothing to overlap, and starting early measured
         # slower (587 against 565-573 ms), so it starts after the phase as before.
         owned, early_gather = (rank + 1) % n, self.codec.lossy
-        receives = self._receives(left, [(rank - t - 1) % n for t in range(n - 1)], in_place=False)
+        scatter_order = [(rank - t - 1) % n for t in range(n - 1)]
+        gather_order = [(rank - t) % n for t in range(n - 1)]
+        # Lossy payloads land in buffers of their own, so the all-gather's receives can be
+        # posted while the reduce-scatter runs: the left neighbour's early segments then
+        # find a receive waiting rather than a notice queued behind data on the return link.
+        receives = self._receives(left, scatter_order + gather_order if early_gather else scatter_order, in_place=False)
         for k in range(len(self.segments[rank])):
             self._send(self._encode(rank, k), right)
         reduce_scatter_sends: list[Pending] = []
@@ -186,9 +191,8 @@ class _Ring:
         _wait(reduce_scatter_sends)  # they read chunks that the all-gather's receives overwrite
         # All-gather: finished segments are forwarded unchanged, so every rank decodes the
         # same bytes. Uncompressed segments are received straight into place.
-        in_place = not self.codec.lossy
-        receives = self._receives(left, [(rank - t) % n for t in range(n - 1)], in_place)
-        if not early_gather:
+        if not early_gather:  # uncompressed: received straight into place, once nothing reads the chunks
+            receives = self._receives(left, gather_order, in_place=True)
             for k in range(len(self.segments[owned])):
                 self._send(self._encode(owned, k, final=True), right)
         for t in range(n - 1):
@@ -196,7 +200,7 @@ class _Ring:
                 payload = next(receives)
                 if t < n - 2:
                     self._send(payload, right)
-                if not in_place:
+                if early_gather:
                     segment.copy_(self.codec.decode(payload, segment))
         _wait(self.sends)
 
