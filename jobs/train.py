@@ -57,6 +57,7 @@ class TrainResult:
     throughput: float  # ``unit``s per second over the run
     unit: str  # samples (MLP) or tokens (GPT)
     wall_s: float
+    start_step: int = 0  # the step a resume started from; 0 for a fresh run
 
     @property
     def train_loss(self) -> float:
@@ -226,6 +227,7 @@ def _train(
         throughput=(cfg.steps - start_step) * items_per_step / wall,
         unit=workload.unit,
         wall_s=wall,
+        start_step=start_step,
     )
     return result, model
 

@@ -9,6 +9,7 @@ which are assembled and compared with the single-process run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -250,3 +251,5 @@ def test_the_gpt_summary_reports_tokens_per_second_and_the_held_out_loss() -> No
     line = summary_line(result, world, MeshShape(1, 2, 2), "runs/gpt-licenses/metrics.jsonl")
     assert line == ("summary: 120 steps in 40.1 s | final loss 2.5157 | held-out loss 2.7032 | 6,121 tokens/s | "
                     "4 ranks (dp=1 tp=2 pp=2) gloo via openmpi | metrics runs/gpt-licenses/metrics.jsonl")
+    resumed = summary_line(dataclasses.replace(result, start_step=100), world, MeshShape(1, 2, 2), "m.jsonl")
+    assert resumed.startswith("summary: steps 101-120 (resumed) in 40.1 s | ")

@@ -61,8 +61,10 @@ SUMMARY_MEASURES = {"test_accuracy": "test accuracy {:.1%}", "held_out_loss": "h
 def summary_line(result, world, shape, metrics_path) -> str:
     measures = "".join(f"{form.format(result.evaluation[name])} | " for name, form in SUMMARY_MEASURES.items()
                        if name in result.evaluation)
+    ran = (f"{result.steps} steps" if not result.start_step
+           else f"steps {result.start_step + 1}-{result.steps} (resumed)")
     return (
-        f"summary: {result.steps} steps in {result.wall_s:.1f} s | final loss {result.final_loss:.4f} | "
+        f"summary: {ran} in {result.wall_s:.1f} s | final loss {result.final_loss:.4f} | "
         f"{measures}{result.throughput:,.0f} {result.unit}/s | "
         f"{world.size} ranks ({shape}) {world.backend} via {world.info.launcher.value} | metrics {metrics_path}"
     )
