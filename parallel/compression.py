@@ -201,8 +201,9 @@ class TopK:
         """Indices where ``|flat (+= plus)| >= threshold``, ascending.
 
         On CPU numpy scans in blocks that stay in cache: one trip through memory for
-        the add, the magnitude and the comparison, and numpy's scan is 3-4x faster
-        than torch's nonzero (16M entries: 11 ms against 24 ms for the unfused passes).
+        the add, the magnitude and the comparison, and numpy's scan is 3-4x faster than
+        torch's nonzero (16M entries, residual update and selection: 22 ms against 33 ms
+        as whole-tensor passes).
         """
         if flat.device.type != "cpu" or flat.dtype not in NUMPY_FLOATS:  # no bf16 in numpy; GPUs allocate cheaply
             if plus is not None:

@@ -250,7 +250,7 @@ def _write_and_commit(job: _SaveJob) -> tuple[Path | None, list[Path]]:
 def _write_shard(path: Path, job: _SaveJob) -> ShardRecord:
     """This rank's file: its share of the pieces and its private state, each dataset checksummed."""
     extents = {}
-    with h5py.File(path, "w", libver=LIBVER, ) as shard, writeback_while_writing(path):
+    with h5py.File(path, "w", libver=LIBVER) as shard, writeback_while_writing(path):
         shard.attrs.update({"format": FORMAT, "step": job.step, "rank": job.rank, "world_size": job.world_size})
         for array in job.arrays:
             dataset = write_checksummed(shard, array.path, array.data)
