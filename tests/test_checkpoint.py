@@ -286,6 +286,35 @@ def test_a_flipped_bit_fails_verify_and_resume_naming_file_and_dataset(saved, tm
     assert str(step / file) in str(info.value) and "tensors/optim/split" in str(info.value)
 
 
+def test_a_piece_needed_only_in_part_is_still_checked_whole(saved, tmp_path) -> None:
+    import torch
+
+    from hpc.checkpoint import Piece, load_into, open_checkpoint
+
+    step, file = _damaged_copy(saved, tmp_path)
+    _flip_a_data_byte(step / file, "tensors/optim/split")  # rank 1's rows 4..7; the byte is in row 4
+    block = torch.empty(1, 6)  # row 7 alone: a resharded rank that never sees the flipped byte
+    with pytest.raises(CheckpointError, match="damaged") as info:
+        load_into(open_checkpoint(step), [Piece("optim/split", block, (8, 6), (7, 0))])
+    assert str(step / file) in str(info.value) and "tensors/optim/split" in str(info.value)
+
+
+def test_every_dataset_can_be_checked_from_its_byte_range_without_hdf5(saved) -> None:
+    """What `tail -c +START | head -c LENGTH | xxhsum -H3` does with the manifest's byte ranges."""
+    import xxhash
+
+    step = saved / "step-00000004"
+    index = read_index(step)
+    checked = 0
+    for shard in index.shards.values():
+        raw = (step / shard.file).read_bytes()
+        with h5py.File(step / shard.file) as handle:
+            for name, (start, end) in shard.extents.items():
+                assert xxhash.xxh3_64_hexdigest(raw[start:end]) == handle[name].attrs["xxh3_64"], name
+                checked += 1
+    assert checked == sum(len(shard.extents) for shard in index.shards.values()) > 10
+
+
 def test_a_truncated_shard_fails_verify_and_resume_naming_file_and_dataset(saved, tmp_path, capsys) -> None:
     from hpc.checkpoint import open_checkpoint
 

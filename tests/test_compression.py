@@ -80,3 +80,21 @@ def test_topk_selection_is_exact(numel, fraction, seed) -> None:
     assert torch.equal(picked, expected)
     decoded = codec.add_decoded(codec.encode(flat), torch.zeros_like(flat))
     assert torch.all((decoded - flat).abs() <= codec.error_bound(flat))
+
+
+@settings(max_examples=20, deadline=None)
+@given(numel=st.integers(1, 300_000), seed=st.integers(0, 100),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_topk_adds_the_gradient_into_the_residual_while_selecting(numel, seed, dtype) -> None:
+    """The fused pass (numpy in blocks; torch for bfloat16) leaves residual + gradient behind and
+    picks that sum's k largest magnitudes."""
+    from parallel.compression import TopK
+
+    generator = torch.Generator().manual_seed(seed)
+    residual = torch.randn(numel, generator=generator).to(dtype)
+    gradient = torch.randn(numel, generator=generator).to(dtype)
+    total = residual + gradient
+    codec = TopK(0.01)
+    picked = codec.top_indices(residual, plus=gradient)
+    assert torch.equal(residual, total)
+    assert torch.equal(total.abs()[picked].sort().values, total.abs().topk(codec.k(numel)).values.sort().values)
