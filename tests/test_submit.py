@@ -238,7 +238,7 @@ def test_a_job_requeued_mid_run_resumes_and_ends_equal_to_the_uninterrupted_run(
         assert torch.equal(read_tensor(ours, name), read_tensor(uninterrupted, name)), name
     followed, _ = submitted.follow.communicate(timeout=30)  # --follow ended by itself, after the requeue
     assert submitted.follow.returncode == 0
-    assert preempted[0] in followed and "summary: 400 steps" in followed
+    assert preempted[0] in followed and f"summary: steps {step + 1}-400 (resumed)" in followed
 
 
 @pytest.mark.slow
