@@ -44,6 +44,10 @@ class Codec:
         """``into += decode(payload)``: what a reduce-scatter hop does; codecs may fuse it."""
         return into.add_(self.decode(payload, into))
 
+    def decode_into(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """``into[:] = decode(payload)``: what an all-gather hop does; codecs may skip the temporary."""
+        return into.copy_(self.decode(payload, into))
+
     def empty_payload(self, like: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(like)
 
@@ -73,6 +77,14 @@ class CastCodec(Codec):
 
     def decode(self, payload: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return payload.to(like.dtype)
+
+    # The add and the copy convert as they go: a decoded temporary per 1 MiB segment is a
+    # fresh allocation whose page faults cost more than the arithmetic on this VM.
+    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        return into.add_(payload)
+
+    def decode_into(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        return into.copy_(payload)
 
     def empty_payload(self, like: torch.Tensor) -> torch.Tensor:
         return torch.empty(like.shape, dtype=self.wire_dtype, device=like.device)
@@ -129,6 +141,9 @@ class Int8Codec(Codec):
 
     def decode(self, payload: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return self.add_decoded(payload, torch.zeros_like(like))
+
+    def decode_into(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        return self.add_decoded(payload, into.zero_())
 
     def add_decoded(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
         scales, values = self._split(payload, into.numel())

@@ -201,7 +201,7 @@ class _Ring:
                 if t < n - 2:
                     self._send(payload, right)
                 if early_gather:
-                    segment.copy_(self.codec.decode(payload, segment))
+                    self.codec.decode_into(payload, segment)
         _wait(self.sends)
 
     def _receives(self, left: int, chunk_order: list[int], in_place: bool) -> Iterator[torch.Tensor]:
@@ -231,12 +231,15 @@ class _Ring:
     def _encode(self, index: int, k: int, final: bool = False) -> torch.Tensor:
         segment = self.segments[index][k]
         payload = self.codec.encode(segment)
-        if self.codec.lossy and (self.errors is not None or final):  # decoding costs as much as encoding
+        if not self.codec.lossy:
+            return payload
+        if self.errors is not None:  # decoding costs as much as encoding: only when needed
             decoded = self.codec.decode(payload, segment)
-            if self.errors is not None:
-                self.errors[index][k].add_(segment - decoded)
+            self.errors[index][k].add_(segment - decoded)
             if final:
-                segment.copy_(decoded)  # the owner keeps exactly what the others decode
+                segment.copy_(decoded)
+        elif final:
+            self.codec.decode_into(payload, segment)  # the owner keeps exactly what the others decode
         return payload
 
     def _send(self, payload: torch.Tensor, right: int) -> None:
