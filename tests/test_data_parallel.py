@@ -60,14 +60,15 @@ def test_dp_shards_concatenate_to_the_global_batch() -> None:
     np.testing.assert_array_equal(np.concatenate([dp_shard(batch, r, 4) for r in range(4)]), batch)
 
 
-# Sparse and low-rank codecs start after 50 exact steps (torch's PowerSGD hook does the same).
-# Top-k sends 10% here: at 1% an entry goes out about once in 100 steps, too slow for a
-# 300-step run (train loss 0.046-0.072 against 0.029-0.032 over seeds 0-2); the 1% rate is
-# what the bandwidth benchmarks measure.
+# Sparse and low-rank codecs start after some exact steps, as torch's PowerSGD hook does.
+# Top-k sends 10% here, after 100 exact steps: at 1% an entry goes out about once in 100
+# steps, too slow for a 300-step run (train loss 0.046-0.072 against 0.029-0.032 over seeds
+# 0-2); the 1% rate is what the bandwidth benchmarks measure. With 50 exact steps top-k ends
+# 2-7% *below* the uncompressed loss; with 100, within 3% either way on seeds 0-2.
 CODEC_SETTINGS = {
     "none": {}, "fp16": {}, "bf16": {}, "int8": {},
     "powersgd": {"compression_warmup_steps": 50},
-    "topk": {"compression_warmup_steps": 50, "topk_fraction": 0.1},
+    "topk": {"compression_warmup_steps": 100, "topk_fraction": 0.1},
 }
 
 
@@ -92,5 +93,5 @@ def test_every_codec_reaches_the_uncompressed_loss_on_the_demo(tmp_path) -> None
     base["job"]["run_dir"] = str(tmp_path)
     losses = run_ranks(4, _demo_with_each_codec, base, timeout=400)[0]
     assert losses["none"] < 0.1  # the demo actually learns
-    for codec in CODEC_SETTINGS:  # reaches: at most 5% above the uncompressed loss
-        assert losses[codec] <= 1.05 * losses["none"], losses
+    for codec in CODEC_SETTINGS:
+        assert losses[codec] == pytest.approx(losses["none"], rel=0.05), losses
