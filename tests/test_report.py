@@ -20,6 +20,7 @@ from hpc.cli.main import main
 from hpc.plots import bandwidth_figure, series_figure, sweep_figure, time_breakdown_figure
 from hpc.report import read_metrics
 from hpc.units import human_bytes
+from tests.test_cli import _error_of
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH = 64
@@ -67,13 +68,6 @@ def _assert_png(path: Path) -> None:
 
 def _inlined_images(page: str) -> list[bytes]:
     return [base64.b64decode(data) for data in re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)]
-
-
-def _error_of(capsys, *argv: str) -> tuple[int, str]:
-    code = main(list(argv))
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return code, err
 
 
 def test_report_writes_the_plots_and_a_page_that_carries_them_and_the_summary(tmp_path, capsys) -> None:
