@@ -41,7 +41,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def add_bench_parser(kinds: argparse._SubParsersAction) -> None:
-    bench = kinds.add_parser("checkpoint", help="HDF5 (sync, async) against torch.save, DCP and the raw disk")
+    bench = kinds.add_parser(
+        "checkpoint", help="HDF5 (sync, async) against torch.save, DCP, the raw disk and a memory copy"
+    )
     bench.add_argument("-n", "--nprocs", type=int, default=2, help="ranks (default 2)")
     bench.add_argument("--size", default="256M", help="bytes of training state, e.g. 64M, 1G (default %(default)s)")
     bench.add_argument("--iters", type=int, default=3, help="timed rounds; each row is the median (default 3)")
