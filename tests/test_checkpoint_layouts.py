@@ -1,8 +1,10 @@
-"""Exact continuation under DP, TP, PP and 3D layouts, and resharding to other layouts.
+"""Exact continuation under DP, TP, PP and 3D layouts, and resharding: the checkpoint layer alone.
 
-TP and PP training arrive with another issue; what the checkpoint must get right does
-not wait for them, because a layout only changes which blocks of each global tensor a
-rank holds. A synthetic sharding stands in for them: tensors are split along dim 0
+tests/test_checkpoint_3d.py does the same through the GPT's training loop; this file
+keeps the checkpoint package honest without a model, on a 3D layout of 8 ranks and with
+an asynchronous save still writing while the next steps update the state. A layout only
+changes which blocks of each global tensor a rank holds, so a synthetic sharding stands
+in for TP and PP: tensors are split along dim 0
 over TP (norms stay whole), dealt to pipeline stages by position, and replicated over
 DP. Each rank trains its blocks with a real Adam on gradients that depend on the step,
 the block, and noise from the rank's own RNG averaged over its DP group, so replicas
