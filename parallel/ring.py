@@ -190,8 +190,8 @@ class _Ring:
                     self._send(self._encode(index, k, final=last), right)
         _wait(reduce_scatter_sends)  # they read chunks that the all-gather's receives overwrite
         # All-gather: finished segments are forwarded unchanged, so every rank decodes the
-        # same bytes. Uncompressed segments are received straight into place.
-        if not early_gather:  # uncompressed: received straight into place, once nothing reads the chunks
+        # same bytes. Uncompressed ones are received straight into place, now that no send reads them.
+        if not early_gather:
             receives = self._receives(left, gather_order, in_place=True)
             for k in range(len(self.segments[owned])):
                 self._send(self._encode(owned, k, final=True), right)
