@@ -9,17 +9,17 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "init": "hpc.bootstrap",
-    "shutdown": "hpc.bootstrap",
-    "World": "hpc.bootstrap",
-    "RankInfo": "hpc.env",
-    "detect_rank_info": "hpc.env",
+    "init": "hpc.runtime.bootstrap",
+    "shutdown": "hpc.runtime.bootstrap",
+    "World": "hpc.runtime.bootstrap",
+    "RankInfo": "hpc.runtime.env",
+    "detect_rank_info": "hpc.runtime.env",
     "JobSpec": "hpc.config",
     "load_spec": "hpc.config",
-    "Mesh": "hpc.mesh",
-    "MeshShape": "hpc.mesh",
-    "build_mesh": "hpc.mesh",
-    "resolve_layout": "hpc.mesh",
+    "Mesh": "hpc.runtime.mesh",
+    "MeshShape": "hpc.runtime.mesh",
+    "build_mesh": "hpc.runtime.mesh",
+    "resolve_layout": "hpc.runtime.mesh",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -14,7 +14,7 @@ from hpc.errors import ConfigError, LayoutError
 
 if TYPE_CHECKING:
     from hpc.config import JobSpec, ParallelConfig
-    from hpc.mesh import MeshShape
+    from hpc.runtime.mesh import MeshShape
 
 DATA_OF_MODEL = {"mlp": "digits", "gpt": "licenses"}
 
@@ -22,6 +22,15 @@ DATA_OF_MODEL = {"mlp": "digits", "gpt": "licenses"}
 def uses_pipeline(parallel: ParallelConfig) -> bool:
     """Steps run through the pipeline executor: several stages, or several microbatches to accumulate."""
     return parallel.pp > 1 or parallel.virtual_stages > 1 or parallel.microbatches > 1
+
+
+def check_layout(spec: JobSpec, world_size: int) -> MeshShape:
+    """The mesh shape of ``spec`` on ``world_size`` ranks, with the model's cut, schedule and batch split checked."""
+    from hpc.runtime.mesh import resolve_layout
+
+    shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world_size)
+    check_job_layout(spec, shape)
+    return shape
 
 
 def check_job_layout(spec: JobSpec, shape: MeshShape) -> None:

@@ -39,7 +39,7 @@ from hpc.checkpoint import Checkpointer, CheckpointError, Piece
 from hpc.checkpoint.discovery import resolve_resume
 from hpc.checkpoint.load import load_into, load_rank_state, open_checkpoint
 from hpc.config import JobSpec, spec_to_dict
-from hpc.mesh import Mesh
+from hpc.runtime.mesh import Mesh
 from parallel.optimizer import DistributedOptimizerMixin
 from parallel.tensor_parallel import tp_split_dims
 

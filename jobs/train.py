@@ -22,16 +22,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpc.bootstrap import World
 from hpc.config import JobSpec, TrainConfig
-from hpc.health import check_mesh
-from hpc.mesh import Mesh
-from hpc.metrics import METRICS_FILE, RANK_TOTALS, MetricsLog, peak_memory_bytes, write_rank_totals
-from hpc.preemption import Preempted, Preemption
-from hpc.probe import Probe
-from hpc.progress import Progress
-from hpc.stall import StallWatch
-from hpc.timeline import Timeline, merge_rank_files
+from hpc.observe.health import check_mesh
+from hpc.observe.metrics import RANK_TOTALS, MetricsLog, peak_memory_bytes, write_rank_totals
+from hpc.observe.probe import Probe
+from hpc.observe.progress import Progress
+from hpc.observe.stall import StallWatch
+from hpc.observe.timeline import Timeline, merge_rank_files
+from hpc.rundir import METRICS_FILE
+from hpc.runtime.bootstrap import World
+from hpc.runtime.mesh import Mesh
+from hpc.runtime.preemption import Preempted, Preemption
 from jobs.layout import check_job_layout, uses_pipeline
 from jobs.optim import build_optimizer, learning_rate
 from jobs.state import TrainingCheckpoints

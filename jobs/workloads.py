@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hpc.config import JobSpec
 from hpc.errors import LayoutError
-from hpc.mesh import Mesh
+from hpc.runtime.mesh import Mesh
 from jobs.datasets import (
     Dataset,
     byte_windows,

@@ -10,7 +10,7 @@ overlapped with backward) with any of our codecs.
 
 Horovod's API is global by design (``hvd.rank()``); the only global state used is
 torch.distributed's default process group, which ``init`` creates through
-``hpc.bootstrap`` (so torchrun, mpirun and srun all work), and the launcher's
+``hpc.runtime.bootstrap`` (so torchrun, mpirun and srun all work), and the launcher's
 environment for local and cross ranks. Handles are objects, not integers in a table.
 
 Differences, stated rather than hidden: Adasum is not implemented; ``join`` is a
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc import bootstrap
-from hpc.env import detect_rank_info
+from hpc.runtime import bootstrap
+from hpc.runtime.env import detect_rank_info
 from parallel.optimizer import distributed_optimizer
 from parallel.reducers import make_reducer
 from parallel.ring import TorchTransport

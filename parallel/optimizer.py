@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hpc.probe import Probe
+from hpc.observe.probe import Probe
 from parallel.reducers import Reducer, make_reducer
 from parallel.ring import Transport
 

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from hpc.errors import LayoutError
-from hpc.probe import Probe
+from hpc.observe.probe import Probe
 from parallel.schedule import Action, Message, stage_bounds
 
 

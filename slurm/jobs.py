@@ -25,11 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from hpc.checkpoint.format import write_json
-from hpc.cli.rank import RESULT_FILE
 from hpc.errors import HpcError
+from hpc.rundir import last_metrics, write_json
 
-METRICS_FILE = "metrics.jsonl"
 SACCT_FIELDS = ("JobID", "JobName", "State", "Elapsed", "NodeList", "ExitCode")
 DONE_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
                          "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
@@ -124,29 +122,6 @@ def sacct_states(job_ids: Iterable[str], environ: Mapping[str, str] | None = Non
     out = slurm_command(["sacct", "-X", "--parsable2", "-o", ",".join(SACCT_FIELDS), "-j", ",".join(bases)], environ)
     info = SlurmInfoWatcher().read_info(out)
     return {job_id: {**fields, "State": fields["State"].split(" ")[0]} for job_id, fields in info.items()}
-
-
-def last_metrics(run_path: Path) -> dict | None:
-    """The last step rank 0 logged, or None before the first."""
-    path = run_path / METRICS_FILE
-    try:
-        with path.open("rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, handle.tell() - 4096))
-            lines = handle.read().splitlines()
-    except FileNotFoundError:
-        return None
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except ValueError:  # the first line read may be cut, the last one half written
-            continue
-    return None
-
-
-def read_result(run_path: Path) -> dict | None:
-    path = run_path / RESULT_FILE
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 def status_rows(records: Sequence[JobRecord], states: Mapping[str, Mapping[str, str]]) -> list[list[str]]:

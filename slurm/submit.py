@@ -2,7 +2,8 @@
 
 submitit writes the script (``#SBATCH`` lines from the parameters, the setup lines, then
 ``srun ... python -m submitit.core._submit FOLDER``), submits it with sbatch, and in every
-task unpickles and calls :func:`run_rank`: ``hpc-rank SPEC --set ...`` in-process, which
+task unpickles and calls the entry point the CLI passes in (``hpc-rank SPEC --set ...``
+in-process, ``hpc.cli.rank.run_in_slurm_task``), which
 joins through ``hpc.init`` from the SLURM_* variables srun sets, exactly as ``srun hpc-rank``
 does. Each rank logs stdout and stderr to one file, ``FOLDER/<job>_<rank>_log.out``
 (``<array job>_<task>`` in place of ``<job>`` for array tasks); appended to, so a requeued
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,14 +119,14 @@ def sbatch_script(executor, array_size: int | None = None) -> str:
     return _make_sbatch_string(command=executor._submitit_command_str, folder=executor.folder, **params)
 
 
-def submit(executor, argv: Sequence[str]) -> str:
-    """Submit one job of ``ntasks`` ranks running ``hpc-rank ARGV``; returns its job id."""
-    return _submitted(lambda: [executor.submit(run_rank, list(argv))])[0]
+def submit(executor, entry: Callable[[list[str]], None], argv: Sequence[str]) -> str:
+    """Submit one job of ``ntasks`` ranks, each calling ``entry(ARGV)``; returns its job id."""
+    return _submitted(lambda: [executor.submit(entry, list(argv))])[0]
 
 
-def submit_array(executor, argvs: Sequence[Sequence[str]]) -> str:
-    """Submit one job array, task i running ``hpc-rank ARGVS[i]``; returns the array's job id."""
-    job_ids = _submitted(lambda: executor.map_array(run_rank, [list(argv) for argv in argvs]))
+def submit_array(executor, entry: Callable[[list[str]], None], argvs: Sequence[Sequence[str]]) -> str:
+    """Submit one job array, task i's ranks each calling ``entry(ARGVS[i])``; returns the array's job id."""
+    job_ids = _submitted(lambda: executor.map_array(entry, [list(argv) for argv in argvs]))
     return job_ids[0].partition("_")[0]
 
 
@@ -142,12 +143,3 @@ def _submitted(submission) -> list[str]:
 def log_path(folder: Path, job_id: str, rank: int) -> Path:
     """Where rank ``rank`` of job ``job_id`` (``A_T`` for an array task) logs; see submitit's JobPaths."""
     return folder / f"{job_id}_{rank}_log.out"
-
-
-def run_rank(argv: list[str]) -> None:
-    """What every srun task runs (submitit pickles a reference to it): one rank, as ``hpc-rank ARGV``."""
-    from hpc.cli import rank
-
-    status = rank.main(argv)
-    if status:
-        raise SystemExit(status)  # past submitit's error handling: the task ends with this status

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc.checkpoint.format import write_json
 from hpc.config import JobSpec, SweepConfig, load_spec, read_toml, table_from_dict
 from hpc.errors import ConfigError
-from slurm.jobs import FAILED_STATES, last_metrics, read_result
+from hpc.rundir import last_metrics, read_result, write_json
+from slurm.jobs import FAILED_STATES
 
 MANIFEST = "sweep.json"
 DISTRIBUTIONS = ("uniform", "log_uniform")

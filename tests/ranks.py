@@ -2,7 +2,7 @@
 
 Ranks are forked from a forkserver that has already imported torch, so a rank
 costs a fork instead of a 2-second import (4 imports at once take ~7 s on 2 cores).
-Each rank joins through ``hpc.bootstrap.init`` exactly as a launched rank does,
+Each rank joins through ``hpc.runtime.bootstrap.init`` exactly as a launched rank does,
 with one torch thread. The first failure is re-raised naming its rank; a rank
 that dies without reporting, or a run past its timeout, fails the test too.
 """
@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from hpc.bootstrap import free_port
+from hpc.runtime.bootstrap import free_port
 
 
 class RankError(AssertionError):
@@ -33,7 +33,7 @@ def _context() -> multiprocessing.context.BaseContext:
 def _rank_main(fn: Callable, rank: int, n: int, port: int, args: tuple, results: Any) -> None:
     import torch
 
-    from hpc import bootstrap
+    from hpc.runtime import bootstrap
 
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from hpc.config import load_spec, spec_from_dict
-from hpc.mesh import MeshShape, build_mesh
+from hpc.runtime.mesh import MeshShape, build_mesh
 from tests.ranks import run_ranks
 
 STEPS, LR, CLIP = 10, 3e-3, 0.5
@@ -230,7 +230,8 @@ def test_a_layout_that_does_not_fit_is_one_error_line_before_launch(capsys, exam
 
 
 def test_the_gpt_example_passes_the_checks_and_runs_3d_on_four_ranks(capsys) -> None:
-    from hpc.cli.main import check_layout, main
+    from hpc.cli.main import main
+    from jobs.layout import check_layout
 
     spec = load_spec(GPT_EXAMPLE)
     shape = check_layout(spec, 4)

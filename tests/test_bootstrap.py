@@ -2,9 +2,9 @@ import time
 
 import pytest
 
-from hpc import bootstrap
-from hpc.env import detect_rank_info
 from hpc.errors import LaunchEnvError, RendezvousError
+from hpc.runtime import bootstrap
+from hpc.runtime.env import detect_rank_info
 
 SLURM_STEP = {
     "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",

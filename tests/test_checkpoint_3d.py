@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from hpc.config import spec_from_dict
-from hpc.mesh import MeshShape, build_mesh
+from hpc.runtime.mesh import MeshShape, build_mesh
 from tests.ranks import run_ranks
 
 TINY_GPT = {"kind": "gpt", "n_layers": 2, "n_heads": 2, "d_model": 32, "seq_len": 16}

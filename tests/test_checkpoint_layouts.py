@@ -27,7 +27,7 @@ SHAPES = {"blocks.0.b": (12,), "blocks.0.w": (12, 8), "blocks.1.norm": (8,), "bl
 
 def blocks(layout: tuple[int, int, int], rank: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """name -> (offsets, shape) of the block this rank holds under (dp, tp, pp)."""
-    from hpc.mesh import MeshShape
+    from hpc.runtime.mesh import MeshShape
 
     coords = MeshShape(*layout).coords(rank)
     tp, pp = layout[1], layout[2]
@@ -134,7 +134,7 @@ def target_pieces(layout, rank: int):
 
 
 def _mesh(world, layout):
-    from hpc.mesh import MeshShape, build_mesh
+    from hpc.runtime.mesh import MeshShape, build_mesh
 
     mesh = build_mesh(MeshShape(*layout), world.rank)
     return mesh.group("dp"), mesh.size("dp")

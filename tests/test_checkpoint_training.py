@@ -15,7 +15,7 @@ import pytest
 
 from hpc.checkpoint.discovery import find_latest, list_checkpoints
 from hpc.config import spec_from_dict
-from hpc.mesh import build_mesh, resolve_layout
+from hpc.runtime.mesh import build_mesh, resolve_layout
 from tests.ranks import run_ranks
 
 

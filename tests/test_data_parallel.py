@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hpc.config import spec_from_dict
-from hpc.mesh import build_mesh, resolve_layout
+from hpc.runtime.mesh import build_mesh, resolve_layout
 from jobs.datasets import dp_shard, global_batch_indices
 from tests.ranks import run_ranks
 

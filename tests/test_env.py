@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from hpc.env import Launcher, RankInfo, detect_rank_info, with_hostnames
 from hpc.errors import LaunchEnvError
+from hpc.runtime.env import Launcher, RankInfo, detect_rank_info, with_hostnames
 
 # Task 5 of `srun -N2 --ntasks-per-node=4` inside `sbatch -N2`: second node, second local task.
 SRUN_STEP = {

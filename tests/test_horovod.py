@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpc import launch
+from hpc.runtime import launch
 from tests.ranks import run_ranks
 
 ROOT = Path(__file__).parents[1]

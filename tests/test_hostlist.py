@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpc.hostlist import expand_hostlist, expand_tasks_per_node
+from hpc.runtime.hostlist import expand_hostlist, expand_tasks_per_node
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc import launch
 from hpc.errors import ConfigError
+from hpc.runtime import launch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "mlp.toml"
 ARGV = ("python", "-m", "hpc.cli.rank", "job.toml")

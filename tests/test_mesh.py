@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hpc.errors import LayoutError
-from hpc.mesh import MeshShape, build_mesh, resolve_layout
+from hpc.runtime.mesh import MeshShape, build_mesh, resolve_layout
 from tests.ranks import run_ranks
 
 shapes = st.builds(MeshShape, st.integers(1, 4), st.integers(1, 4), st.integers(1, 4))

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from hpc.config import spec_from_dict
-from hpc.metrics import FIELDS
-from hpc.stall import StallWatch
+from hpc.observe.metrics import FIELDS
+from hpc.observe.stall import StallWatch
 from tests.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _observed_run(world, run_dir: str):
-    from hpc.mesh import build_mesh, resolve_layout
+    from hpc.runtime.mesh import build_mesh, resolve_layout
     from jobs.train import train
 
     spec = spec_from_dict({
@@ -118,9 +118,9 @@ def test_health_check_reports_the_slowest_link() -> None:
 
 
 def _health(world):
-    from hpc.health import check_mesh
-    from hpc.mesh import build_mesh, resolve_layout
-    from hpc.probe import Probe
+    from hpc.observe.health import check_mesh
+    from hpc.observe.probe import Probe
+    from hpc.runtime.mesh import build_mesh, resolve_layout
 
     return check_mesh(build_mesh(resolve_layout(2, 2, 1, 4), world.rank), Probe(), timeout_s=30, message_bytes=1 << 16)
 
@@ -134,7 +134,7 @@ class _Recorder:
 def _watches(recorder: _Recorder, warn_s: float, abort_s: float) -> tuple[StallWatch, StallWatch, object]:
     import torch.distributed as dist
 
-    from hpc.bootstrap import free_port
+    from hpc.runtime.bootstrap import free_port
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
@@ -235,7 +235,7 @@ def test_stall_report_survives_a_dead_store() -> None:
 
     import torch.distributed as dist
 
-    from hpc.bootstrap import free_port
+    from hpc.runtime.bootstrap import free_port
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hpc.errors import LayoutError
-from hpc.mesh import MeshShape, build_mesh
+from hpc.runtime.mesh import MeshShape, build_mesh
 from parallel.pipeline import _forward_keeping, split_into_stages
 from parallel.schedule import build_schedule, theoretical_bubble
 from tests.ranks import run_ranks

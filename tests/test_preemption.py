@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from hpc.config import spec_from_dict
-from hpc.mesh import build_mesh, resolve_layout
-from hpc.preemption import Preempted, Preemption, requeue_plan, watch
+from hpc.runtime.mesh import build_mesh, resolve_layout
+from hpc.runtime.preemption import Preempted, Preemption, requeue_plan, watch
 from tests.ranks import run_ranks
 
 SRUN_TASK = {"SLURM_JOB_ID": "57", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",

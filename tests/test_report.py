@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from hpc.cli.main import main
-from hpc.plots import bandwidth_figure, series_figure, sweep_figure, time_breakdown_figure
-from hpc.report import read_metrics
+from hpc.observe.plots import bandwidth_figure, series_figure, sweep_figure, time_breakdown_figure
+from hpc.observe.report import read_metrics
 from hpc.units import human_bytes
 from tests.test_cli import _error_of
 

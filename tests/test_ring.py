@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpc import launch
+from hpc.runtime import launch
 from parallel.compression import ErrorFeedback, make_codec
 from parallel.ring import TorchTransport, make_transport, ring_allreduce
 from tests.ranks import run_ranks

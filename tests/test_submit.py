@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.env import Launcher, detect_rank_info
+from hpc.runtime.env import Launcher, detect_rank_info
 from slurm.jobs import DONE_STATES, sacct_states
 from slurm.submit import quote_setup, time_minutes
 
@@ -280,7 +280,7 @@ def test_injection_through_setup_lines_and_paths_is_quoted_never_run(submitted: 
 def _reference_losses(world, spec: str, configs: list[list[str]]) -> list[float]:
     """Each config trained by one process calling the training loop directly."""
     from hpc.config import load_spec
-    from hpc.mesh import build_mesh, resolve_layout
+    from hpc.runtime.mesh import build_mesh, resolve_layout
     from jobs.train import train
 
     mesh = build_mesh(resolve_layout("auto", 1, 1, 1), 0)
@@ -343,7 +343,7 @@ def _losses(run: Path) -> list[float]:
 
 def _train_locally(world, spec: str, overrides: list[str]) -> None:
     from hpc.config import load_spec
-    from hpc.mesh import build_mesh, resolve_layout
+    from hpc.runtime.mesh import build_mesh, resolve_layout
     from jobs.train import train
 
     train(load_spec(spec, overrides), world, build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank))

@@ -22,9 +22,9 @@ from hpc.checkpoint.format import (
     STEP_DIR,
     TMP_DIR,
     CheckpointError,
-    fsync_path,
     step_dir_name,
 )
+from hpc.rundir import fsync_path
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,7 @@ let ``xxhsum -H3`` check a dataset without Python.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -325,22 +323,3 @@ def _plain(value: Any) -> Any:
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def write_json(path: Path, value: Any) -> None:
-    """A small JSON file that appears whole or not at all, its content already on disk."""
-    partial = path.with_name(path.name + ".part")
-    with open(partial, "w") as handle:
-        json.dump(value, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes renames and new names in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -59,14 +59,13 @@ from hpc.checkpoint.format import (
     done_name,
     failed_name,
     first_line,
-    fsync_path,
     shard_name,
     tmp_dir_name,
     write_checksummed,
     write_index,
-    write_json,
 )
 from hpc.checkpoint.pieces import Piece, PieceMeta, SavePlan, dtype_name, plan_writes
+from hpc.rundir import fsync_path, write_json
 
 WRITEBACK_INTERVAL_S = 0.02
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 
 PIPELINE_SIZES = ("virtual", "layers", "width", "rows", "steps")  # integer options passed on to the ranks
@@ -52,26 +50,14 @@ def _rank_args(args: argparse.Namespace, transports: str) -> list[str]:
     return ["--sizes", args.sizes, "--codecs", args.codecs, "--transports", transports, "--iters", str(args.iters)]
 
 
-def launch_for_rows(n: int, launcher: str, rank_argv, parent: str | None = None) -> list[dict]:
-    """Start ``python *rank_argv(out, scratch)`` on n ranks; rank 0 writes its rows to ``out``, returned here."""
-    from hpc.cli.main import launch_ranks
-
-    with tempfile.TemporaryDirectory(prefix="hpc-bench-", dir=parent) as scratch:
-        out = os.path.join(scratch, "rows.json")
-        argv = (sys.executable, *rank_argv(out, scratch))
-        launch_ranks(n, argv, launcher, hosts=[], bind_to=None, progress="off", dry_run=False)
-        with open(out) as handle:
-            return json.load(handle)
-
-
 def _bench_rank_argv(kind_argv: Sequence[str]):
     return lambda out, _scratch: ("-m", "hpc.cli.bench", "--rank", out, *kind_argv)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from hpc import launch
     from hpc.errors import ConfigError
-    from hpc.plots import bandwidth_figure, check_png_path, save_png
+    from hpc.observe.plots import bandwidth_figure, check_png_path, save_png
+    from hpc.runtime import launch
     from parallel.bench import format_table, parse_size
     from parallel.reducers import REDUCERS
 
@@ -83,12 +69,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     unknown = set(args.codecs.split(",")) - set(REDUCERS)
     if unknown:
         raise ConfigError(f"--codecs: unknown {', '.join(sorted(unknown))} (valid: {', '.join(REDUCERS)})")
-    launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
+    launcher = args.launcher or launch.default_launcher()
     transports = args.transports or ("torch,mpi" if launcher == "mpirun" else "torch")
     if "mpi" in transports.split(",") and launcher != "mpirun":
         raise ConfigError("--transports mpi needs --launcher mpirun")
     plot = check_png_path(args.plot) if args.plot else None
-    rows = launch_for_rows(args.nprocs, launcher, _bench_rank_argv(["allreduce", *_rank_args(args, transports)]))
+    rows = launch.launch_for_rows(args.nprocs, launcher, _bench_rank_argv(["allreduce", *_rank_args(args, transports)]))
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
     if plot:
         save_png(bandwidth_figure(rows), plot)
@@ -110,7 +96,7 @@ def _positive_ints(option: str, text: str) -> list[int]:
 
 def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     """Every (stages, schedule, microbatches) is checked against the model before any launch."""
-    from hpc import launch
+    from hpc.runtime import launch
     from parallel.schedule import build_schedule, stage_bounds
 
     stages, microbatches = _positive_ints("--stages", args.stages), _positive_ints("--microbatches", args.microbatches)
@@ -123,10 +109,10 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
             stage_bounds(args.layers, p, v)
             for m in microbatches:
                 build_schedule(name, p, m, v)
-    launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
+    launcher = args.launcher or launch.default_launcher()
     kind_argv = ["pipeline", "--microbatches", args.microbatches, "--schedules", args.schedules,
                  *(arg for option in PIPELINE_SIZES for arg in (f"--{option}", str(getattr(args, option))))]
-    rows = [row for p in stages for row in launch_for_rows(p, launcher, _bench_rank_argv(kind_argv))]
+    rows = [row for p in stages for row in launch.launch_for_rows(p, launcher, _bench_rank_argv(kind_argv))]
     if args.json:
         print("\n".join(json.dumps(r) for r in rows))
     else:
@@ -137,7 +123,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
 
 
 def rank_main(argv: Sequence[str] | None = None) -> int:
-    from hpc.cli.rank import run_as_rank
+    from hpc.runtime.abort import run_as_rank
 
     parser = argparse.ArgumentParser(prog="python -m hpc.cli.bench --rank OUT")
     parser.add_argument("--rank", dest="out", required=True)

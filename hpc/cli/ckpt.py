@@ -121,10 +121,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
-    from hpc import launch
     from hpc.checkpoint.bench import format_table
-    from hpc.cli.bench import launch_for_rows
     from hpc.errors import ConfigError
+    from hpc.runtime import launch
     from parallel.bench import parse_size
 
     try:
@@ -133,7 +132,7 @@ def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
         raise ConfigError(f"--size: {exc}") from None
     if args.iters < 1 or args.nprocs < 1:
         raise ConfigError("--iters and -n must be at least 1")
-    launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
+    launcher = args.launcher or launch.default_launcher()
     os.makedirs(args.dir, exist_ok=True)
 
     def rank_argv(out: str, scratch: str) -> tuple[str, ...]:
@@ -141,13 +140,13 @@ def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
         return ("-m", "hpc.cli.ckpt", "--bench-rank", out, "--size", str(nbytes), "--iters", str(args.iters),
                 "--dir", files)
 
-    rows = launch_for_rows(args.nprocs, launcher, rank_argv, parent=args.dir)
+    rows = launch.launch_for_rows(args.nprocs, launcher, rank_argv, parent=args.dir)
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
     return 0
 
 
 def bench_rank_main(argv: Sequence[str] | None = None) -> int:
-    from hpc.cli.rank import run_as_rank
+    from hpc.runtime.abort import run_as_rank
 
     parser = argparse.ArgumentParser(prog="python -m hpc.cli.ckpt --bench-rank OUT")
     parser.add_argument("--bench-rank", dest="out", required=True)

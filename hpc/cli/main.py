@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -48,23 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_layout(spec, world_size: int):
-    """The layout, the model's cut, the pipeline schedule and the batch split, checked before launch."""
-    from hpc.mesh import resolve_layout
-    from jobs.layout import check_job_layout
-
-    shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world_size)
-    check_job_layout(spec, shape)
-    return shape
-
-
-def _raise_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from hpc import launch
     from hpc.config import load_spec
+    from hpc.runtime import launch
+    from jobs.layout import check_layout
 
     if args.nprocs < 1:
         raise LayoutError(f"-n must be at least 1, got {args.nprocs}")
@@ -75,50 +60,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     if hosts and sum(slots for _, slots in hosts) < args.nprocs:
         raise LayoutError(f"--hosts {args.hosts} offers {sum(s for _, s in hosts)} slots, fewer than -n {args.nprocs}")
     check_layout(spec, args.nprocs)
-    launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
+    launcher = args.launcher or launch.default_launcher()
     if hosts and launcher != "mpirun":
         raise LayoutError("--hosts needs --launcher mpirun (the local launcher starts ranks on this machine only)")
     if spec.parallel.transport == "mpi" and launcher != "mpirun":
         raise ConfigError("parallel.transport='mpi' needs --launcher mpirun (local ranks share no MPI world)")
     progress = "tty" if sys.stdout.isatty() else "plain"
     argv = launch.rank_argv(os.path.abspath(args.spec), args.overrides)
-    launch_ranks(args.nprocs, argv, launcher, hosts, args.bind_to, progress, args.dry_run)
+    launch.launch_ranks(args.nprocs, argv, launcher, hosts, args.bind_to, progress, args.dry_run)
     return 0
 
 
 def run_script(args: argparse.Namespace) -> int:
     """``hpc run -n 4 train.py --epochs 2``: every rank runs the script, as ``horovodrun`` or torchrun would."""
-    from hpc import launch
+    from hpc.runtime import launch
 
     if not os.path.isfile(args.spec):
         raise ConfigError(f"script {args.spec}: no such file")
     if args.overrides:
         raise ConfigError("--set overrides job spec values; pass a script's options after the script")
-    launcher = args.launcher or ("mpirun" if launch.has_open_mpi() else "local")
+    launcher = args.launcher or launch.default_launcher()
     hosts = launch.parse_hosts(args.hosts) if args.hosts else []
     argv = (sys.executable, "-u", os.path.abspath(args.spec), *args.script_args)
-    launch_ranks(args.nprocs, argv, launcher, hosts, args.bind_to, "plain", args.dry_run)
+    launch.launch_ranks(args.nprocs, argv, launcher, hosts, args.bind_to, "plain", args.dry_run)
     return 0
-
-
-def launch_ranks(n: int, argv, launcher: str, hosts, bind_to: str | None, progress: str, dry_run: bool) -> None:
-    """Start ``argv`` on n ranks with the chosen launcher (or print the command lines)."""
-    from hpc import launch
-    from hpc.bootstrap import free_port
-
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    if launcher == "mpirun":
-        command = launch.mpirun_command(n, argv, os.environ, hosts, bind_to, progress, is_root=os.geteuid() == 0)
-        if dry_run:
-            print(shlex.join(command))
-        else:
-            launch.run_mpirun(command)
-        return
-    commands = launch.local_commands(n, argv, os.environ, free_port(), launch.new_job_id(), progress)
-    if dry_run:
-        print("\n".join(c.shell_line() for c in commands))
-    else:
-        launch.run_local(commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

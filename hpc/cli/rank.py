@@ -1,11 +1,4 @@
-"""``hpc-rank``: what every launcher starts on every rank.
-
-An unhandled exception on one rank must end the whole job, never leave the others
-waiting in a collective: under MPI we call ``MPI_Abort`` (mpirun then kills every
-rank); otherwise we exit at once without tearing down the process group (which can
-itself block on dead peers) and the launcher (ours, srun's --kill-on-bad-exit)
-stops the rest.
-"""
+"""``hpc-rank``: what every launcher starts on every rank (a failure aborts the job: hpc/runtime/abort.py)."""
 
 from __future__ import annotations
 
@@ -14,45 +7,11 @@ import contextlib
 import dataclasses
 import os
 import sys
-import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
 
-from hpc.errors import HpcError
-
-RESULT_FILE = "result.json"  # in the run directory: the final measures, where sweeps read them
-
-
-def _rank_label() -> str:
-    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
-        if name in os.environ:
-            return os.environ[name]
-    return "0"
-
-
-def abort_job(exc: BaseException) -> NoReturn:
-    """Report the failure on this rank and take every other rank down with it."""
-    label = _rank_label()
-    if not isinstance(exc, HpcError):
-        traceback.print_exception(exc, file=sys.stderr)
-    print(f"hpc-rank: rank {label}: error: {exc}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.COMM_WORLD.Abort(1)
-    os._exit(1)
-
-
-def run_as_rank(body: Callable[[], int | None]) -> int:
-    """Run a rank's work and return its exit status; any failure (a clean exit aside) aborts the whole job."""
-    try:
-        return body() or 0
-    except BaseException as exc:  # any failure must take the whole job down
-        if isinstance(exc, SystemExit) and exc.code in (0, None):
-            raise
-        abort_job(exc)
-
+from hpc.rundir import METRICS_FILE, RESULT_FILE
+from hpc.runtime.abort import run_as_rank
 
 # The evaluation measures the summary shows (all of them go to result.json): a generalization figure per model.
 SUMMARY_MEASURES = {"test_accuracy": "test accuracy {:.1%}", "held_out_loss": "held-out loss {:.4f}"}
@@ -77,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def train_job() -> int:
-        from hpc import preemption
+        from hpc.runtime import preemption
 
         watcher = preemption.watch(os.environ)  # first: a warning signal during start-up must not kill the rank
         with watcher or contextlib.nullcontext():
@@ -91,12 +50,12 @@ def train_rank(spec_path: str, overrides: Sequence[str], watcher) -> int:
     import torch
     import torch.distributed as dist
 
-    from hpc import bootstrap, preemption
     from hpc.config import load_spec
-    from hpc.env import detect_rank_info
-    from hpc.launch import threads_per_rank
-    from hpc.mesh import build_mesh, resolve_layout
-    from hpc.progress import progress_mode
+    from hpc.observe.progress import progress_mode
+    from hpc.runtime import bootstrap, preemption
+    from hpc.runtime.env import detect_rank_info
+    from hpc.runtime.launch import threads_per_rank
+    from hpc.runtime.mesh import build_mesh, resolve_layout
     from jobs.train import train
 
     spec = load_spec(spec_path, overrides)
@@ -113,14 +72,14 @@ def train_rank(spec_path: str, overrides: Sequence[str], watcher) -> int:
         return preemption.PREEMPTED_EXIT
     if world.rank == 0:
         write_result(spec.run_path / RESULT_FILE, result, world)
-        print(summary_line(result, world, shape, spec.run_path / "metrics.jsonl"), flush=True)
+        print(summary_line(result, world, shape, spec.run_path / METRICS_FILE), flush=True)
     bootstrap.shutdown()
     return 0
 
 
 def write_result(path: Path, result, world) -> None:
     """The run's TrainResult as flat JSON (evaluation measures at the top level), replaced atomically."""
-    from hpc.checkpoint.format import write_json
+    from hpc.rundir import write_json
 
     record: dict[str, object] = {}
     for key, value in dataclasses.asdict(result).items():
@@ -130,3 +89,10 @@ def write_result(path: Path, result, world) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run_in_slurm_task(argv: list[str]) -> None:
+    """What every srun task of ``hpc submit`` runs (submitit pickles a reference to it): ``hpc-rank ARGV``."""
+    status = main(argv)
+    if status:
+        raise SystemExit(status)  # past submitit's error handling: the task ends with this status

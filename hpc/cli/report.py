@@ -17,7 +17,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from hpc.report import write_report
+    from hpc.observe.report import write_report
 
     for path in write_report(args.run_dir, args.out):
         print(f"wrote {path}")

@@ -14,6 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from hpc.cli.rank import run_in_slurm_task
 from hpc.errors import ConfigError, RankFailedError
 
 # (option, type, help): each overrides the spec's slurm.<option>.
@@ -102,8 +103,8 @@ def _ranks(spec) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from hpc.cli.main import check_layout
     from hpc.config import load_spec
+    from jobs.layout import check_layout
     from slurm import jobs, submit
 
     spec = _with_resources(load_spec(args.spec, args.overrides), args)
@@ -114,7 +115,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(submit.sbatch_script(executor), end="")
         return 0
-    job_id = submit.submit(executor, _rank_argv(args.spec, args.overrides))
+    job_id = submit.submit(executor, run_in_slurm_task, _rank_argv(args.spec, args.overrides))
     if not spec.checkpoint.every_steps:
         print("note: checkpoint.every_steps = 0: if Slurm stops this job early, it starts again from step 0",
               file=sys.stderr)
@@ -185,7 +186,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             raise ConfigError(f"hpc sweep {args.target} needs the sweep directory")
         if args.executor or args.overrides or args.dry_run:
             raise ConfigError("--executor, --set and --dry-run apply to running a sweep, not to viewing one")
-        from hpc.plots import check_png_path
+        from hpc.observe.plots import check_png_path
 
         directory = Path(args.dir)
         plot = None if args.plot is None else check_png_path(args.plot or directory / "results.png")
@@ -199,7 +200,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from hpc.cli.main import check_layout
+    from jobs.layout import check_layout
     from slurm import sweep as sweeps
 
     sweep = sweeps.load_sweep(args.target)
@@ -231,7 +232,7 @@ def _submit_sweep(sweep, directory: Path, tasks, argvs, spec, dry_run: bool) -> 
         print("\n# array tasks (hpc-rank arguments):")
         print("\n".join(f"# {task.index}: {shlex.join(argv)}" for task, argv in zip(tasks, argvs, strict=True)))
         return 0
-    job_id = submit.submit_array(executor, argvs)
+    job_id = submit.submit_array(executor, run_in_slurm_task, argvs)
     ranks = _ranks(spec)
     sweeps.write_manifest(directory, sweep, tasks, "slurm", ranks, job_id)
     jobs.Registry.default().add(jobs.JobRecord(job_id, sweep.name, ranks, str(folder),
@@ -244,7 +245,7 @@ def _submit_sweep(sweep, directory: Path, tasks, argvs, spec, dry_run: bool) -> 
 
 def _run_sweep_locally(sweep, directory: Path, tasks, argvs, ranks: int, dry_run: bool) -> int:
     """One config after the other, each on ``ranks`` local ranks exactly as ``hpc run --launcher local``."""
-    from hpc.cli.main import launch_ranks
+    from hpc.runtime.launch import launch_ranks
     from slurm import sweep as sweeps
 
     if dry_run:
@@ -268,14 +269,14 @@ def _run_sweep_locally(sweep, directory: Path, tasks, argvs, ranks: int, dry_run
 
 def plot_sweep(directory: Path, path: Path) -> None:
     """The metric against each swept key, over the tasks that have a result (show_sweep checked they hold it)."""
-    from hpc.plots import save_png, sweep_figure
-    from slurm import jobs
+    from hpc.observe.plots import save_png, sweep_figure
+    from hpc.rundir import read_result
     from slurm import sweep as sweeps
 
     manifest = sweeps.read_manifest(directory)
     metric, goal = manifest["settings"]["metric"], manifest["settings"]["goal"]
     points = [(task["params"], result[metric]) for task in manifest["tasks"]
-              if (result := jobs.read_result(Path(task["run_path"]))) is not None]
+              if (result := read_result(Path(task["run_path"]))) is not None]
     if not points:
         raise ConfigError(f"{directory}: no task has a result yet: nothing to plot")
     save_png(sweep_figure(points, f"{metric} ({goal})"), path)

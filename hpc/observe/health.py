@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 
 from hpc.errors import HpcError
-from hpc.mesh import AXES, Mesh
-from hpc.probe import Probe
+from hpc.observe.probe import Probe
+from hpc.runtime.mesh import AXES, Mesh
 
 MESSAGE_BYTES = 1 << 20
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
 
+from hpc.rundir import RANKS_DIR
+
 FIELDS = MappingProxyType({
     "step": "1-based step number",
     "loss": "the global batch's mean loss",
@@ -32,8 +34,6 @@ FIELDS = MappingProxyType({
     "peak_memory_bytes": "peak memory: CUDA allocator peak on GPU, peak resident set size on CPU",
 })
 RANK_TOTALS = ("step_time_s", "compute_s", "comm_s", "wait_s")  # summed per rank into ranks/rank-XXXXX.json
-METRICS_FILE = "metrics.jsonl"
-RANKS_DIR = "ranks"
 TENSORBOARD_DIR = "tensorboard"
 
 

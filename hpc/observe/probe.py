@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
-from hpc.stall import StallWatch
-from hpc.timeline import Timeline
+from hpc.observe.stall import StallWatch
+from hpc.observe.timeline import Timeline
 
 
 class Probe:

@@ -13,6 +13,7 @@ command line (root, oversubscription, binding, environment with -x) and turn its
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -21,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from hpc.errors import ConfigError, RankFailedError
-from hpc.stall import STALL_EXIT
+from hpc.observe.stall import STALL_EXIT
 
 STOP_GRACE_S = 5.0
 # Variables a rank needs from the launching shell; -x copies their current values.
@@ -259,3 +261,41 @@ def run_mpirun(command: Sequence[str]) -> None:
 
 def new_job_id() -> str:
     return f"local-{os.getpid()}-{int(time.time())}"
+
+
+def default_launcher() -> str:
+    """mpirun when Open MPI is installed, else our local launcher: what every command uses unless told."""
+    return "mpirun" if has_open_mpi() else "local"
+
+
+def _raise_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def launch_ranks(n: int, argv, launcher: str, hosts, bind_to: str | None, progress: str, dry_run: bool) -> None:
+    """Start ``argv`` on n ranks with the chosen launcher (or print the command lines)."""
+    from hpc.runtime.bootstrap import free_port
+
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)  # a stopped launcher stops its ranks (run_* clean up)
+    if launcher == "mpirun":
+        command = mpirun_command(n, argv, os.environ, hosts, bind_to, progress, is_root=os.geteuid() == 0)
+        if dry_run:
+            print(shlex.join(command))
+        else:
+            run_mpirun(command)
+        return
+    commands = local_commands(n, argv, os.environ, free_port(), new_job_id(), progress)
+    if dry_run:
+        print("\n".join(c.shell_line() for c in commands))
+    else:
+        run_local(commands)
+
+
+def launch_for_rows(n: int, launcher: str, rank_argv, parent: str | None = None) -> list[dict]:
+    """Start ``python *rank_argv(out, scratch)`` on n ranks; rank 0 writes its rows to ``out``, returned here."""
+    with tempfile.TemporaryDirectory(prefix="hpc-bench-", dir=parent) as scratch:
+        out = os.path.join(scratch, "rows.json")
+        argv = (sys.executable, *rank_argv(out, scratch))
+        launch_ranks(n, argv, launcher, hosts=[], bind_to=None, progress="off", dry_run=False)
+        with open(out) as handle:
+            return json.load(handle)

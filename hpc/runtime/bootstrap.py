@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpc.env import Launcher, RankInfo, detect_rank_info, with_hostnames
 from hpc.errors import LaunchEnvError, RendezvousError
+from hpc.runtime.env import Launcher, RankInfo, detect_rank_info, with_hostnames
 
 if TYPE_CHECKING:
     import torch

@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
 
-from hpc.env import Launcher, detect_rank_info
 from hpc.errors import HpcError
+from hpc.runtime.env import Launcher, detect_rank_info
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc.errors import HpcError
-from hpc.metrics import METRICS_FILE, RANKS_DIR
-from hpc.timeline import TIMELINE_FILE
+from hpc.rundir import METRICS_FILE, RANKS_DIR, TIMELINE_FILE
 from hpc.units import human_bytes
 
 THROUGHPUT_FIELDS = ("samples_per_s", "tokens_per_s")
@@ -134,7 +133,7 @@ def summary(run: Run) -> list[tuple[str, str]]:
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     """Write the plots the run's files allow and ``report.html`` to ``out`` (default RUN_DIR/report)."""
-    from hpc.plots import save_png, series_figure, time_breakdown_figure
+    from hpc.observe.plots import save_png, series_figure, time_breakdown_figure
 
     run = read_run(run_dir)
     out = Path(out) if out is not None else run.path / "report"

@@ -19,8 +19,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from hpc.rundir import TIMELINE_FILE
+
 MAX_EVENTS = 1_000_000  # per rank: a runaway job's timeline stops growing rather than filling memory
-TIMELINE_FILE = "timeline.json"
 RANK_DIR = "timeline"
 
 

@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hpc.errors import LaunchEnvError
-from hpc.hostlist import expand_hostlist, expand_tasks_per_node
+from hpc.runtime.hostlist import expand_hostlist, expand_tasks_per_node
 
 
 class Launcher(enum.StrEnum):
