@@ -140,13 +140,6 @@ def status_rows(records: Sequence[JobRecord], states: Mapping[str, Mapping[str, 
 STATUS_HEADER = ("JOB", "NAME", "STATE", "ELAPSED", "NODES", "STEP", "LOSS")
 
 
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned columns as wide as their widest cell."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
-    lines = ("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)) for row in (header, *rows))
-    return "\n".join(line.rstrip() for line in lines)
-
-
 def follow(path: Path, finished: Callable[[], bool], out: TextIO = sys.stdout, poll_s: float = 0.5) -> None:
     """Print ``path`` and what is appended to it until the job is over (``tail -f`` that knows when to stop)."""
     offset = 0

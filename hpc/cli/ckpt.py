@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpc.units import human_bytes
+from hpc.text import human_bytes
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

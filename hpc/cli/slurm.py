@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hpc.cli.rank import run_in_slurm_task
 from hpc.errors import ConfigError, RankFailedError
+from hpc.text import format_table
 
 # (option, type, help): each overrides the spec's slurm.<option>.
 RESOURCES = (
@@ -147,7 +148,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     rows = jobs.status_rows(records, jobs.sacct_states(r.job_id for r in records))
     if args.job and "_" in args.job:
         rows = [row for row in rows if row[0] == args.job]
-    print(jobs.format_table(jobs.STATUS_HEADER, rows))
+    print(format_table(jobs.STATUS_HEADER, rows))
     return 0
 
 
@@ -295,5 +296,5 @@ def show_sweep(directory: Path, ranked: bool) -> int:
     counts = ", ".join(f"{states.count(state)} {state.lower()}" for state in dict.fromkeys(states))
     where = f"job array {manifest['job_id']}" if manifest["job_id"] else "local ranks"
     print(f"sweep {manifest['name']} ({where}): {counts}")
-    print(jobs.format_table(header, rows))
+    print(format_table(header, rows))
     return 1 if any(state in jobs.FAILED_STATES for state in states) else 0

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc.errors import ConfigError
-from hpc.units import human_bytes
+from hpc.text import human_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -19,7 +19,7 @@ from typing import Any
 
 from hpc.errors import HpcError
 from hpc.rundir import METRICS_FILE, RANKS_DIR, TIMELINE_FILE
-from hpc.units import human_bytes
+from hpc.text import human_bytes
 
 THROUGHPUT_FIELDS = ("samples_per_s", "tokens_per_s")
 WARMUP_SHARE = 0.1  # the first 10% of the steps (at least one) are left out of the mean throughput
