@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import operator
 import os
@@ -39,33 +40,38 @@ _SLURM_WORD = types.MappingProxyType(
 )
 
 
-def _field(default: Any, **constraints: Any) -> Any:
-    """Default plus the constraints the builder checks (min, gt, max_excl, max, pattern, describe)."""
-    return field(default=default, metadata=constraints)
+def _field(default: Any, doc: str, **constraints: Any) -> Any:
+    """A setting: its default, what it means (``hpc spec`` and docs/JOB_SPEC.md print it) and the
+    constraints the builder checks (min, gt, max_excl, max, pattern, describe)."""
+    return field(default=default, metadata={"doc": doc, **constraints})
 
 
 @dataclass(frozen=True)
 class JobConfig:
+    """The job's name, seed and run directory."""
+
     name: str = _field(
-        "job",
+        "job", "the job's name: Slurm's job name and the run directory <run_dir>/<name>",
         pattern=r"[A-Za-z0-9][A-Za-z0-9._-]*",
         describe="letters, digits, '.', '_' or '-', starting with a letter or digit",
     )
-    seed: int = _field(0, min=0)
-    run_dir: str = "runs"
+    seed: int = _field(0, "seeds the model's initialization, the batches and dropout: same seed, same run", min=0)
+    run_dir: str = _field("runs", "where runs keep their directories (metrics, checkpoints, logs); shared by the nodes")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The model: a built-in MLP or GPT."""
+
     vocab_size: ClassVar[int] = 256  # the GPT reads raw bytes
 
-    kind: Literal["mlp", "gpt"] = "mlp"
-    hidden_sizes: tuple[int, ...] = _field((128, 128), min=1)  # mlp
-    dropout: float = _field(0.0, min=0, max_excl=1)
-    n_layers: int = _field(4, min=1)  # gpt
-    n_heads: int = _field(4, min=1)
-    d_model: int = _field(128, min=1)
-    seq_len: int = _field(64, min=1)
+    kind: Literal["mlp", "gpt"] = _field("mlp", "mlp: the digits classifier; gpt: the byte-level GPT (jobs/gpt.py)")
+    hidden_sizes: tuple[int, ...] = _field((128, 128), "mlp: the width of each hidden layer", min=1)
+    dropout: float = _field(0.0, "dropout probability after each hidden layer or block", min=0, max_excl=1)
+    n_layers: int = _field(4, "gpt: transformer blocks (cut into pipeline stages)", min=1)
+    n_heads: int = _field(4, "gpt: attention heads (split over tensor-parallel ranks)", min=1)
+    d_model: int = _field(128, "gpt: width of the residual stream", min=1)
+    seq_len: int = _field(64, "gpt: tokens (bytes) per sample", min=1)
 
     def field_conflict(self) -> tuple[str, str] | None:
         """(field, what it must be) when fields disagree; the builder adds the path and value."""
@@ -76,33 +82,41 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: Literal["digits", "licenses"] = "digits"
-    batch_size: int = _field(64, min=1)  # global: split across the data-parallel ranks
+    """The data set and the global batch."""
+
+    name: Literal["digits", "licenses"] = _field(
+        "digits", "digits: scikit-learn's handwritten digits (mlp); licenses: Debian's license texts (gpt)")
+    batch_size: int = _field(64, "the global batch, split across the data-parallel ranks", min=1)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = _field(100, min=1)
-    lr: float = _field(0.1, gt=0)
-    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
-    momentum: float = _field(0.0, min=0, max_excl=1)
-    weight_decay: float = _field(0.0, min=0)
-    grad_clip: float = _field(0.0, min=0)  # 0 = off
-    warmup_steps: int = _field(0, min=0)
-    schedule: Literal["constant", "cosine"] = "constant"
-    log_every: int = _field(10, min=1)
-    # The global batch size train.lr was tuned for: lr is scaled by data.batch_size / lr_reference_batch
-    # (linear scaling, Goyal et al. 2017), so changing the batch keeps the tuned step size per sample. 0 = off.
-    lr_reference_batch: int = _field(0, min=0)
-    bf16_autocast: bool = False  # forward (loss excluded) under torch.autocast with bfloat16
-    activation_checkpointing: bool = False  # recompute each GPT block's activations in backward
-    timeline: bool = False  # Chrome-trace spans of every rank in <run_path>/timeline.json (hpc/timeline.py)
-    # A rank waiting this long in a collective or a pipeline receive reports who has not arrived
-    # (hpc/stall.py); past stall_abort_s the job aborts with that report instead of hanging.
-    stall_warn_s: float = _field(60.0, gt=0)
-    stall_abort_s: float = _field(240.0, gt=0)
-    health_check: bool = False  # test every group of the mesh before training (hpc/health.py)
-    health_check_timeout_s: float = _field(30.0, gt=0)
+    """The training loop, its optimizer and what it observes."""
+
+    renamed_keys: ClassVar[Mapping[str, str]] = types.MappingProxyType({"schedule": "lr_schedule"})
+
+    steps: int = _field(100, "optimizer steps of the run", min=1)
+    lr: float = _field(0.1, "peak learning rate (after warmup_steps, before lr_schedule's decay)", gt=0)
+    optimizer: Literal["sgd", "adam", "adamw"] = _field("sgd", "the torch optimizer every rank steps")
+    momentum: float = _field(0.0, "sgd: momentum (top-k compression applies it to the sparsified velocity)",
+                             min=0, max_excl=1)
+    weight_decay: float = _field(0.0, "weight decay (decoupled for adamw)", min=0)
+    grad_clip: float = _field(0.0, "clip the global gradient norm, across TP and PP ranks, to this; 0 = off", min=0)
+    warmup_steps: int = _field(0, "linear learning-rate warm-up from lr/warmup_steps to lr", min=0)
+    lr_schedule: Literal["constant", "cosine"] = _field(
+        "constant", "the learning rate after warm-up: constant, or cosine decay to zero at the last step")
+    log_every: int = _field(10, "steps between progress lines (rank 0)", min=1)
+    lr_reference_batch: int = _field(
+        0, "the global batch lr was tuned for: lr is scaled by data.batch_size / lr_reference_batch "
+           "(linear scaling, Goyal et al. 2017); 0 = off", min=0)
+    bf16_autocast: bool = _field(False, "forward (loss excluded) under torch.autocast with bfloat16")
+    activation_checkpointing: bool = _field(False, "recompute each GPT block's activations in backward")
+    timeline: bool = _field(False, "Chrome-trace spans of every rank in <run_path>/timeline.json (hpc/observe)")
+    stall_warn_s: float = _field(
+        60.0, "a rank waiting this long in a collective or pipeline receive reports who has not arrived", gt=0)
+    stall_abort_s: float = _field(240.0, "past this wait the job aborts with that report instead of hanging", gt=0)
+    health_check: bool = _field(False, "test every group of the mesh (all-reduce, ring of messages) before training")
+    health_check_timeout_s: float = _field(30.0, "how long the health check waits for each group", gt=0)
 
     def field_conflict(self) -> tuple[str, str] | None:
         if self.stall_abort_s <= self.stall_warn_s:
@@ -112,58 +126,71 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    dp: int | Literal["auto"] = _field("auto", min=1)
-    tp: int = _field(1, min=1)
-    pp: int = _field(1, min=1)
-    microbatches: int = _field(1, min=1)  # per pipeline step; interleaved needs a multiple of pp
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"  # see parallel/schedule.py
-    virtual_stages: int = _field(1, min=1)  # model chunks per pipeline rank (interleaved only)
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    compression: Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"] = "none"
-    topk_fraction: float = _field(0.01, gt=0, max=1)
-    powersgd_rank: int = _field(4, min=1)
-    compression_warmup_steps: int = _field(0, min=0)  # exact reduction before compression starts
-    transport: Literal["torch", "mpi"] = "torch"
-    bucket_mb: float = _field(25.0, gt=0)  # gradient fusion threshold
-    overlap: bool = True  # reduce buckets while backward still runs
-    init_timeout_s: float = _field(60.0, gt=0)
-    timeout_s: float = _field(300.0, gt=0)
+    """The (dp, tp, pp) layout and data-parallel communication."""
+
+    dp: int | Literal["auto"] = _field("auto", "data-parallel replicas; auto: the world size / (tp * pp)", min=1)
+    tp: int = _field(1, "tensor-parallel ranks per layer (heads, MLP and vocabulary split)", min=1)
+    pp: int = _field(1, "pipeline stages the blocks are cut into", min=1)
+    microbatches: int = _field(1, "microbatches per step and replica; interleaved needs a multiple of pp", min=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = _field(
+        "1f1b", "the pipeline schedule (parallel/schedule.py)")
+    virtual_stages: int = _field(1, "model chunks per pipeline rank (interleaved only)", min=1)
+    backend: Literal["auto", "gloo", "nccl"] = _field("auto", "torch.distributed backend; auto: NCCL with CUDA, "
+                                                             "else Gloo")
+    compression: Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"] = _field(
+        "none", "the gradient codec inside the ring, with error feedback (README: gradient compression)")
+    topk_fraction: float = _field(0.01, "topk: the fraction of each gradient's entries sent", gt=0, max=1)
+    powersgd_rank: int = _field(4, "powersgd: the rank of the P Q^T approximation", min=1)
+    compression_warmup_steps: int = _field(0, "exact reduction for this many steps before compression starts", min=0)
+    transport: Literal["torch", "mpi"] = _field(
+        "torch", "the ring's point-to-point messages: torch (Gloo/NCCL) or mpi (mpi4py; needs mpirun or srun)")
+    bucket_mb: float = _field(25.0, "gradient fusion: MiB per bucket reduced as one message", gt=0)
+    overlap: bool = _field(True, "reduce buckets while backward still runs")
+    init_timeout_s: float = _field(60.0, "a rank that cannot join the rendezvous in this time fails, naming itself",
+                                   gt=0)
+    timeout_s: float = _field(300.0, "the backend's timeout for one collective", gt=0)
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str = ""  # empty: <run_path>/checkpoints
-    every_steps: int = _field(0, min=0)  # 0 = off
-    keep: int = _field(3, min=1)
-    async_save: bool = False
+    """Sharded HDF5 checkpoints and resume."""
+
+    dir: str = _field("", "where checkpoints go; empty: <run_path>/checkpoints")
+    every_steps: int = _field(0, "save every this many steps, and after the last; 0 = off", min=0)
+    keep: int = _field(3, "newest complete checkpoints kept", min=1)
+    async_save: bool = _field(False, "the loop waits only for a copy to host memory; files are written behind it")
     resume: str = _field(
-        "auto", pattern=r".+", describe="'auto', 'never' or a checkpoint path"
+        "auto", "auto: the newest complete checkpoint if any; never; or a checkpoint path",
+        pattern=r".+", describe="'auto', 'never' or a checkpoint path"
     )
 
 
 @dataclass(frozen=True)
 class SlurmConfig:
-    nodes: int = _field(1, min=1)
-    ntasks_per_node: int = _field(1, min=1)
-    gpus_per_node: int = _field(0, min=0)
-    cpus_per_task: int = _field(1, min=1)
+    """Resources for hpc submit and hpc sweep."""
+
+    nodes: int = _field(1, "nodes (sbatch --nodes)", min=1)
+    ntasks_per_node: int = _field(1, "ranks per node", min=1)
+    gpus_per_node: int = _field(0, "GPUs per node; 0: none asked for", min=0)
+    cpus_per_task: int = _field(1, "CPUs per rank", min=1)
     mem: str = _field(
-        "",
+        "", "memory per node; empty: the partition's default",
         pattern=r"(?:[0-9]+[KMGT]?)?",
         describe="empty or a Slurm memory size like 16G, 500M or 1T",
     )
-    partition: str = _field("", **_SLURM_WORD)
+    partition: str = _field("", "partition; empty: the cluster's default", **_SLURM_WORD)
     time: str = _field(
-        "01:00:00",
+        "01:00:00", "time limit",
         pattern=r"[0-9]+(?::[0-9]{1,2}){0,2}|[0-9]+-[0-9]{1,2}(?::[0-9]{1,2}){0,2}",
         describe="a Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)",
     )
-    account: str = _field("", **_SLURM_WORD)
-    qos: str = _field("", **_SLURM_WORD)
-    constraint: str = _field("", **_SLURM_WORD)
-    setup: tuple[str, ...] = ()  # shell lines run in the batch script before launching
-    signal_delay_s: int = _field(120, min=0)
-    max_requeues: int = _field(3, min=0)
+    account: str = _field("", "account to charge", **_SLURM_WORD)
+    qos: str = _field("", "quality of service", **_SLURM_WORD)
+    constraint: str = _field("", "node features, e.g. a100", **_SLURM_WORD)
+    setup: tuple[str, ...] = _field((), "shell lines run in the batch script before the ranks start (literal words)")
+    signal_delay_s: int = _field(120, "SIGUSR1 this many seconds before the time limit: checkpoint and requeue",
+                                 min=0)
+    max_requeues: int = _field(3, "requeues after a warning signal before the job just stops", min=0)
 
 
 @dataclass(frozen=True)
@@ -195,21 +222,47 @@ class JobSpec:
 class SweepConfig:
     """The ``[sweep]`` table of a sweep file; the values searched are its ``[params]`` (see slurm/sweep.py)."""
 
-    base: str = ""  # the job spec every config starts from, relative to the sweep file (required)
+    base: str = _field("", "the job spec every config starts from, relative to the sweep file (required)")
     name: str = _field(
-        "",
+        "", "the sweep's name; empty: the sweep file's name",
         pattern=r"(?:[A-Za-z0-9][A-Za-z0-9._-]*)?",
         describe="empty (the sweep file's name) or letters, digits, '.', '_' or '-'",
     )
-    method: Literal["grid", "random", "zip"] = "grid"
-    samples: int = _field(8, min=1)  # random: configs drawn
-    seed: int = _field(0, min=0)  # random
+    method: Literal["grid", "random", "zip"] = _field(
+        "grid", "grid: every combination; zip: the i-th value of each; random: samples draws")
+    samples: int = _field(8, "random: configs drawn", min=1)
+    seed: int = _field(0, "random: the draws' seed", min=0)
     metric: str = _field(
-        "final_loss", pattern=r"[A-Za-z_][A-Za-z0-9_]*", describe="a key of the tasks' result.json"
+        "final_loss", "the key of each task's result.json that ranks the tasks",
+        pattern=r"[A-Za-z_][A-Za-z0-9_]*", describe="a key of the tasks' result.json"
     )
-    goal: Literal["min", "max"] = "min"
-    max_concurrent: int = _field(4, min=1)  # Slurm array tasks running at once (%k)
-    dir: str = ""  # empty: <job.run_dir of the base spec>/<name>
+    goal: Literal["min", "max"] = _field("min", "whether the best task has the smallest or the largest metric")
+    max_concurrent: int = _field(4, "Slurm array tasks running at once (%k)", min=1)
+    dir: str = _field("", "the sweep directory; empty: <job.run_dir of the base spec>/<name>")
+
+
+def spec_reference(markdown: bool = False) -> str:
+    """Every setting of a job spec and a sweep file: key, type, default and meaning, from the declarations above."""
+    out = ["# Job spec reference", "", "Generated by `hpc spec --markdown` from hpc/config.py, where each setting is "
+           "declared. Any key can be set with `--set section.key=value`.", ""] if markdown else []
+    for name, section in [*get_type_hints(JobSpec).items(), ("sweep", SweepConfig)]:
+        hints = get_type_hints(section)
+        rows = [(f"{name}.{f.name}", _describe(hints[f.name]), _default_text(f), f.metadata["doc"])
+                for f in dataclasses.fields(section)]
+        if markdown:
+            out += [f"## [{name}]", "", section.__doc__.strip(), "", "| key | type | default | meaning |",
+                    "|---|---|---|---|", *(f"| `{key}` | {kind} | `{default}` | {doc} |"
+                                          for key, kind, default, doc in rows), ""]
+        else:
+            width = max(len(key) + len(default) for key, _, default, _ in rows) + 5
+            lines = (f"  {key} = {default}".ljust(width) + f"  {doc} ({kind})" for key, kind, default, doc in rows)
+            out += [f"[{name}] {section.__doc__.strip()}", *lines, ""]
+    return "\n".join(out)
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    value = _plain(f.default)
+    return str(value).lower() if isinstance(value, bool) else json.dumps(value)
 
 
 class _Invalid(Exception):
@@ -353,6 +406,10 @@ def _build(cls: type, data: Any, path: str) -> Any:
     for key, value in data.items():
         child = f"{path}.{key}" if path else str(key)
         if key not in fields:
+            renamed = getattr(cls, "renamed_keys", {}).get(key)
+            if renamed is not None:
+                new = f"{path}.{renamed}" if path else renamed
+                raise _Invalid(child, f"{child} was renamed to {new}")
             raise _Invalid(child, _unknown_key(child, str(key), path, list(fields)))
         values[key] = _convert(hints[key], value, child, fields[key].metadata)
     built = cls(**values)

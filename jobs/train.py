@@ -33,9 +33,9 @@ from hpc.rundir import METRICS_FILE
 from hpc.runtime.bootstrap import World
 from hpc.runtime.mesh import Mesh
 from hpc.runtime.preemption import Preempted, Preemption
+from jobs.checkpointing import TrainingCheckpoints
 from jobs.layout import check_job_layout, uses_pipeline
 from jobs.optim import build_optimizer, learning_rate
-from jobs.state import TrainingCheckpoints
 from jobs.workloads import Workload, build_workload, sum_over_replicas
 from jobs.workloads import build_mlp as build_model
 from parallel.clip import clip_grad_norm_
@@ -47,7 +47,9 @@ from parallel.schedule import Action, build_schedule
 from parallel.tensor_parallel import tp_split_dims
 
 # build_model: the MLP, which tests build as the single-process reference
-__all__ = ["TrainResult", "base_learning_rate", "build_model", "clip_gradients", "forward_backward", "train"]
+__all__ = [
+    "StepRunner", "TrainResult", "base_learning_rate", "build_model", "clip_gradients", "forward_backward", "train",
+]
 
 
 @dataclass(frozen=True)
@@ -125,112 +127,157 @@ def train(
 def _train(
     spec: JobSpec, world: World, mesh: Mesh, progress_mode: str, preemption: Preemption | None, probe: Probe
 ) -> tuple[TrainResult, torch.nn.Module]:
-    cfg = spec.train
-    if cfg.health_check and world.size > 1:
-        report = check_mesh(mesh, probe, cfg.health_check_timeout_s)
+    """Build the step's parts, resume, then run the steps from where the last checkpoint left off."""
+    if spec.train.health_check and world.size > 1:
+        report = check_mesh(mesh, probe, spec.train.health_check_timeout_s)
         if world.rank == 0:
             print("\n".join(report.lines()), flush=True)
     workload = build_workload(spec, mesh)
-    model = workload.model
-    dp_group, dp_size, pp_group = mesh.group("dp"), mesh.size("dp"), mesh.group("pp")
-    everyone = range(world.size)
-    par = spec.parallel
-    pipelined = uses_pipeline(par)
-    actions = build_schedule(par.schedule, mesh.size("pp"), par.microbatches, par.virtual_stages)[
-        mesh.index("pp")] if pipelined else None
-    optimizer = distributed_optimizer(
-        build_optimizer(cfg, model.parameters()),
-        make_transport(par.transport, dp_group),
-        named_parameters=model.named_parameters(),
-        reducer=make_reducer(par.compression, par.topk_fraction, par.powersgd_rank),
-        bucket_bytes=int(par.bucket_mb * 2**20),
-        backward_passes_per_step=par.microbatches if pipelined else 1,  # every microbatch's backward adds to .grad
-        overlap=par.overlap,
-        warmup_steps=par.compression_warmup_steps,
-        probe=probe,
-    )
-    base_lr = base_learning_rate(cfg, spec.data.batch_size)
-    items_per_step = spec.data.batch_size * workload.items_per_sample
-    checkpoints = TrainingCheckpoints(spec, dist.group.WORLD, mesh, model, optimizer)
+    steps = StepRunner(spec, workload, mesh, probe, build_data_parallel_optimizer(spec, workload.model, mesh, probe))
+    checkpoints = TrainingCheckpoints(spec, dist.group.WORLD, mesh, workload.model, steps.optimizer)
     start_step = checkpoints.resume()
-    is_reporter = world.rank == 0
-    progress = Progress(cfg.steps, cfg.log_every, progress_mode if is_reporter else "off", workload.unit,
-                        start_step=start_step)
-    metrics = MetricsLog(spec.run_path / METRICS_FILE) if is_reporter else None
-    totals = dict.fromkeys(RANK_TOTALS, 0.0)
-    grad_norm_peers = sorted({*mesh.members["tp"], *mesh.members["pp"]})
+    records = RunRecords(spec, world, workload, progress_mode, start_step)
     if probe.timeline is not None:
         dist.barrier()  # time zero, the same instant on every rank
         probe.timeline.start()
     started = time.perf_counter()
-    throughput = 0.0
-    loss_value = float("nan")
     try:
-        for step in range(start_step, cfg.steps):
+        for step in range(start_step, spec.train.steps):
             step_start = time.perf_counter()
-            probe.set_step(step + 1)
-            lr = learning_rate(base_lr, step, cfg.steps, cfg.warmup_steps, cfg.schedule)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            with probe.span("data"):
-                inputs, targets = workload.batch(step)
-            optimizer.zero_grad(set_to_none=True)
-            loss, pipeline_wait = forward_backward(workload, actions, pp_group, inputs, targets, par.microbatches,
-                                                   probe)
-            optimizer.synchronize()
-            with probe.collective("gradient norm", "grad-norm", grad_norm_peers):
-                grad_norm = clip_gradients(model, mesh, cfg.grad_clip or math.inf)
-            with probe.span("optimizer step"), optimizer.skip_synchronize():
-                optimizer.step()
-            with probe.collective("loss all-reduce", "world", everyone):
-                loss_value = sum_over_replicas([loss or 0.0], mesh)[0] / dp_size
-            step_time = time.perf_counter() - step_start
-            rate = items_per_step / step_time
-            throughput = rate if step == start_step else 0.9 * throughput + 0.1 * rate
-            progress.update(step, loss_value, lr, throughput)
-            comm = optimizer.stats
-            wait = comm.wait_seconds + pipeline_wait
-            timings = {"step_time_s": step_time, "compute_s": step_time - wait,
-                       "comm_s": comm.reduce_seconds + pipeline_wait, "wait_s": wait}
-            for key, value in timings.items():
-                totals[key] += value
-            if metrics is not None:
-                metrics.write(
-                    {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                     f"{workload.unit}_per_s": rate, **timings,
-                     "comm_bytes": comm.bytes_sent, "raw_bytes": comm.raw_bytes,
-                     "compression_ratio": comm.raw_bytes / comm.bytes_sent if comm.bytes_sent else None,
-                     "peak_memory_bytes": peak_memory_bytes(world.device)}
-                )
-            stop = None
-            if preemption is not None and step + 1 < cfg.steps:
-                with probe.collective("preemption check", "world", everyone):
-                    stop = preemption.agreed(dist.group.WORLD)
-            if checkpoints.due(step + 1, force=stop is not None):  # preempted: save now, off schedule
-                with probe.span("checkpoint"):
-                    checkpoints.save(step + 1)
-            if stop is not None:  # the requeued job resumes from this checkpoint
-                checkpoints.finalize()
-                write_run_records(spec, world, probe, totals, step + 1 - start_step)
-                raise Preempted(step + 1, stop, checkpointed=checkpoints.checkpointer is not None)
+            outcome = steps.run(step)
+            records.step_done(step, outcome, time.perf_counter() - step_start, steps.optimizer.stats)
+            _checkpoint_or_stop(spec, step + 1, checkpoints, preemption, probe, records, start_step)
         checkpoints.finalize()
     finally:
-        optimizer.close()
-        progress.close()
-        if metrics is not None:
-            metrics.close()
+        steps.optimizer.close()
+        records.close()
     wall = time.perf_counter() - started
-    write_run_records(spec, world, probe, totals, cfg.steps - start_step)
+    records.write(probe, spec.train.steps - start_step)
     result = TrainResult(
-        steps=cfg.steps,
-        final_loss=loss_value,
+        steps=spec.train.steps,
+        final_loss=records.loss,
         evaluation=workload.evaluate(),
-        throughput=(cfg.steps - start_step) * items_per_step / wall,
+        throughput=(spec.train.steps - start_step) * records.items_per_step / wall,
         unit=workload.unit,
         wall_s=wall,
         start_step=start_step,
     )
-    return result, model
+    return result, workload.model
+
+
+def build_data_parallel_optimizer(spec: JobSpec, model: torch.nn.Module, mesh: Mesh, probe: Probe):
+    """The spec's optimizer, its gradients averaged over the DP group through the ring and the codec."""
+    par = spec.parallel
+    return distributed_optimizer(
+        build_optimizer(spec.train, model.parameters()),
+        make_transport(par.transport, mesh.group("dp")),
+        named_parameters=model.named_parameters(),
+        reducer=make_reducer(par.compression, par.topk_fraction, par.powersgd_rank),
+        bucket_bytes=int(par.bucket_mb * 2**20),
+        backward_passes_per_step=par.microbatches if uses_pipeline(par) else 1,  # each microbatch adds to .grad
+        overlap=par.overlap,
+        warmup_steps=par.compression_warmup_steps,
+        probe=probe,
+    )
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    loss: float  # the global batch's mean, the same on every rank
+    lr: float
+    grad_norm: float  # before clipping
+    pipeline_wait_s: float
+
+
+class StepRunner:
+    """One training step: the batch, forward and backward (pipelined or not), DP averaging, clipping, update."""
+
+    def __init__(self, spec: JobSpec, workload: Workload, mesh: Mesh, probe: Probe, optimizer) -> None:
+        self.cfg, self.par, self.workload, self.mesh, self.probe = spec.train, spec.parallel, workload, mesh, probe
+        self.optimizer = optimizer
+        self.base_lr = base_learning_rate(spec.train, spec.data.batch_size)
+        schedule = build_schedule(self.par.schedule, mesh.size("pp"), self.par.microbatches, self.par.virtual_stages)
+        self.actions = schedule[mesh.index("pp")] if uses_pipeline(self.par) else None
+        self.grad_norm_peers = sorted({*mesh.members["tp"], *mesh.members["pp"]})
+        self.everyone = range(mesh.shape.size)
+
+    def run(self, step: int) -> StepOutcome:
+        cfg, probe, optimizer = self.cfg, self.probe, self.optimizer
+        probe.set_step(step + 1)
+        lr = learning_rate(self.base_lr, step, cfg.steps, cfg.warmup_steps, cfg.lr_schedule)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with probe.span("data"):
+            inputs, targets = self.workload.batch(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss, pipeline_wait = forward_backward(self.workload, self.actions, self.mesh.group("pp"), inputs, targets,
+                                               self.par.microbatches, probe)
+        optimizer.synchronize()
+        with probe.collective("gradient norm", "grad-norm", self.grad_norm_peers):
+            grad_norm = clip_gradients(self.workload.model, self.mesh, cfg.grad_clip or math.inf)
+        with probe.span("optimizer step"), optimizer.skip_synchronize():
+            optimizer.step()
+        with probe.collective("loss all-reduce", "world", self.everyone):
+            global_loss = sum_over_replicas([loss or 0.0], self.mesh)[0] / self.mesh.size("dp")
+        return StepOutcome(global_loss, lr, grad_norm, pipeline_wait)
+
+
+class RunRecords:
+    """What a run reports: the progress line, rank 0's metrics.jsonl, every rank's time totals."""
+
+    def __init__(self, spec: JobSpec, world: World, workload: Workload, progress_mode: str, start_step: int) -> None:
+        self.spec, self.world, self.unit, self.start_step = spec, world, workload.unit, start_step
+        is_reporter = world.rank == 0
+        self.progress = Progress(spec.train.steps, spec.train.log_every, progress_mode if is_reporter else "off",
+                                 self.unit, start_step=start_step)
+        self.metrics = MetricsLog(spec.run_path / METRICS_FILE) if is_reporter else None
+        self.totals = dict.fromkeys(RANK_TOTALS, 0.0)
+        self.items_per_step = spec.data.batch_size * workload.items_per_sample
+        self.throughput = 0.0
+        self.loss = float("nan")
+
+    def step_done(self, step: int, outcome: StepOutcome, step_time: float, comm) -> None:
+        self.loss = outcome.loss
+        rate = self.items_per_step / step_time
+        self.throughput = rate if step == self.start_step else 0.9 * self.throughput + 0.1 * rate
+        self.progress.update(step, outcome.loss, outcome.lr, self.throughput)
+        wait = comm.wait_seconds + outcome.pipeline_wait_s
+        timings = {"step_time_s": step_time, "compute_s": step_time - wait,
+                   "comm_s": comm.reduce_seconds + outcome.pipeline_wait_s, "wait_s": wait}
+        for key, value in timings.items():
+            self.totals[key] += value
+        if self.metrics is not None:
+            self.metrics.write(
+                {"step": step + 1, "loss": outcome.loss, "lr": outcome.lr, "grad_norm": outcome.grad_norm,
+                 f"{self.unit}_per_s": rate, **timings,
+                 "comm_bytes": comm.bytes_sent, "raw_bytes": comm.raw_bytes,
+                 "compression_ratio": comm.raw_bytes / comm.bytes_sent if comm.bytes_sent else None,
+                 "peak_memory_bytes": peak_memory_bytes(self.world.device)}
+            )
+
+    def write(self, probe: Probe, steps: int) -> None:
+        write_run_records(self.spec, self.world, probe, self.totals, steps)
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def _checkpoint_or_stop(spec: JobSpec, done: int, checkpoints: TrainingCheckpoints, preemption: Preemption | None,
+                        probe: Probe, records: RunRecords, start_step: int) -> None:
+    """Save when due; when any rank caught a preemption signal, save now and raise Preempted on every rank."""
+    stop = None
+    if preemption is not None and done < spec.train.steps:
+        with probe.collective("preemption check", "world", range(records.world.size)):
+            stop = preemption.agreed(dist.group.WORLD)
+    if checkpoints.due(done, force=stop is not None):  # preempted: save now, off schedule
+        with probe.span("checkpoint"):
+            checkpoints.save(done)
+    if stop is not None:  # the requeued job resumes from this checkpoint
+        checkpoints.finalize()
+        records.write(probe, done - start_step)
+        raise Preempted(done, stop, checkpointed=checkpoints.checkpointer is not None)
 
 
 def write_run_records(spec: JobSpec, world: World, probe: Probe, totals: dict[str, float], steps: int) -> None:

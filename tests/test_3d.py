@@ -47,7 +47,7 @@ def gpt_spec(run_dir: str, name: str, layout, schedule: str = "1f1b", microbatch
 
 def pieces_as_numpy(model, mesh) -> list[tuple[str, tuple, tuple, np.ndarray]]:
     """This rank's parameters as (name, global shape, offsets, values): torch tensors cannot outlive a rank."""
-    from jobs.state import model_pieces
+    from jobs.checkpointing import model_pieces
 
     return [(p.name, p.global_shape, p.offsets, p.tensor.numpy().copy())
             for p in model_pieces(model, mesh.index("tp"), mesh.size("tp"))]

@@ -92,8 +92,8 @@ def test_ten_steps_save_ten_more_equals_twenty_uninterrupted(tmp_path, cases) ->
 
 def _restored_state(world, step_dir: str, layout):
     """Everything a rank holds after restoring ``step_dir`` under ``layout``, as pieces of the global tensors."""
+    from jobs.checkpointing import restore, state_pieces
     from jobs.optim import build_optimizer
-    from jobs.state import restore, state_pieces
     from jobs.workloads import build_workload
     from parallel.optimizer import distributed_optimizer
     from parallel.ring import make_transport

@@ -160,9 +160,9 @@ def _check_it_loads(step_dir: Path, spec_path: Path) -> None:
 
     from hpc.checkpoint import open_checkpoint, read_tensor, verify_checkpoint
     from hpc.config import load_spec
+    from jobs.checkpointing import restore
     from jobs.datasets import load_dataset
     from jobs.optim import build_optimizer
-    from jobs.state import restore
     from jobs.train import build_model
 
     assert verify_checkpoint(step_dir).ok

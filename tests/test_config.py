@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from hpc.config import (
     JobSpec,
+    SweepConfig,
     apply_overrides,
     load_spec,
     spec_from_dict,
+    spec_reference,
     spec_to_dict,
 )
 from hpc.errors import ConfigError
@@ -42,7 +44,7 @@ FULL = {
         "weight_decay": 0.01,
         "grad_clip": 1.0,
         "warmup_steps": 100,
-        "schedule": "cosine",
+        "lr_schedule": "cosine",
         "log_every": 50,
         "lr_reference_batch": 256,
         "bf16_autocast": True,
@@ -226,7 +228,7 @@ def test_slurm_time_formats() -> None:
 def test_unknown_key_suggests_the_closest() -> None:
     assert error_of("[train]\nlrr = 0.1") == (
         "job.toml: unknown key train.lrr (did you mean train.lr? valid keys: steps, lr, "
-        "optimizer, momentum, weight_decay, grad_clip, warmup_steps, schedule, log_every, lr_reference_batch, "
+        "optimizer, momentum, weight_decay, grad_clip, warmup_steps, lr_schedule, log_every, lr_reference_batch, "
         "bf16_autocast, activation_checkpointing, timeline, stall_warn_s, stall_abort_s, health_check, "
         "health_check_timeout_s)"
     )
@@ -351,10 +353,35 @@ def test_apply_overrides_does_not_mutate_its_input() -> None:
 
 def test_schema_uses_only_known_constraints() -> None:
     """A misspelt constraint would be silently ignored by the builder."""
-    known = {"min", "gt", "max_excl", "max", "pattern", "describe"}
+    known = {"doc", "min", "gt", "max_excl", "max", "pattern", "describe"}
     for name, section in get_type_hints(JobSpec).items():
         for f in dataclasses.fields(section):
             assert set(f.metadata) <= known, f"{name}.{f.name}"
+
+
+def test_every_setting_is_documented_where_declared() -> None:
+    """hpc spec and docs/JOB_SPEC.md print these texts: a setting without one would be a blank row."""
+    for name, section in [*get_type_hints(JobSpec).items(), ("sweep", SweepConfig)]:
+        assert section.__doc__ and not section.__doc__.startswith(section.__name__ + "("), name
+        for f in dataclasses.fields(section):
+            assert f.metadata.get("doc", "").strip(), f"{name}.{f.name} has no doc"
+
+
+def test_job_spec_reference_is_current() -> None:
+    """docs/JOB_SPEC.md is what ``hpc spec --markdown`` prints: regenerate it when a setting changes."""
+    doc = Path(__file__).resolve().parents[1] / "docs" / "JOB_SPEC.md"
+    assert doc.read_text() == spec_reference(markdown=True), "run: hpc spec --markdown > docs/JOB_SPEC.md"
+
+
+def test_renamed_key_names_its_new_name(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text('[train]\nschedule = "cosine"\n')
+    with pytest.raises(ConfigError) as err:
+        load_spec(path)
+    assert str(err.value) == f"{path}: train.schedule was renamed to train.lr_schedule"
+    with pytest.raises(ConfigError, match=r"^--set train.schedule=cosine: train.schedule was renamed to "
+                                          r"train.lr_schedule$"):
+        load_spec(EXAMPLE, ["train.schedule=cosine"])
 
 
 finite = {"allow_nan": False, "allow_infinity": False}

@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="print the command lines and start nothing")
     run.set_defaults(handler=cmd_run)
 
+    spec = commands.add_parser("spec", help="every setting of a job spec: key, type, default and meaning")
+    spec.add_argument("--markdown", action="store_true", help="as docs/JOB_SPEC.md")
+    spec.set_defaults(handler=cmd_spec)
+
     from hpc.cli import bench, ckpt, report, slurm
 
     bench.add_parser(commands)
@@ -44,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_parser(commands)
     report.add_parser(commands)
     return parser
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    from hpc.config import spec_reference
+
+    print(spec_reference(args.markdown), end="")
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
