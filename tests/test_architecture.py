@@ -1,0 +1,126 @@
+"""The rules of docs/ARCHITECTURE.md, read from the source with ast so that they cannot silently rot.
+
+Dependency direction: the CLI (``hpc.cli``) is the composition root and may import every
+package; below it ``jobs -> parallel -> hpc`` and ``slurm -> hpc``; the rest of ``hpc``
+imports nothing of ours outside itself, and nothing outside the CLI imports the CLI.
+Every import counts, also one inside a function: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("hpc", "parallel", "slurm", "jobs")
+# What each layer may import of ours (its own package always).
+ALLOWED = {
+    "hpc": {"hpc"},
+    "parallel": {"parallel", "hpc"},
+    "jobs": {"jobs", "parallel", "hpc"},
+    "slurm": {"slurm", "hpc"},
+}
+HEAVY = ("torch", "numpy", "h5py")  # slurm/ runs on login nodes: sbatch generation must not need them
+MAX_FUNCTION_LINES = 60
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def _sources() -> dict[str, Path]:
+    return {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _imports(module: str) -> set[str]:
+    """Every module ``module`` imports, absolute, wherever the import statement stands."""
+    path = _sources()[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in _sources())
+    return found
+
+
+def _ours(name: str) -> str | None:
+    top = name.split(".")[0]
+    return top if top in PACKAGES else None
+
+
+def _is_cli(name: str) -> bool:
+    return name == "hpc.cli" or name.startswith("hpc.cli.")
+
+
+def test_every_package_imports_only_what_its_layer_allows() -> None:
+    wrong = []
+    for module in _sources():
+        if _is_cli(module):
+            continue
+        layer = module.split(".")[0]
+        for name in sorted(_imports(module)):
+            if _ours(name) and _ours(name) not in ALLOWED[layer]:
+                wrong.append(f"{module} imports {name} ({layer} may import {', '.join(sorted(ALLOWED[layer]))})")
+            elif _is_cli(name):
+                wrong.append(f"{module} imports {name}: only the CLI imports the CLI")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_slurm_never_imports_the_heavy_libraries() -> None:
+    wrong = [f"{module} imports {name}" for module in _sources() if module.split(".")[0] == "slurm"
+             for name in _imports(module) if name.split(".")[0] in HEAVY]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_cli_modules_import_each_other_without_cycles() -> None:
+    cli = {m: {n for n in _imports(m) if _is_cli(n) and n in _sources() and n != m} for m in _sources() if _is_cli(m)}
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> None:
+        if module in visiting:
+            cycle = [*visiting[visiting.index(module):], module]
+            pytest.fail("import cycle in the CLI: " + " -> ".join(cycle))
+        if module in done:
+            return
+        visiting.append(module)
+        for name in sorted(cli[module]):
+            visit(name)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(cli):
+        visit(module)
+
+
+def test_no_function_is_longer_than_the_limit() -> None:
+    long = []
+    for module, path in _sources().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{module}.{node.name}: {lines} lines ({path.relative_to(ROOT)}:{node.lineno})")
+    assert not long, "\n".join(long)
+
+
+def test_architecture_table_names_files_that_exist() -> None:
+    """Each concept row of docs/ARCHITECTURE.md points at one file; a moved file must move its row too."""
+    paths = re.findall(r"`((?:hpc|parallel|slurm|jobs)/[\w/]+\.(?:py|sh))`", ARCHITECTURE.read_text())
+    assert len(paths) >= 30
+    missing = [p for p in paths if not (ROOT / p).is_file()]
+    assert not missing, f"docs/ARCHITECTURE.md names files that do not exist: {missing}"
