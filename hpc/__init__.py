@@ -6,7 +6,7 @@ for importing torch; ``hpc.init()`` is the first call that does.
 
 from __future__ import annotations
 
-import importlib
+from hpc.lazy import lazy_getattr
 
 _EXPORTS = {
     "init": "hpc.runtime.bootstrap",
@@ -23,9 +23,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> object:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hpc' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

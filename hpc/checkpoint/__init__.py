@@ -6,7 +6,7 @@ torch, and ``import hpc.checkpoint`` costs nothing until a name is used.
 
 from __future__ import annotations
 
-import importlib
+from hpc.lazy import lazy_getattr
 
 _EXPORTS = {
     "CheckpointError": "hpc.checkpoint.format",
@@ -27,9 +27,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> object:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hpc.checkpoint' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

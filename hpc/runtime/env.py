@@ -191,17 +191,7 @@ def _from_rank_variables(
     )
     _check_nodes(launcher, rank, world, node_rank, num_nodes)
     _check_local(launcher, world, local_rank, local_size)
-    return RankInfo(
-        rank=rank.value,
-        world_size=world.value,
-        local_rank=local_rank.value,
-        local_size=local_size.value,
-        node_rank=node_rank.value,
-        num_nodes=num_nodes.value,
-        hosts=(),
-        launcher=launcher,
-        job_id=job_id,
-    )
+    return _rank_info(launcher, job_id, (), rank, world, local_rank, local_size, node_rank, num_nodes)
 
 
 def _from_slurm(environ: Mapping[str, str], job_id: str | None) -> RankInfo:
@@ -228,17 +218,13 @@ def _from_slurm(environ: Mapping[str, str], job_id: str | None) -> RankInfo:
     _check_nodes(launcher, rank, world, node_rank, num_nodes)
     local_size = _slurm_local_size(environ, node_rank, num_nodes, world, launcher)
     _check_local(launcher, world, local_rank, local_size)
-    return RankInfo(
-        rank=rank.value,
-        world_size=world.value,
-        local_rank=local_rank.value,
-        local_size=local_size.value,
-        node_rank=node_rank.value,
-        num_nodes=num_nodes.value,
-        hosts=hosts,
-        launcher=launcher,
-        job_id=job_id,
-    )
+    return _rank_info(launcher, job_id, hosts, rank, world, local_rank, local_size, node_rank, num_nodes)
+
+
+def _rank_info(launcher: Launcher, job_id: str | None, hosts: tuple[str, ...], *settings: _Setting) -> RankInfo:
+    """A RankInfo from the checked settings, in RankInfo's field order (rank, world size, local rank and size,
+    node rank and count)."""
+    return RankInfo(*(setting.value for setting in settings), hosts=hosts, launcher=launcher, job_id=job_id)
 
 
 def _slurm_hosts(
