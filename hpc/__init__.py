@@ -8,19 +8,12 @@ from __future__ import annotations
 
 from hpc.lazy import lazy_getattr
 
-_EXPORTS = {
-    "init": "hpc.runtime.bootstrap",
-    "shutdown": "hpc.runtime.bootstrap",
-    "World": "hpc.runtime.bootstrap",
-    "RankInfo": "hpc.runtime.env",
-    "detect_rank_info": "hpc.runtime.env",
-    "JobSpec": "hpc.config",
-    "load_spec": "hpc.config",
-    "Mesh": "hpc.runtime.mesh",
-    "MeshShape": "hpc.runtime.mesh",
-    "build_mesh": "hpc.runtime.mesh",
-    "resolve_layout": "hpc.runtime.mesh",
-}
+_EXPORTS = {name: module for module, names in {
+    "hpc.runtime.bootstrap": ("init", "shutdown", "World"),
+    "hpc.runtime.env": ("RankInfo", "detect_rank_info"),
+    "hpc.config": ("JobSpec", "load_spec"),
+    "hpc.runtime.mesh": ("Mesh", "MeshShape", "build_mesh", "resolve_layout"),
+}.items() for name in names}
 
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_getattr(__name__, _EXPORTS)

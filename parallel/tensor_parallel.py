@@ -87,14 +87,18 @@ def _shard(full: torch.Tensor, dim: int, group: ProcessGroup, what: str) -> nn.P
     return nn.Parameter(full.detach().narrow(dim, rank * chunk, chunk).clone())
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y = x W^T + b`` with the output features split across ranks; the output stays split."""
-
-    partition_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
+class _ShardedLinear(nn.Module):
+    """A Linear layer's shard: this rank's weight (and bias, split or whole) and the TP group it is split over."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup) -> None:
         super().__init__()
         self.weight, self.bias, self.group = weight, bias, group
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """``y = x W^T + b`` with the output features split across ranks; the output stays split."""
+
+    partition_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
 
     @classmethod
     def from_full(cls, linear: nn.Linear, group: ProcessGroup) -> ColumnParallelLinear:
@@ -106,7 +110,7 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """``y = x W^T + b`` with the input features split across ranks; the output is replicated.
 
     Takes the split input a column-parallel layer produces; the bias is added once,
@@ -114,10 +118,6 @@ class RowParallelLinear(nn.Module):
     """
 
     partition_dims: ClassVar[dict[str, int]] = {"weight": 1}
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup) -> None:
-        super().__init__()
-        self.weight, self.bias, self.group = weight, bias, group
 
     @classmethod
     def from_full(cls, linear: nn.Linear, group: ProcessGroup) -> RowParallelLinear:

@@ -8,23 +8,15 @@ from __future__ import annotations
 
 from hpc.lazy import lazy_getattr
 
-_EXPORTS = {
-    "CheckpointError": "hpc.checkpoint.format",
-    "CheckpointIndex": "hpc.checkpoint.format",
-    "read_index": "hpc.checkpoint.format",
-    "Piece": "hpc.checkpoint.pieces",
-    "plan_writes": "hpc.checkpoint.pieces",
-    "Checkpointer": "hpc.checkpoint.save",
-    "open_checkpoint": "hpc.checkpoint.load",
-    "load_into": "hpc.checkpoint.load",
-    "load_rank_state": "hpc.checkpoint.load",
-    "read_tensor": "hpc.checkpoint.load",
-    "list_checkpoints": "hpc.checkpoint.discovery",
-    "find_latest": "hpc.checkpoint.discovery",
-    "resolve_resume": "hpc.checkpoint.discovery",
-    "verify_checkpoint": "hpc.checkpoint.verify",
-    "export_tensors": "hpc.checkpoint.export",
-}
+_EXPORTS = {name: module for module, names in {
+    "hpc.checkpoint.format": ("CheckpointError", "CheckpointIndex", "read_index"),
+    "hpc.checkpoint.pieces": ("Piece", "plan_writes"),
+    "hpc.checkpoint.save": ("Checkpointer",),
+    "hpc.checkpoint.load": ("open_checkpoint", "load_into", "load_rank_state", "read_tensor"),
+    "hpc.checkpoint.discovery": ("list_checkpoints", "find_latest", "resolve_resume"),
+    "hpc.checkpoint.verify": ("verify_checkpoint",),
+    "hpc.checkpoint.export": ("export_tensors",),
+}.items() for name in names}
 
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
