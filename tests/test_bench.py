@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from parallel.bench import COLUMNS, format_table, human_size, parse_size
+from hpc.text import human_size, parse_size
+from jobs.bench.allreduce import COLUMNS, format_table
 
 
 @pytest.mark.parametrize(("text", "value"), [("1K", 1024), ("64M", 64 << 20), ("4096", 4096), ("1g", 1 << 30)])

@@ -1,21 +1,23 @@
-"""``hpc bench allreduce|pipeline``: starts ranks like ``hpc run`` and prints their measurements.
+"""``hpc bench allreduce|pipeline|checkpoint``: starts ranks like ``hpc run`` and prints their measurements.
 
-The ranks run this module with ``--rank``; rank 0 writes the rows to a file that
-the launching process prints, so table and JSON output carry no rank prefixes.
+The benchmarks live in ``jobs.bench``; every rank runs ``python -m jobs.bench.rank KIND``
+and rank 0 writes the rows to a file that this process prints, so table and JSON output
+carry no rank prefixes. Nothing heavy at module level (``hpc --help`` imports this).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
-PIPELINE_SIZES = ("virtual", "layers", "width", "rows", "steps")  # integer options passed on to the ranks
-
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    bench = commands.add_parser("bench", help="measure communication (allreduce) and pipeline schedules (pipeline)")
+    bench = commands.add_parser(
+        "bench", help="measure communication (allreduce), pipeline schedules (pipeline) and checkpoints (checkpoint)"
+    )
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
     allreduce = kinds.add_parser("allreduce", help="our ring with each codec against torch.distributed.all_reduce")
     allreduce.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
@@ -41,24 +43,40 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     pipeline.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
     pipeline.add_argument("--json", action="store_true", help="one JSON object per row")
     pipeline.set_defaults(handler=cmd_bench_pipeline)
-    from hpc.cli import ckpt
+    _add_checkpoint_parser(kinds)
 
-    ckpt.add_bench_parser(kinds)
+
+def _add_checkpoint_parser(kinds: argparse._SubParsersAction) -> None:
+    bench = kinds.add_parser(
+        "checkpoint", help="HDF5 (sync, async) against torch.save, DCP, the raw disk and a memory copy"
+    )
+    bench.add_argument("-n", "--nprocs", type=int, default=2, help="ranks (default 2)")
+    bench.add_argument("--size", default="256M", help="bytes of training state, e.g. 64M, 1G (default %(default)s)")
+    bench.add_argument("--iters", type=int, default=3, help="timed rounds; each row is the median (default 3)")
+    bench.add_argument("--dir", default="runs/bench-checkpoint", help="where to write (default %(default)s)")
+    bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
+    bench.add_argument("--json", action="store_true", help="one JSON object per row")
+    bench.set_defaults(handler=cmd_bench_checkpoint)
 
 
 def _rank_args(args: argparse.Namespace, transports: str) -> list[str]:
     return ["--sizes", args.sizes, "--codecs", args.codecs, "--transports", transports, "--iters", str(args.iters)]
 
 
-def _bench_rank_argv(kind_argv: Sequence[str]):
-    return lambda out, _scratch: ("-m", "hpc.cli.bench", "--rank", out, *kind_argv)
+def _rank_command(kind: str, out: str, *options: str) -> tuple[str, ...]:
+    return ("-m", "jobs.bench.rank", kind, "--out", out, *options)
+
+
+def _bench_rank_argv(kind: str, options: Sequence[str]):
+    return lambda out, _scratch: _rank_command(kind, out, *options)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from hpc.errors import ConfigError
     from hpc.observe.plots import bandwidth_figure, check_png_path, save_png
     from hpc.runtime import launch
-    from parallel.bench import format_table, parse_size
+    from hpc.text import parse_size
+    from jobs.bench.allreduce import format_table
     from parallel.reducers import REDUCERS
 
     try:
@@ -74,7 +92,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "mpi" in transports.split(",") and launcher != "mpirun":
         raise ConfigError("--transports mpi needs --launcher mpirun")
     plot = check_png_path(args.plot) if args.plot else None
-    rows = launch.launch_for_rows(args.nprocs, launcher, _bench_rank_argv(["allreduce", *_rank_args(args, transports)]))
+    rows = launch.launch_for_rows(args.nprocs, launcher, _bench_rank_argv("allreduce", _rank_args(args, transports)))
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
     if plot:
         save_png(bandwidth_figure(rows), plot)
@@ -97,6 +115,7 @@ def _positive_ints(option: str, text: str) -> list[int]:
 def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     """Every (stages, schedule, microbatches) is checked against the model before any launch."""
     from hpc.runtime import launch
+    from jobs.bench.rank import PIPELINE_SIZES
     from parallel.schedule import build_schedule, stage_bounds
 
     stages, microbatches = _positive_ints("--stages", args.stages), _positive_ints("--microbatches", args.microbatches)
@@ -110,68 +129,37 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
             for m in microbatches:
                 build_schedule(name, p, m, v)
     launcher = args.launcher or launch.default_launcher()
-    kind_argv = ["pipeline", "--microbatches", args.microbatches, "--schedules", args.schedules,
-                 *(arg for option in PIPELINE_SIZES for arg in (f"--{option}", str(getattr(args, option))))]
-    rows = [row for p in stages for row in launch.launch_for_rows(p, launcher, _bench_rank_argv(kind_argv))]
+    options = ["--microbatches", args.microbatches, "--schedules", args.schedules,
+               *(arg for option in PIPELINE_SIZES for arg in (f"--{option}", str(getattr(args, option))))]
+    rows = [row for p in stages for row in launch.launch_for_rows(p, launcher, _bench_rank_argv("pipeline", options))]
     if args.json:
         print("\n".join(json.dumps(r) for r in rows))
     else:
-        from parallel.pipeline_bench import format_table
+        from jobs.bench.pipeline import format_table
 
         print(format_table(rows))
     return 0
 
 
-def rank_main(argv: Sequence[str] | None = None) -> int:
-    from hpc.runtime.abort import run_as_rank
+def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
+    from hpc.errors import ConfigError
+    from hpc.runtime import launch
+    from hpc.text import parse_size
+    from jobs.bench.checkpoint import format_table
 
-    parser = argparse.ArgumentParser(prog="python -m hpc.cli.bench --rank OUT")
-    parser.add_argument("--rank", dest="out", required=True)
-    kinds = parser.add_subparsers(dest="kind", required=True)
-    allreduce = kinds.add_parser("allreduce")
-    allreduce.add_argument("--sizes", required=True)
-    allreduce.add_argument("--codecs", required=True)
-    allreduce.add_argument("--transports", required=True)
-    allreduce.add_argument("--iters", type=int, required=True)
-    pipeline = kinds.add_parser("pipeline")
-    pipeline.add_argument("--microbatches", required=True)
-    pipeline.add_argument("--schedules", required=True)
-    for option in PIPELINE_SIZES:
-        pipeline.add_argument(f"--{option}", type=int, required=True)
-    args = parser.parse_args(argv)
+    try:
+        nbytes = parse_size(args.size)
+    except ValueError as exc:
+        raise ConfigError(f"--size: {exc}") from None
+    if args.iters < 1 or args.nprocs < 1:
+        raise ConfigError("--iters and -n must be at least 1")
+    launcher = args.launcher or launch.default_launcher()
+    os.makedirs(args.dir, exist_ok=True)
 
-    def measure() -> None:
-        import hpc
+    def rank_argv(out: str, scratch: str) -> tuple[str, ...]:
+        files = os.path.abspath(os.path.join(scratch, "files"))
+        return _rank_command("checkpoint", out, "--size", str(nbytes), "--iters", str(args.iters), "--dir", files)
 
-        world = hpc.init("gloo")
-        rows = _measure_pipeline(args) if args.kind == "pipeline" else _measure_allreduce(args)
-        if world.rank == 0:
-            with open(args.out, "w") as handle:
-                json.dump(rows, handle)
-        hpc.shutdown()
-
-    return run_as_rank(measure)
-
-
-def _measure_allreduce(args: argparse.Namespace) -> list[dict]:
-    from parallel.bench import bench_allreduce, parse_size
-
-    return bench_allreduce(
-        [parse_size(s) for s in args.sizes.split(",")], args.codecs.split(","), args.transports.split(","),
-        iters=args.iters,
-    )
-
-
-def _measure_pipeline(args: argparse.Namespace) -> list[dict]:
-    import torch.distributed as dist
-
-    from parallel.pipeline_bench import bench_pipeline
-
-    return bench_pipeline(
-        dist.group.WORLD, args.schedules.split(","), [int(m) for m in args.microbatches.split(",")], args.virtual,
-        layers=args.layers, width=args.width, rows=args.rows, steps=args.steps,
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(rank_main())
+    rows = launch.launch_for_rows(args.nprocs, launcher, rank_argv, parent=args.dir)
+    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    return 0

@@ -1,19 +1,15 @@
-"""``hpc ckpt ls|show|verify|export`` and ``hpc bench checkpoint``.
+"""``hpc ckpt ls|show|verify|export``.
 
 Nothing heavy at module level (``hpc --help`` imports this): h5py is imported by the
-commands that read checkpoints, torch only by ``export`` and the benchmark.
-The benchmark starts ranks like ``hpc bench allreduce``: each rank runs this module
-with ``--bench-rank OUT`` and rank 0 writes the rows to OUT for the launcher to print.
+commands that read checkpoints, torch only by ``export``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from hpc.text import human_bytes
@@ -38,19 +34,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--only", default="", metavar="PREFIX",
                         help="keep tensors whose name starts with PREFIX, and strip it (e.g. --only model/)")
     export.set_defaults(handler=cmd_export)
-
-
-def add_bench_parser(kinds: argparse._SubParsersAction) -> None:
-    bench = kinds.add_parser(
-        "checkpoint", help="HDF5 (sync, async) against torch.save, DCP, the raw disk and a memory copy"
-    )
-    bench.add_argument("-n", "--nprocs", type=int, default=2, help="ranks (default 2)")
-    bench.add_argument("--size", default="256M", help="bytes of training state, e.g. 64M, 1G (default %(default)s)")
-    bench.add_argument("--iters", type=int, default=3, help="timed rounds; each row is the median (default 3)")
-    bench.add_argument("--dir", default="runs/bench-checkpoint", help="where to write (default %(default)s)")
-    bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
-    bench.add_argument("--json", action="store_true", help="one JSON object per row")
-    bench.set_defaults(handler=cmd_bench_checkpoint)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -118,58 +101,3 @@ def cmd_export(args: argparse.Namespace) -> int:
     count = export_tensors(args.step_dir, args.to, args.only)
     print(f"wrote {count} tensors to {args.to}")
     return 0
-
-
-def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
-    from hpc.checkpoint.bench import format_table
-    from hpc.errors import ConfigError
-    from hpc.runtime import launch
-    from parallel.bench import parse_size
-
-    try:
-        nbytes = parse_size(args.size)
-    except ValueError as exc:
-        raise ConfigError(f"--size: {exc}") from None
-    if args.iters < 1 or args.nprocs < 1:
-        raise ConfigError("--iters and -n must be at least 1")
-    launcher = args.launcher or launch.default_launcher()
-    os.makedirs(args.dir, exist_ok=True)
-
-    def rank_argv(out: str, scratch: str) -> tuple[str, ...]:
-        files = os.path.abspath(os.path.join(scratch, "files"))
-        return ("-m", "hpc.cli.ckpt", "--bench-rank", out, "--size", str(nbytes), "--iters", str(args.iters),
-                "--dir", files)
-
-    rows = launch.launch_for_rows(args.nprocs, launcher, rank_argv, parent=args.dir)
-    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
-    return 0
-
-
-def bench_rank_main(argv: Sequence[str] | None = None) -> int:
-    from hpc.runtime.abort import run_as_rank
-
-    parser = argparse.ArgumentParser(prog="python -m hpc.cli.ckpt --bench-rank OUT")
-    parser.add_argument("--bench-rank", dest="out", required=True)
-    parser.add_argument("--size", type=int, required=True)
-    parser.add_argument("--iters", type=int, required=True)
-    parser.add_argument("--dir", required=True)
-    args = parser.parse_args(argv)
-
-    def measure() -> None:
-        import torch.distributed as dist
-
-        import hpc
-        from hpc.checkpoint.bench import bench_checkpoint
-
-        world = hpc.init("gloo")
-        rows = bench_checkpoint(Path(args.dir), args.size, args.iters, dist.group.WORLD)
-        if world.rank == 0:
-            with open(args.out, "w") as handle:
-                json.dump(rows, handle)
-        hpc.shutdown()
-
-    return run_as_rank(measure)
-
-
-if __name__ == "__main__":
-    sys.exit(bench_rank_main())

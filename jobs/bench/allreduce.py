@@ -11,7 +11,6 @@ across rank counts. Sizes are the uncompressed float32 bytes.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -19,27 +18,13 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from hpc import text
 from parallel.compression import RING_CODECS, make_codec
 from parallel.reducers import make_reducer
 from parallel.ring import make_transport, ring_allreduce
 
-UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 COLUMNS = ("bytes", "ranks", "impl", "transport", "codec", "time_s", "algbw_GBps", "busbw_GBps", "max_rel_error")
-
-
-def parse_size(text: str) -> int:
-    """``64M`` -> 67108864; a bare number is bytes."""
-    match = re.fullmatch(r"(\d+)([KMG]?)B?", text.strip().upper())
-    if not match or int(match[1]) == 0:
-        raise ValueError(f"{text!r} is not a size like 1K, 64M or 4096")
-    return int(match[1]) * UNITS[match[2]]
-
-
-def human_size(nbytes: int) -> str:
-    for unit in ("G", "M", "K"):
-        if nbytes >= UNITS[unit] and nbytes % UNITS[unit] == 0:
-            return f"{nbytes // UNITS[unit]}{unit}"
-    return str(nbytes)
+HEADER = ("size", "ranks", "impl", "transport", "codec", "time(ms)", "algbw(GB/s)", "busbw(GB/s)", "max_rel_err")
 
 
 def _time_op(op, reset, iters: int, warmup: int) -> float:
@@ -108,13 +93,9 @@ def _rows(numel: int) -> int:
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    header = (f"{'size':>8} {'ranks':>5} {'impl':>5} {'transport':>9} {'codec':>8} {'time(ms)':>10} "
-              f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'max_rel_err':>11}")
-    lines = [header]
-    for r in rows:
-        lines.append(
-            f"{human_size(r['bytes']):>8} {r['ranks']:>5} {r['impl']:>5} {r['transport']:>9} {r['codec']:>8} "
-            f"{r['time_s'] * 1e3:>10.3f} {r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f} "
-            f"{r['max_rel_error']:>11.2e}"
-        )
-    return "\n".join(lines)
+    return text.format_table(HEADER, [_cells(r) for r in rows], right=True)
+
+
+def _cells(r: dict) -> tuple[object, ...]:
+    return (text.human_size(r["bytes"]), r["ranks"], r["impl"], r["transport"], r["codec"], f"{r['time_s'] * 1e3:.3f}",
+            f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}", f"{r['max_rel_error']:.2e}")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from hpc import text
 from parallel.pipeline import run_pipeline_step, split_into_stages
 from parallel.schedule import build_schedule, theoretical_bubble
 
@@ -29,6 +30,7 @@ COLUMNS = (
     "schedule", "stages", "microbatches", "virtual", "bubble_measured", "bubble_theory", "peak_activation_bytes",
     "step_s",
 )
+HEADER = ("schedule", "p", "m", "v", "bubble", "theory", "peak act MiB", "step(ms)")
 
 
 def bench_pipeline(
@@ -77,12 +79,9 @@ def _bench_one(
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    lines = [f"{'schedule':>11} {'p':>2} {'m':>3} {'v':>2} {'bubble':>7} {'theory':>7} {'peak act MiB':>12} "
-             f"{'step(ms)':>9}"]
-    for r in rows:
-        lines.append(
-            f"{r['schedule']:>11} {r['stages']:>2} {r['microbatches']:>3} {r['virtual']:>2} "
-            f"{r['bubble_measured']:>7.3f} {r['bubble_theory']:>7.3f} {r['peak_activation_bytes'] / 2**20:>12.2f} "
-            f"{r['step_s'] * 1e3:>9.1f}"
-        )
-    return "\n".join(lines)
+    return text.format_table(HEADER, [_cells(r) for r in rows], right=True)
+
+
+def _cells(r: dict) -> tuple[object, ...]:
+    return (r["schedule"], r["stages"], r["microbatches"], r["virtual"], f"{r['bubble_measured']:.3f}",
+            f"{r['bubble_theory']:.3f}", f"{r['peak_activation_bytes'] / 2**20:.2f}", f"{r['step_s'] * 1e3:.1f}")

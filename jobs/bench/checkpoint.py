@@ -34,12 +34,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hpc import text
 from hpc.checkpoint.load import load_into, open_checkpoint
 from hpc.checkpoint.pieces import Piece, plan_writes
 from hpc.checkpoint.save import Checkpointer, writeback_while_writing
+from hpc.rundir import fsync_path
 
 IMPLS = ("hdf5", "hdf5-async", "torch.save", "dcp", "disk", "memcpy")
 COLUMNS = ("impl", "op", "bytes", "ranks", "time_s", "MBps", "stall_s", "of_disk")
+HEADER = ("impl", "op", "bytes", "ranks", "time(s)", "MB/s", "stall(s)", "of disk")
 BLOCK = 16 << 20
 WIDTH = 1024
 
@@ -66,14 +69,6 @@ def _timed(fn: Callable[[], object], group: dist.ProcessGroup) -> float:
     start = time.perf_counter()
     fn()
     return _slowest(time.perf_counter() - start, group)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Bench:
@@ -138,7 +133,7 @@ class _Bench:
         def save() -> None:
             if self.rank == 0:
                 torch.save(self.state, path)
-                _fsync(path)
+                fsync_path(path)
 
         elapsed = _timed(save, self.group)
         return elapsed, _timed(lambda: torch.load(path, weights_only=True), self.group)
@@ -208,10 +203,10 @@ def _rows(samples: dict[tuple[str, str], list[tuple[float, float | None]]], nbyt
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'impl':>11} {'op':>5} {'bytes':>12} {'ranks':>5} {'time(s)':>9} {'MB/s':>9} {'stall(s)':>9} "
-             f"{'of disk':>8}"]
-    for r in rows:
-        stall = "-" if r["stall_s"] is None else f"{r['stall_s']:.3f}"
-        lines.append(f"{r['impl']:>11} {r['op']:>5} {r['bytes']:>12} {r['ranks']:>5} {r['time_s']:>9.3f} "
-                     f"{r['MBps']:>9.0f} {stall:>9} {r['of_disk']:>7.2f}x")
-    return "\n".join(lines)
+    return text.format_table(HEADER, [_cells(r) for r in rows], right=True)
+
+
+def _cells(r: dict) -> tuple[object, ...]:
+    stall = "-" if r["stall_s"] is None else f"{r['stall_s']:.3f}"
+    return (r["impl"], r["op"], r["bytes"], r["ranks"], f"{r['time_s']:.3f}", f"{r['MBps']:.0f}", stall,
+            f"{r['of_disk']:.2f}x")

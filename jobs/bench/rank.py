@@ -1,0 +1,91 @@
+"""What each rank of ``hpc bench KIND`` runs: ``python -m jobs.bench.rank KIND --out OUT ...``.
+
+One entry point for every benchmark, so the CLI only builds command lines. Every rank
+measures; rank 0 writes the rows as JSON to OUT, which the launching process prints,
+so table and JSON output carry no rank prefixes. Nothing heavy at module level: the
+CLI imports :data:`PIPELINE_SIZES` from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+PIPELINE_SIZES = ("virtual", "layers", "width", "rows", "steps")  # integer options of the pipeline bench
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--out", required=True, help="where rank 0 writes the rows")
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench.rank")
+    kinds = parser.add_subparsers(dest="kind", required=True)
+    allreduce = kinds.add_parser("allreduce", parents=[common])
+    allreduce.add_argument("--sizes", required=True)
+    allreduce.add_argument("--codecs", required=True)
+    allreduce.add_argument("--transports", required=True)
+    allreduce.add_argument("--iters", type=int, required=True)
+    pipeline = kinds.add_parser("pipeline", parents=[common])
+    pipeline.add_argument("--microbatches", required=True)
+    pipeline.add_argument("--schedules", required=True)
+    for option in PIPELINE_SIZES:
+        pipeline.add_argument(f"--{option}", type=int, required=True)
+    checkpoint = kinds.add_parser("checkpoint", parents=[common])
+    checkpoint.add_argument("--size", type=int, required=True, help="bytes")
+    checkpoint.add_argument("--iters", type=int, required=True)
+    checkpoint.add_argument("--dir", required=True, help="this run's own directory for the files")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from hpc.runtime.abort import run_as_rank
+
+    args = _parser().parse_args(argv)
+
+    def measure() -> None:
+        import torch.distributed as dist
+
+        import hpc
+
+        world = hpc.init("gloo")
+        rows = MEASURE[args.kind](args, dist.group.WORLD)
+        if world.rank == 0:
+            with open(args.out, "w") as handle:
+                json.dump(rows, handle)
+        hpc.shutdown()
+
+    return run_as_rank(measure)
+
+
+def _allreduce(args: argparse.Namespace, _group) -> list[dict]:
+    from hpc.text import parse_size
+    from jobs.bench.allreduce import bench_allreduce
+
+    return bench_allreduce(
+        [parse_size(s) for s in args.sizes.split(",")], args.codecs.split(","), args.transports.split(","),
+        iters=args.iters,
+    )
+
+
+def _pipeline(args: argparse.Namespace, group) -> list[dict]:
+    from jobs.bench.pipeline import bench_pipeline
+
+    return bench_pipeline(
+        group, args.schedules.split(","), [int(m) for m in args.microbatches.split(",")], args.virtual,
+        layers=args.layers, width=args.width, rows=args.rows, steps=args.steps,
+    )
+
+
+def _checkpoint(args: argparse.Namespace, group) -> list[dict]:
+    from pathlib import Path
+
+    from jobs.bench.checkpoint import bench_checkpoint
+
+    return bench_checkpoint(Path(args.dir), args.size, args.iters, group)
+
+
+MEASURE = {"allreduce": _allreduce, "pipeline": _pipeline, "checkpoint": _checkpoint}
+
+if __name__ == "__main__":
+    sys.exit(main())
