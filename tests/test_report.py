@@ -19,7 +19,7 @@ import pytest
 from hpc.cli.main import main
 from hpc.observe.plots import bandwidth_figure, series_figure, sweep_figure, time_breakdown_figure
 from hpc.observe.report import read_metrics
-from hpc.units import human_bytes
+from hpc.text import human_bytes
 from tests.test_cli import _error_of
 
 REPO = Path(__file__).resolve().parent.parent
