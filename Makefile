@@ -45,19 +45,19 @@ bench: install
 	hpc bench pipeline --stages 2,4 --microbatches 4,8
 	hpc bench checkpoint -n 2 --size 1G --iters 3
 
-# A real local Slurm (slurm/cluster.py, state in /tmp/hpc-slurm); point clients at it with
-# eval $$($(PYTHON) -m slurm.cluster env). slurm-up-2nodes: two network-namespace nodes.
+# A real local Slurm (slurm/testbed/cluster.py, state in /tmp/hpc-slurm); point clients at it with
+# eval $$($(PYTHON) -m slurm.testbed.cluster env). slurm-up-2nodes: two network-namespace nodes.
 slurm-up: install
-	$(PYTHON) -m slurm.cluster start
+	$(PYTHON) -m slurm.testbed.cluster start
 
 slurm-up-2nodes: install
-	$(PYTHON) -m slurm.cluster start --nodes 2
+	$(PYTHON) -m slurm.testbed.cluster start --nodes 2
 
 slurm-down:
-	$(PYTHON) -m slurm.cluster stop
+	$(PYTHON) -m slurm.testbed.cluster stop
 
 # The demo job through hpc submit on the local cluster (RANKS tasks), then rank 0's log until it ends.
 submit-demo: slurm-up
-	@eval $$($(PYTHON) -m slurm.cluster env) && \
+	@eval $$($(PYTHON) -m slurm.testbed.cluster env) && \
 	job=$$(hpc submit $(DEMO) --ntasks-per-node $(RANKS) | tee /dev/stderr | awk '/^submitted job/ {print $$3+0}') && \
 	hpc logs $$job --follow

@@ -26,7 +26,7 @@ class SlurmCluster:
 
 
 def _local_cluster(nodes: int) -> Iterator[SlurmCluster]:
-    from slurm import cluster
+    from slurm.testbed import cluster
 
     reason = cluster.unavailable()
     if reason:

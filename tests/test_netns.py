@@ -1,4 +1,4 @@
-"""The namespace testbed (slurm/netns.py): made and removed exactly, hosts isolated, and the rate
+"""The namespace testbed (slurm/testbed/netns.py): made and removed exactly, hosts isolated, and the rate
 limit measured with real TCP traffic in both directions, between hosts and towards the root namespace."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from slurm import netns
+from slurm.testbed import netns
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "tc", "nsenter")),
@@ -24,7 +24,7 @@ RATE_BITS = 200_000_000
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "slurm.netns", "--prefix", PREFIX, *argv],
+    return subprocess.run([sys.executable, "-m", "slurm.testbed.netns", "--prefix", PREFIX, *argv],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -106,5 +106,5 @@ def test_without_a_rate_the_link_is_not_shaped() -> None:
 def test_bad_input_is_one_line(argv, message) -> None:
     proc = _cli(*argv)
     assert proc.returncode == 1
-    assert proc.stderr.startswith("python -m slurm.netns: error: ") and message in proc.stderr
+    assert proc.stderr.startswith("python -m slurm.testbed.netns: error: ") and message in proc.stderr
     assert proc.stderr.count("\n") == 1

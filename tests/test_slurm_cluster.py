@@ -1,4 +1,4 @@
-"""A real Slurm on this machine (slurm/cluster.py): accounting, task ids, requeue and admission on
+"""A real Slurm on this machine (slurm/testbed/cluster.py): accounting, task ids, requeue and admission on
 one node; node names and a Gloo all-reduce through ``hpc.init()`` across two namespace nodes."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from slurm import cluster
+from slurm.testbed import cluster
 
 pytestmark = pytest.mark.slow
 

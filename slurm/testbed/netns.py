@@ -1,6 +1,6 @@
 """Virtual hosts on one machine: network namespaces joined by a bridge, links rate-limited with tc.
 
-``python -m slurm.netns create N [--rate 1gbit] [--prefix hpcnet] [--subnet 10.77.0]`` makes,
+``python -m slurm.testbed.netns create N [--rate 1gbit] [--prefix hpcnet] [--subnet 10.77.0]`` makes,
 for a prefix P and a /24 subnet S:
 
 - namespaces ``P0 .. P(N-1)``, each with loopback up and one interface ``eth0`` = ``S.(i+1)/24``;
@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpc.errors import HpcError
+from hpc.rundir import write_json
 
 STATE_DIR = Path("/run/hpc-netns")
 NETNS_DIR = Path("/run/netns")
@@ -127,10 +128,7 @@ def _made(prefix: str) -> list[list[str]]:
 
 def _record(testbed: Testbed, made: list[list[str]]) -> None:
     STATE_DIR.mkdir(parents=True, exist_ok=True)
-    path = state_path(testbed.prefix)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"testbed": asdict(testbed), "made": made}, indent=1))
-    tmp.replace(path)
+    write_json(state_path(testbed.prefix), {"testbed": asdict(testbed), "made": made})
 
 
 def _run(*argv: str) -> str:
@@ -239,7 +237,7 @@ def destroy(prefix: str) -> bool:
 def require(prefix: str) -> Testbed:
     testbed = load(prefix)
     if testbed is None:
-        raise TestbedError(f"no testbed {prefix!r}; run: python -m slurm.netns create N --prefix {prefix}")
+        raise TestbedError(f"no testbed {prefix!r}; run: python -m slurm.testbed.netns create N --prefix {prefix}")
     return testbed
 
 
@@ -321,7 +319,7 @@ def _host(text: str) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m slurm.netns", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m slurm.testbed.netns", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefix", default="hpcnet",
                         help="names: PREFIX0.., PREFIXbr, PREFIXv0.. (default %(default)s)")
     commands = parser.add_subparsers(dest="command", required=True)

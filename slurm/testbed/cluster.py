@@ -1,6 +1,6 @@
 """A real Slurm cluster on this machine, for tests, CI and ``make slurm-up``: no systemd, no cgroups.
 
-``python -m slurm.cluster start [--nodes 1|2] [--state DIR] [--rate 1gbit]``, then ``status``,
+``python -m slurm.testbed.cluster start [--nodes 1|2] [--state DIR] [--rate 1gbit]``, then ``status``,
 ``env`` (the ``export SLURM_CONF=...`` that points clients at it) and ``stop``.
 
 Every daemon runs in the foreground under our own Popen, so its PID is known exactly; PID
@@ -15,7 +15,7 @@ signals only those processes (a recycled PID has another start time). In start o
 3. slurmdbd, then the cluster is registered with ``sacctmgr``;
 4. slurmctld in the root namespace;
 5. slurmd: one for this host (``--nodes 1``), or one per node of a 2-node cluster made of
-   network namespaces (``slurm.netns``, subnet 10.77.1.0/24, controller on the bridge at
+   network namespaces (``slurm.testbed.netns``, subnet 10.77.1.0/24, controller on the bridge at
    10.77.1.254). Each node runs in its own UTS and mount namespace, with its own hostname,
    its own /etc/hosts and a private /tmp (PMIx directories collide otherwise).
 
@@ -46,10 +46,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpc.errors import HpcError
-from slurm import netns
+from hpc.rundir import write_json
+from slurm.testbed import netns
 
 DEFAULT_STATE = Path("/tmp/hpc-slurm")
-CHECKOUT = Path(__file__).resolve().parents[1]
+CHECKOUT = Path(__file__).resolve().parents[2]
 CLUSTER_NAME = "hpc"
 CPUS_PER_NODE = 8
 CRED_EXPIRE_S = 5
@@ -76,7 +77,7 @@ COMMANDS = {
 }
 
 SLURM_CONF = string.Template("""\
-# Written by `python -m slurm.cluster start`; rewritten at every start.
+# Written by `python -m slurm.testbed.cluster start`; rewritten at every start.
 ClusterName=$cluster
 SlurmctldHost=$ctld_host($ctld_addr)
 SlurmctldPort=$ctld_port
@@ -120,7 +121,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
 
 SLURMDBD_CONF = string.Template("""\
-# Written by `python -m slurm.cluster start`; rewritten at every start.
+# Written by `python -m slurm.testbed.cluster start`; rewritten at every start.
 AuthType=auth/munge
 AuthInfo=socket=$munge_socket
 DbdHost=localhost
@@ -220,12 +221,6 @@ def read_record(state: Path = DEFAULT_STATE) -> dict | None:
     return json.loads(record.read_text()) if record.exists() else None
 
 
-def _write_record(layout: Layout, record: dict) -> None:
-    tmp = layout.record.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(layout.record)
-
-
 def daemons(record: dict) -> list[Daemon]:
     return [Daemon(**d) for d in record["daemons"]]
 
@@ -290,7 +285,7 @@ class Starter:
             raise ClusterError(f"{name} exited at once (code {proc.poll()}):\n  {_log_tail(str(log))}")
         daemon = Daemon(name, proc.pid, ticks, str(log))
         self.record["daemons"].append(asdict(daemon))
-        _write_record(self.layout, self.record)
+        write_json(self.layout.record, self.record)
         return daemon
 
     def wait(self, daemon: Daemon, what: str, ready: Callable[[], bool], timeout_s: float = START_TIMEOUT_S) -> None:
@@ -415,7 +410,7 @@ def start(state: Path = DEFAULT_STATE, nodes: int = 1, rate: str | None = None) 
     layout.state.mkdir(parents=True, exist_ok=True)
     _prepare_dirs(layout)
     record = {"nodes": nodes, "node_names": [], "rate": rate, "netns": None, "daemons": []}
-    _write_record(layout, record)
+    write_json(layout.record, record)
     starter = Starter(layout, record)
     try:
         _start_all(starter, nodes, rate)
@@ -451,7 +446,7 @@ def _start_all(starter: Starter, nodes: int, rate: str | None) -> None:
             raise ClusterError(f"namespaces {', '.join(testbed.names)} already exist: is another 2-node cluster "
                                "running? stop it first", prefix=NODE_PREFIX)
         starter.record["netns"] = NODE_PREFIX
-        _write_record(layout, starter.record)
+        write_json(layout.record, starter.record)
         _node_files(layout, testbed, controller)
     _start_munge(starter, layout.state / "munge-key" / "munge.key")
     _start_mariadb(starter, ports["db_port"], values["db_password"])
@@ -531,7 +526,7 @@ def status(state: Path = DEFAULT_STATE) -> tuple[bool, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m slurm.cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m slurm.testbed.cluster", description=__doc__.split("\n\n")[0])
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--state", type=Path, default=DEFAULT_STATE, help="state directory (default %(default)s)")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -554,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             began = time.monotonic()
             if start(args.state, args.nodes, args.rate):
                 print(f"started a {args.nodes}-node cluster in {args.state} ({time.monotonic() - began:.1f} s); "
-                      f"use it with: eval $(python -m slurm.cluster env --state {args.state})")
+                      f"use it with: eval $(python -m slurm.testbed.cluster env --state {args.state})")
             else:
                 print(f"already running in {args.state}: nothing to do")
         elif args.command == "stop":

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # All-reduce benchmark on a bandwidth-limited testbed: for each host count, N virtual hosts
-# (network namespaces, slurm/netns.py) whose links are shaped to RATE in both directions,
+# (network namespaces, slurm/testbed/netns.py) whose links are shaped to RATE in both directions,
 # one rank per host started torchrun-style, rank 0 of host 0 as the rendezvous. Prints the
 # rows of `hpc bench allreduce` and removes every namespace it made, also on failure or ^C.
 # Traffic only ever uses the testbed's own addresses (SUBNET.0/24).
 #
-#   slurm/testbed_bench.sh [HOSTS...]          default: 2 4
+#   slurm/testbed/bench.sh [HOSTS...]          default: 2 4
 #   RATE=1gbit SIZES=64M CODECS=none,fp16,int8 ITERS=3 SUBNET=10.77.2 PREFIX=hpcbench
 set -euo pipefail
 
@@ -20,7 +20,7 @@ MASTER_PORT=${MASTER_PORT:-29500}
 HOSTS=("$@")
 [[ $# -gt 0 ]] || HOSTS=(2 4)
 
-netns() { "$PYTHON" -m slurm.netns --prefix "$PREFIX" "$@"; }
+netns() { "$PYTHON" -m slurm.testbed.netns --prefix "$PREFIX" "$@"; }
 scratch=$(mktemp -d /tmp/hpc-testbed-XXXXXX)
 ranks=()
 cleanup() {
@@ -39,7 +39,7 @@ for n in "${HOSTS[@]}"; do
         # One rank per host, each host a node; exec sets GLOO_SOCKET_IFNAME to the host's interface.
         RANK=$i WORLD_SIZE=$n LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=$i GROUP_WORLD_SIZE=$n \
             MASTER_ADDR="$SUBNET.1" MASTER_PORT=$MASTER_PORT OMP_NUM_THREADS=1 \
-            "$PYTHON" -m slurm.netns --prefix "$PREFIX" exec "$i" -- "$PYTHON" -m hpc.cli.bench --rank "$rows" allreduce \
+            "$PYTHON" -m slurm.testbed.netns --prefix "$PREFIX" exec "$i" -- "$PYTHON" -m jobs.bench.rank allreduce --out "$rows" \
             --sizes "$SIZES" --codecs "$CODECS" --transports torch --iters "$ITERS" &
         ranks+=($!)
     done
@@ -47,8 +47,8 @@ for n in "${HOSTS[@]}"; do
     ranks=()
     "$PYTHON" - "$rows" "$n" "$RATE" <<'EOF'
 import json, sys
-from parallel.bench import format_table
-from slurm.netns import rate_bits
+from jobs.bench.allreduce import format_table
+from slurm.testbed.netns import rate_bits
 rows, hosts, rate = sys.argv[1:]
 print(f"{hosts} hosts, every link {rate} in both directions: an uncompressed ring's busbw is at most "
       f"{rate_bits(rate) / 8e9:.3f} GB/s")
