@@ -32,7 +32,7 @@ from hpc.errors import ConfigError, HpcError
 
 # srun: one dead rank ends the step at once instead of leaving the others in a collective.
 SRUN_ARGS = ("--kill-on-bad-exit=1",)
-WARNING_SIGNAL = "USR1"  # see hpc/preemption.py
+WARNING_SIGNAL = "USR1"  # see hpc/runtime/preemption.py
 
 
 class SubmitError(HpcError):

@@ -36,8 +36,8 @@ from typing import Any
 
 from hpc.config import JobSpec, SweepConfig, load_spec, read_toml, table_from_dict
 from hpc.errors import ConfigError
-from hpc.rundir import last_metrics, read_result, write_json
-from slurm.jobs import FAILED_STATES
+from hpc.rundir import RESULT_FILE, last_metrics, read_result, write_json
+from slurm.job_registry import FAILED_STATES
 
 MANIFEST = "sweep.json"
 DISTRIBUTIONS = ("uniform", "log_uniform")
@@ -227,7 +227,7 @@ def table(manifest: Mapping[str, Any], states: Sequence[str], ranked: bool) -> t
         metrics = last_metrics(run_path) or {}
         value = result.get(metric)
         if result and value is None:
-            raise ConfigError(f"sweep.metric {metric!r} is not in {run_path / 'result.json'} "
+            raise ConfigError(f"sweep.metric {metric!r} is not in {run_path / RESULT_FILE} "
                               f"(it has {', '.join(sorted(result))})")
         marked = f"{state} !" if state in FAILED_STATES else state
         cells = [task["index"], marked, *(toml_value(task["params"][k]) for k in keys),

@@ -1,4 +1,5 @@
-"""``hpc submit``, ``status``, ``logs``, ``cancel`` and ``sweep`` against the real local Slurm (slurm/cluster.py).
+"""``hpc submit``, ``status``, ``logs``, ``cancel`` and ``sweep`` against the real local Slurm
+(slurm/testbed/cluster.py).
 
 The one-node jobs are all submitted at once by a module fixture, so that the node runs them
 side by side (each costs seconds of start-up, mostly importing torch); every test then waits
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from hpc.runtime.env import Launcher, detect_rank_info
-from slurm.jobs import DONE_STATES, sacct_states
+from slurm.job_registry import DONE_STATES, sacct_states
 from slurm.submit import quote_setup, time_minutes
 
 REPO = Path(__file__).resolve().parent.parent

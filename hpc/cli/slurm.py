@@ -106,7 +106,7 @@ def _ranks(spec) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     from hpc.config import load_spec
     from jobs.layout import check_layout
-    from slurm import jobs, submit
+    from slurm import job_registry, submit
 
     spec = _with_resources(load_spec(args.spec, args.overrides), args)
     ranks = _ranks(spec)
@@ -120,8 +120,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not spec.checkpoint.every_steps:
         print("note: checkpoint.every_steps = 0: if Slurm stops this job early, it starts again from step 0",
               file=sys.stderr)
-    jobs.Registry.default().add(jobs.JobRecord(job_id, spec.job.name, ranks, str(folder),
-                                               (str(spec.run_path.absolute()),)))
+    job_registry.Registry.default().add(job_registry.JobRecord(job_id, spec.job.name, ranks, str(folder),
+                                                               (str(spec.run_path.absolute()),)))
     nodes = spec.slurm.nodes
     print(f"submitted job {job_id}: {spec.job.name}, {ranks} rank{'s' * (ranks > 1)} on {nodes} "
           f"node{'s' * (nodes > 1)}")
@@ -138,43 +138,44 @@ def _job_id(text: str) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from slurm import jobs
+    from slurm import job_registry
 
-    registry = jobs.Registry.default()
+    registry = job_registry.Registry.default()
     records = [registry.get(_job_id(args.job))] if args.job else registry.recent()
     if not records:
         print(f"no jobs submitted from here yet (records go to {registry.root})")
         return 0
-    rows = jobs.status_rows(records, jobs.sacct_states(r.job_id for r in records))
+    rows = job_registry.status_rows(records, job_registry.sacct_states(r.job_id for r in records))
     if args.job and "_" in args.job:
         rows = [row for row in rows if row[0] == args.job]
-    print(format_table(jobs.STATUS_HEADER, rows))
+    print(format_table(job_registry.STATUS_HEADER, rows))
     return 0
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from slurm import jobs, submit
+    from slurm import job_registry, submit
 
     job_id = _job_id(args.job)
-    record = jobs.Registry.default().get(job_id)
+    record = job_registry.Registry.default().get(job_id)
     record.run_path(job_id)  # an array needs a task, a plain job none
     if not 0 <= args.rank < record.ranks:
         raise ConfigError(f"--rank {args.rank}: job {job_id} has ranks 0 to {record.ranks - 1}")
     path = submit.log_path(Path(record.log_dir), job_id, args.rank)
     if args.follow:
-        jobs.follow(path, lambda: jobs.sacct_states([job_id]).get(job_id, {}).get("State") in jobs.DONE_STATES)
+        job_registry.follow(
+            path, lambda: job_registry.sacct_states([job_id]).get(job_id, {}).get("State") in job_registry.DONE_STATES)
     elif path.exists():
         sys.stdout.write(path.read_text(errors="replace"))
     else:
-        raise jobs.JobLookupError(f"no log yet: {path} (has job {job_id} started? hpc status {job_id})")
+        raise job_registry.JobLookupError(f"no log yet: {path} (has job {job_id} started? hpc status {job_id})")
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from slurm import jobs
+    from slurm import job_registry
 
     job_id = _job_id(args.job)
-    jobs.slurm_command(["scancel", job_id])
+    job_registry.slurm_command(["scancel", job_id])
     print(f"cancelled job {job_id}")
     return 0
 
@@ -223,7 +224,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def _submit_sweep(sweep, directory: Path, tasks, argvs, spec, dry_run: bool) -> int:
-    from slurm import jobs, submit
+    from slurm import job_registry, submit
     from slurm import sweep as sweeps
 
     folder = directory / "slurm"
@@ -236,8 +237,8 @@ def _submit_sweep(sweep, directory: Path, tasks, argvs, spec, dry_run: bool) -> 
     job_id = submit.submit_array(executor, run_in_slurm_task, argvs)
     ranks = _ranks(spec)
     sweeps.write_manifest(directory, sweep, tasks, "slurm", ranks, job_id)
-    jobs.Registry.default().add(jobs.JobRecord(job_id, sweep.name, ranks, str(folder),
-                                               tuple(str(t.run_path) for t in tasks), array=True))
+    job_registry.Registry.default().add(job_registry.JobRecord(job_id, sweep.name, ranks, str(folder),
+                                                               tuple(str(t.run_path) for t in tasks), array=True))
     print(f"submitted sweep {sweep.name}: {len(tasks)} configs as job array {job_id} "
           f"(at most {sweep.settings.max_concurrent} at once, {ranks} rank{'s' * (ranks > 1)} each)")
     print(f"then: hpc sweep status {directory} | hpc sweep results {directory}")
@@ -286,15 +287,15 @@ def plot_sweep(directory: Path, path: Path) -> None:
 
 def show_sweep(directory: Path, ranked: bool) -> int:
     """Print the sweep's table; non-zero when a task failed, so scripts notice."""
-    from slurm import jobs
+    from slurm import job_registry
     from slurm import sweep as sweeps
 
     manifest = sweeps.read_manifest(directory)
-    sacct = jobs.sacct_states([manifest["job_id"]]) if manifest["job_id"] else {}
+    sacct = job_registry.sacct_states([manifest["job_id"]]) if manifest["job_id"] else {}
     states = sweeps.task_states(manifest, sacct)
     header, rows = sweeps.table(manifest, states, ranked)
     counts = ", ".join(f"{states.count(state)} {state.lower()}" for state in dict.fromkeys(states))
     where = f"job array {manifest['job_id']}" if manifest["job_id"] else "local ranks"
     print(f"sweep {manifest['name']} ({where}): {counts}")
     print(format_table(header, rows))
-    return 1 if any(state in jobs.FAILED_STATES for state in states) else 0
+    return 1 if any(state in job_registry.FAILED_STATES for state in states) else 0
