@@ -39,9 +39,9 @@ from jobs.optim import build_optimizer, learning_rate
 from jobs.workloads import Workload, build_workload, sum_over_replicas
 from jobs.workloads import build_mlp as build_model
 from parallel.clip import clip_grad_norm_
+from parallel.compression.registry import make_reducer
 from parallel.optimizer import distributed_optimizer
 from parallel.pipeline import run_pipeline_step
-from parallel.reducers import make_reducer
 from parallel.ring import make_transport
 from parallel.schedule import Action, build_schedule
 from parallel.tensor_parallel import tp_split_dims
@@ -116,7 +116,7 @@ def train(
 ) -> tuple[TrainResult, torch.nn.Module]:
     """Train on this rank's share; returns the result (the same on every rank) and that share of the model.
 
-    Raises Preempted after a checkpoint when ``preemption`` caught a signal on any rank (hpc/preemption.py).
+    Raises Preempted after a checkpoint when ``preemption`` caught a signal on any rank (hpc/runtime/preemption.py).
     """
     check_job_layout(spec, mesh.shape)
     probe = build_probe(spec.train, world)

@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train_rank(spec_path: str, overrides: Sequence[str], watcher) -> int:
-    """One rank of the job; PREEMPTED_EXIT when a signal stopped it at a checkpoint (hpc/preemption.py)."""
+    """One rank of the job; PREEMPTED_EXIT when a signal stopped it at a checkpoint (hpc/runtime/preemption.py)."""
     import torch
     import torch.distributed as dist
 

@@ -2,8 +2,8 @@
 
 The training loop, the DP optimizer and the pipeline executor take a ``Probe``
 argument and call ``span`` around work and ``collective`` around operations that
-wait for peers; the probe fans that out to the timeline (hpc/timeline.py) and the
-stall inspector (hpc/stall.py) when the run enabled them, and does nothing
+wait for peers; the probe fans that out to the timeline (hpc/observe/timeline.py) and the
+stall inspector (hpc/observe/stall.py) when the run enabled them, and does nothing
 otherwise, so library code needs no conditionals.
 """
 
