@@ -47,7 +47,7 @@ from pathlib import Path
 
 from hpc.errors import HpcError
 from hpc.rundir import write_json
-from slurm.testbed import netns
+from slurm.testbed import netns, run_command
 
 DEFAULT_STATE = Path("/tmp/hpc-slurm")
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -541,30 +541,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "start":
-            if args.rate and args.nodes == 1:
-                parser.error("--rate needs --nodes 2 (a single node has no links)")
-            began = time.monotonic()
-            if start(args.state, args.nodes, args.rate):
-                print(f"started a {args.nodes}-node cluster in {args.state} ({time.monotonic() - began:.1f} s); "
-                      f"use it with: eval $(python -m slurm.testbed.cluster env --state {args.state})")
-            else:
-                print(f"already running in {args.state}: nothing to do")
-        elif args.command == "stop":
-            stopped = stop(args.state)
-            print(f"stopped the cluster in {args.state}" if stopped else f"no cluster in {args.state}: nothing to do")
-        elif args.command == "status":
-            running, report = status(args.state)
-            print(report)
-            return 0 if running else 3
+
+    def start_command(args: argparse.Namespace) -> None:
+        if args.rate and args.nodes == 1:
+            parser.error("--rate needs --nodes 2 (a single node has no links)")
+        began = time.monotonic()
+        if start(args.state, args.nodes, args.rate):
+            print(f"started a {args.nodes}-node cluster in {args.state} ({time.monotonic() - began:.1f} s); "
+                  f"use it with: eval $(python -m slurm.testbed.cluster env --state {args.state})")
         else:
-            print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in client_env(args.state).items()))
-    except HpcError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+            print(f"already running in {args.state}: nothing to do")
+
+    def stop_command(args: argparse.Namespace) -> None:
+        stopped = stop(args.state)
+        print(f"stopped the cluster in {args.state}" if stopped else f"no cluster in {args.state}: nothing to do")
+
+    def status_command(args: argparse.Namespace) -> int:
+        running, report = status(args.state)
+        print(report)
+        return 0 if running else 3
+
+    def env_command(args: argparse.Namespace) -> None:
+        print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in client_env(args.state).items()))
+
+    handlers = {"start": start_command, "stop": stop_command, "status": status_command, "env": env_command}
+    return run_command(parser, handlers, argv)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from hpc.errors import HpcError
 from hpc.rundir import write_json
+from slurm.testbed import run_command
 
 STATE_DIR = Path("/run/hpc-netns")
 NETNS_DIR = Path("/run/netns")
@@ -341,31 +342,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "create":
-            testbed = Testbed(args.prefix, args.hosts, args.subnet, args.rate)
-            made = create(testbed)
-            print(f"{'created' if made else 'already exists:'} {', '.join(testbed.names)} on {testbed.bridge}")
-        elif args.command == "destroy":
-            print(f"destroyed {args.prefix}" if destroy(args.prefix) else f"no testbed {args.prefix}: nothing to do")
-        elif args.command == "show":
-            print(json.dumps({"testbed": asdict(require(args.prefix)), "made": _made(args.prefix)}, indent=1))
-        elif args.command == "exec":
-            command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-            if not command:
-                parser.error("exec needs a command: exec I -- CMD...")
-            full = exec_argv(require(args.prefix), args.index, command)
-            os.execvpe(full[0], full, host_env())
-        else:
-            testbed = require(args.prefix)
-            bits = throughput(testbed, args.source, args.target, args.mbytes << 20)
-            ends = ["root" if end is None else testbed.namespace(end) for end in (args.source, args.target)]
-            print(f"{bits / 1e6:.0f} Mbit/s from {ends[0]} to {ends[1]} (rate {testbed.rate or 'unlimited'})")
-    except HpcError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+
+    def create_command(args: argparse.Namespace) -> None:
+        testbed = Testbed(args.prefix, args.hosts, args.subnet, args.rate)
+        made = create(testbed)
+        print(f"{'created' if made else 'already exists:'} {', '.join(testbed.names)} on {testbed.bridge}")
+
+    def destroy_command(args: argparse.Namespace) -> None:
+        print(f"destroyed {args.prefix}" if destroy(args.prefix) else f"no testbed {args.prefix}: nothing to do")
+
+    def show_command(args: argparse.Namespace) -> None:
+        print(json.dumps({"testbed": asdict(require(args.prefix)), "made": _made(args.prefix)}, indent=1))
+
+    def exec_command(args: argparse.Namespace) -> None:
+        command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        if not command:
+            parser.error("exec needs a command: exec I -- CMD...")
+        full = exec_argv(require(args.prefix), args.index, command)
+        os.execvpe(full[0], full, host_env())
+
+    def throughput_command(args: argparse.Namespace) -> None:
+        testbed = require(args.prefix)
+        bits = throughput(testbed, args.source, args.target, args.mbytes << 20)
+        ends = ["root" if end is None else testbed.namespace(end) for end in (args.source, args.target)]
+        print(f"{bits / 1e6:.0f} Mbit/s from {ends[0]} to {ends[1]} (rate {testbed.rate or 'unlimited'})")
+
+    handlers = {"create": create_command, "destroy": destroy_command, "show": show_command, "exec": exec_command,
+                "throughput": throughput_command}
+    return run_command(parser, handlers, argv)
 
 
 if __name__ == "__main__":
