@@ -21,9 +21,14 @@ import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, TypeAlias, Union, get_args, get_origin, get_type_hints
 
 from hpc.errors import ConfigError
+
+# The gradient codecs, named here (standard library only) so that a spec validates without torch;
+# parallel/compression/registry.py implements exactly these.
+CodecName: TypeAlias = Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"]
+CODEC_NAMES: tuple[str, ...] = get_args(CodecName)
 
 _UNIONS = (Union, types.UnionType)
 _BOUNDS = (
@@ -137,7 +142,7 @@ class ParallelConfig:
     virtual_stages: int = _field(1, "model chunks per pipeline rank (interleaved only)", min=1)
     backend: Literal["auto", "gloo", "nccl"] = _field("auto", "torch.distributed backend; auto: NCCL with CUDA, "
                                                              "else Gloo")
-    compression: Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"] = _field(
+    compression: Literal[CodecName] = _field(
         "none", "the gradient codec inside the ring, with error feedback (README: gradient compression)")
     topk_fraction: float = _field(0.01, "topk: the fraction of each gradient's entries sent", gt=0, max=1)
     powersgd_rank: int = _field(4, "powersgd: the rank of the P Q^T approximation", min=1)

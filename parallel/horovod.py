@@ -30,10 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc.config import CODEC_NAMES
 from hpc.runtime import bootstrap
 from hpc.runtime.env import detect_rank_info
+from parallel.compression.casts import WIRE_DTYPES
+from parallel.compression.registry import make_reducer
 from parallel.optimizer import distributed_optimizer
-from parallel.reducers import make_reducer
 from parallel.ring import TorchTransport
 
 Average, Sum, Adasum, Min, Max, Product = "Average", "Sum", "Adasum", "Min", "Max", "Product"
@@ -97,14 +99,11 @@ class Compressor:
 
 
 class Compression:
-    """Horovod's ``none`` and ``fp16``, plus our in-ring codecs."""
+    """Horovod's ``none`` and ``fp16``, plus our in-ring codecs: ``Compression.<name>`` for every codec name."""
 
-    none = Compressor("none")
-    fp16 = Compressor("fp16", torch.float16)
-    bf16 = Compressor("bf16", torch.bfloat16)
-    int8 = Compressor("int8")
-    topk = Compressor("topk")
-    powersgd = Compressor("powersgd")
+
+for _codec in CODEC_NAMES:  # the casts also cast what hvd.allreduce sends
+    setattr(Compression, _codec, Compressor(_codec, WIRE_DTYPES.get(_codec)))
 
 
 # ---- basics ------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from hpc.observe.probe import Probe
-from parallel.reducers import Reducer, make_reducer
+from parallel.compression.base import Reducer
+from parallel.compression.registry import make_reducer
 from parallel.ring import Transport
 
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -104,31 +105,7 @@ class DistributedOptimizerMixin:
         self.stats = CommStats()
         self._pending_stats = CommStats()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
-        self._velocity: dict[str, torch.Tensor] = {}
-        self._momentum = self._take_momentum() if reducer.name == "topk" else None
-
-    def _take_momentum(self) -> float | None:
-        """Deep Gradient Compression's momentum correction: sparsify the velocity, not the gradient.
-
-        With heavy-ball SGD, error feedback on gradients lets a coordinate's delayed
-        mass arrive in bursts that momentum then amplifies (the demo's loss at 1%
-        top-k: 0.071 against 0.039). Moving the momentum in front of the reduction
-        (u = m u + g per rank, then top-k of u plus its residual, applied by plain
-        SGD) sends the same total displacement without the amplification. With an
-        exact reduction this is momentum SGD itself, so warm-up steps are unchanged.
-        Only plain SGD qualifies (no Nesterov, dampening or weight decay, which act
-        on the gradient before momentum); any other optimizer keeps its own.
-        """
-        groups = self.param_groups
-        if not isinstance(self, torch.optim.SGD) or not all(
-            g["momentum"] > 0 and not g["nesterov"] and g["dampening"] == 0 and g["weight_decay"] == 0
-            and g["momentum"] == groups[0]["momentum"] for g in groups
-        ):
-            return None
-        momentum = groups[0]["momentum"]
-        for group in groups:
-            group["momentum"] = 0.0
-        return momentum
+        self._momentum = reducer.momentum_correction(self)  # top-k applies SGD's momentum before reducing
 
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
         self._passes[param] += 1
@@ -159,11 +136,7 @@ class DistributedOptimizerMixin:
                 param.grad = torch.zeros_like(param)
             grads.append(param.grad)
         if self._momentum is not None:
-            for i, grad in enumerate(grads):
-                key = f"velocity/{bucket.key}/{i}"
-                if key in self._velocity:
-                    grad.add_(self._velocity[key], alpha=self._momentum)
-                self._velocity[key] = grad.clone()
+            self._momentum.apply(bucket.key, grads)
         if self._alone:  # nothing to exchange, and compressing would only lose information
             return
         reducer = self.reducer if self.steps_synchronized >= self.warmup_steps else self.exact_reducer
@@ -196,16 +169,17 @@ class DistributedOptimizerMixin:
         self.stats, self._pending_stats = self._pending_stats, CommStats()
 
     def comm_state_dict(self) -> dict[str, torch.Tensor]:
-        """Per-rank state a resumed run needs: the reducer's residuals and warm starts, the step count."""
+        """Per-rank state a resumed run needs: the reducer's residuals and warm starts, the velocity of
+        the momentum it took over, the step count."""
         steps = torch.tensor(self.steps_synchronized)
-        return {**self.reducer.state_dict(), **self._velocity, "steps_synchronized": steps}
+        velocity = self._momentum.state_dict() if self._momentum is not None else {}
+        return {**self.reducer.state_dict(), **velocity, "steps_synchronized": steps}
 
     def load_comm_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.steps_synchronized = int(state["steps_synchronized"])
-        self._velocity = {k: v.clone() for k, v in state.items() if k.startswith("velocity/")}
-        self.reducer.load_state_dict(
-            {k: v for k, v in state.items() if k != "steps_synchronized" and not k.startswith("velocity/")}
-        )
+        if self._momentum is not None:
+            self._momentum.load_state_dict(state)
+        self.reducer.load_state_dict({k: v for k, v in state.items() if k != "steps_synchronized"})
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

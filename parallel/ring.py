@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from hpc.errors import LaunchEnvError
-from parallel.compression import Codec
+from parallel.compression.base import Codec
 
 IDENTITY = Codec()
 

@@ -5,7 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel.compression import RING_CODECS, ErrorFeedback, make_codec
+from hpc.config import CODEC_NAMES
+from parallel.compression.base import ErrorFeedback
+from parallel.compression.registry import REGISTRY, RING_CODECS, make_codec
 
 
 @pytest.mark.parametrize("name", RING_CODECS)
@@ -66,11 +68,18 @@ def test_unknown_codec() -> None:
         make_codec("int4")
 
 
+def test_the_registry_implements_exactly_the_codec_names_of_the_job_spec() -> None:
+    """hpc/config.py names the codecs (the spec validates without torch); the registry implements them,
+    in the same order, so that error messages list them alike."""
+    assert tuple(REGISTRY) == CODEC_NAMES
+    assert set(RING_CODECS) < set(CODEC_NAMES)
+
+
 @settings(max_examples=20, deadline=None)
 @given(numel=st.integers(1, 300_000), fraction=st.sampled_from([0.001, 0.01, 0.1]), seed=st.integers(0, 100))
 def test_topk_selection_is_exact(numel, fraction, seed) -> None:
     """The sampled fast path picks the same set of magnitudes as torch.topk."""
-    from parallel.compression import TopK
+    from parallel.compression.topk import TopK
 
     generator = torch.Generator().manual_seed(seed)
     flat = torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) ** 4
@@ -88,7 +97,7 @@ def test_topk_selection_is_exact(numel, fraction, seed) -> None:
 def test_topk_adds_the_gradient_into_the_residual_while_selecting(numel, seed, dtype) -> None:
     """The fused pass (numpy in blocks; torch for bfloat16) leaves residual + gradient behind and
     picks that sum's k largest magnitudes."""
-    from parallel.compression import TopK
+    from parallel.compression.topk import TopK
 
     generator = torch.Generator().manual_seed(seed)
     residual = torch.randn(numel, generator=generator).to(dtype)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from parallel.compression.registry import make_reducer
 from parallel.optimizer import distributed_optimizer, make_buckets
-from parallel.reducers import make_reducer
 from parallel.ring import TorchTransport
 from tests.ranks import run_ranks
 

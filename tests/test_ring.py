@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from hpc.runtime import launch
-from parallel.compression import ErrorFeedback, make_codec
+from parallel.compression.base import ErrorFeedback
+from parallel.compression.registry import make_codec
 from parallel.ring import TorchTransport, make_transport, ring_allreduce
 from tests.ranks import run_ranks
 

@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from hpc.config import CODEC_NAMES
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
@@ -22,7 +24,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     allreduce = kinds.add_parser("allreduce", help="our ring with each codec against torch.distributed.all_reduce")
     allreduce.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
     allreduce.add_argument("--sizes", default="1K,64K,1M,16M,64M", help="comma list, e.g. 1K,64M (default %(default)s)")
-    allreduce.add_argument("--codecs", default="none,fp16,bf16,int8,topk,powersgd",
+    allreduce.add_argument("--codecs", default=",".join(CODEC_NAMES),
                            help="gradient codecs (default %(default)s)")
     allreduce.add_argument("--transports", help="ring transports: torch, mpi (default: both under mpirun)")
     allreduce.add_argument("--iters", type=int, default=5, help="timed iterations per row (default 5)")
@@ -77,16 +79,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from hpc.runtime import launch
     from hpc.text import parse_size
     from jobs.bench.allreduce import format_table
-    from parallel.reducers import REDUCERS
 
     try:
         for size in args.sizes.split(","):
             parse_size(size)
     except ValueError as exc:
         raise ConfigError(f"--sizes: {exc}") from None
-    unknown = set(args.codecs.split(",")) - set(REDUCERS)
+    unknown = set(args.codecs.split(",")) - set(CODEC_NAMES)
     if unknown:
-        raise ConfigError(f"--codecs: unknown {', '.join(sorted(unknown))} (valid: {', '.join(REDUCERS)})")
+        raise ConfigError(f"--codecs: unknown {', '.join(sorted(unknown))} (valid: {', '.join(CODEC_NAMES)})")
     launcher = args.launcher or launch.default_launcher()
     transports = args.transports or ("torch,mpi" if launcher == "mpirun" else "torch")
     if "mpi" in transports.split(",") and launcher != "mpirun":

@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hpc import text
-from parallel.compression import RING_CODECS, make_codec
-from parallel.reducers import make_reducer
+from parallel.compression.registry import RING_CODECS, make_codec, make_reducer
 from parallel.ring import make_transport, ring_allreduce
 
 COLUMNS = ("bytes", "ranks", "impl", "transport", "codec", "time_s", "algbw_GBps", "busbw_GBps", "max_rel_error")

@@ -1,0 +1,153 @@
+"""What every gradient codec and reducer shares: the interfaces, error feedback, bucket flattening.
+
+Horovod compresses only to fp16, and quantized codecs elsewhere fall back to
+all-gather because quantized values cannot be summed as they travel. Because we
+own the ring, a hop decodes what it receives, adds its own contribution in full
+precision, and re-encodes the partial sum for the next hop; in the all-gather the
+owner encodes the final chunk once and it is forwarded unchanged, so every rank
+decodes identical bytes and ends with identical values.
+
+Each codec states its wire ratio (bytes sent / float32 bytes) and its error bound
+per encode; a ring of n ranks encodes each element n times (n-1 partial sums and
+the final value), and with error feedback those errors are returned to the next
+step rather than lost (see ``ErrorFeedback``).
+
+A reducer owns what must persist between steps for its codec: the error-feedback
+residuals (per rank, per bucket) and PowerSGD's warm-start matrices. Both are state
+a resumed run needs, hence ``state_dict``/``load_state_dict`` with plain tensors
+keyed by name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # the ring imports this module for its identity codec
+    from parallel.compression.topk import MomentumCorrection
+    from parallel.ring import Transport
+
+
+class Codec:
+    """Identity: send the tensor as it is. Codecs applied at every ring hop override these methods."""
+
+    name = "none"
+    lossy = False
+
+    def wire_ratio(self, dtype: torch.dtype = torch.float32) -> float:
+        return 1.0
+
+    def encode(self, chunk: torch.Tensor) -> torch.Tensor:
+        return chunk
+
+    def decode(self, payload: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return payload
+
+    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """``into += decode(payload)``: what a reduce-scatter hop does; codecs may fuse it."""
+        return into.add_(self.decode(payload, into))
+
+    def decode_into(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """``into[:] = decode(payload)``: what an all-gather hop does; codecs may skip the temporary."""
+        return into.copy_(self.decode(payload, into))
+
+    def empty_payload(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(like)
+
+    def error_bound(self, chunk: torch.Tensor) -> torch.Tensor:
+        """Largest absolute error one encode of ``chunk`` may introduce, per element."""
+        return torch.zeros_like(chunk)
+
+
+@dataclass
+class ErrorFeedback:
+    """Residuals per tensor: what compression took from a step is added back to the next.
+
+    The ring reports, per rank, exactly the error its own encodes introduced, and
+    the sum over ranks of those errors is the step's total error; adding them back
+    keeps the running sum of decoded results within one step's error of the truth.
+    """
+
+    residuals: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def compensate(self, key: str, flat: torch.Tensor) -> None:
+        residual = self.residuals.get(key)
+        if residual is not None:
+            flat.add_(residual)
+
+    def store(self, key: str, error: torch.Tensor) -> None:
+        self.residuals[key] = error
+
+    def reusable(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed buffer for this step's error: last step's residual once ``compensate`` consumed it."""
+        residual = self.residuals.get(key)
+        return residual.zero_() if residual is not None else torch.zeros_like(like)
+
+    def residual(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """The residual buffer itself, zeros at first, for a codec that adds the new gradient into it
+        and keeps there what it did not send."""
+        residual = self.residuals.get(key)
+        if residual is None:
+            self.residuals[key] = residual = torch.zeros_like(like)
+        return residual
+
+
+class Reducer(ABC):
+    """How a bucket of gradients is summed across the data-parallel group, and the state that takes."""
+
+    name: str
+
+    @abstractmethod
+    def reduce(self, key: str, tensors: Sequence[torch.Tensor], transport: Transport, average: bool) -> int:
+        """Sum (or average) ``tensors`` across the group in place; returns the bytes this rank sent."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def momentum_correction(self, optimizer: torch.optim.Optimizer) -> MomentumCorrection | None:
+        """The optimizer's momentum, taken over to be applied before the reduction (top-k does);
+        None leaves the optimizer's momentum where it is."""
+        return None
+
+
+class WithErrorFeedback(Reducer):
+    """Reducers whose codec is lossy keep the residuals of each bucket (or matrix) here."""
+
+    def __init__(self) -> None:
+        self.feedback = ErrorFeedback()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"residual/{k}": v for k, v in self.feedback.residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.feedback.residuals = {
+            k.removeprefix("residual/"): v.clone() for k, v in state.items() if k.startswith("residual/")
+        }
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 1-D tensor over ``tensors``: a view of a single contiguous tensor (reduced in place), else a copy."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0].view(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    if len(tensors) == 1 and flat.data_ptr() == tensors[0].data_ptr():
+        return  # flatten's view: already in place
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
+def ring_bytes(numel_bytes: float, n: int) -> int:
+    """What one rank sends in a ring all-reduce of ``numel_bytes`` over ``n`` ranks: 2 (n-1)/n of it."""
+    return int(2 * (n - 1) / n * numel_bytes)

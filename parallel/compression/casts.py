@@ -1,0 +1,80 @@
+"""fp16 and bf16 on the wire, and the reducer that runs any codec inside the ring.
+
+A cast is the simplest codec that survives re-encoding at every hop: each partial
+sum is rounded once more, never clipped to a sparse support. ``RingReducer`` runs
+every such codec (identity, casts, ``int8``) one flat buffer per bucket through the
+ring; top-k and PowerSGD need reductions of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel.compression.base import Codec, WithErrorFeedback, flatten, ring_bytes, unflatten_into
+from parallel.ring import Transport, ring_allreduce
+
+WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class CastCodec(Codec):
+    """fp16 or bf16 on the wire: half the bytes of float32, relative error 2^-11 (fp16) or 2^-8 (bf16).
+
+    fp16 overflows above 65504; bf16 keeps float32's range at lower precision.
+    """
+
+    lossy = True
+
+    def __init__(self, name: str):
+        self.name = name
+        self.wire_dtype = WIRE_DTYPES[name]
+        self.unit_roundoff = torch.finfo(self.wire_dtype).eps / 2
+
+    def wire_ratio(self, dtype: torch.dtype = torch.float32) -> float:
+        return self.wire_dtype.itemsize / dtype.itemsize
+
+    def encode(self, chunk: torch.Tensor) -> torch.Tensor:
+        return chunk.to(self.wire_dtype)
+
+    def decode(self, payload: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return payload.to(like.dtype)
+
+    # The add and the copy convert as they go: a decoded temporary per 1 MiB segment is a
+    # fresh allocation whose page faults cost more than the arithmetic on this VM.
+    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        return into.add_(payload)
+
+    def decode_into(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        return into.copy_(payload)
+
+    def empty_payload(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=self.wire_dtype, device=like.device)
+
+    def error_bound(self, chunk: torch.Tensor) -> torch.Tensor:
+        tiny = torch.finfo(self.wire_dtype).tiny
+        return chunk.abs() * self.unit_roundoff + tiny
+
+
+class RingReducer(WithErrorFeedback):
+    """One flat buffer per bucket through the ring, the codec applied at every hop."""
+
+    def __init__(self, codec: Codec, error_feedback: bool = True):
+        super().__init__()
+        self.codec = codec
+        self.name = codec.name
+        self.error_feedback = error_feedback and codec.lossy
+
+    def reduce(self, key: str, tensors: Sequence[torch.Tensor], transport: Transport, average: bool) -> int:
+        flat = flatten(tensors)
+        error = None
+        if self.error_feedback:
+            self.feedback.compensate(key, flat)
+            error = self.feedback.reusable(key, flat)
+        ring_allreduce(flat, transport, codec=self.codec, average=average, error=error)
+        if error is not None:
+            self.feedback.store(key, error)
+        unflatten_into(flat, tensors)
+        n = dist.get_world_size(transport.group)
+        return ring_bytes(flat.numel() * flat.element_size() * self.codec.wire_ratio(flat.dtype), n)

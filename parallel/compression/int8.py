@@ -1,0 +1,79 @@
+"""int8 with one float32 scale per block: a quarter of float32's bytes, re-quantized at every ring hop.
+
+A scale per block rather than per tensor keeps one large gradient entry from
+flattening every other entry to zero; the reduction is ``casts.RingReducer``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel.compression.base import Codec
+
+
+class Int8Codec(Codec):
+    """Block-wise absmax int8: one float32 scale per block of ``block`` values.
+
+    Wire ratio for float32: (1 + 4/block) / 4 (0.254 for 256). Error per element:
+    at most half a quantization step, absmax(block) / 254.
+    """
+
+    name = "int8"
+    lossy = True
+
+    def __init__(self, block: int = 256):
+        self.block = block
+
+    def wire_ratio(self, dtype: torch.dtype = torch.float32) -> float:
+        return (1 + 4 / self.block) / dtype.itemsize
+
+    def _blocks(self, chunk: torch.Tensor) -> torch.Tensor:
+        """A (blocks, block) float32 view of ``chunk``; a zero-padded copy when the last block is short."""
+        pad = (-chunk.numel()) % self.block
+        flat = chunk.reshape(-1).float()
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return flat.view(-1, self.block)
+
+    def _scales(self, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        scales = torch.amax(blocks.abs(), dim=1, out=out)
+        return scales.div_(127.0).clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _split(self, payload: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload's float32 scales and int8 values, as views (the layout: all scales, then all values)."""
+        n_blocks = -(-numel // self.block)
+        return payload[: 4 * n_blocks].view(torch.float32), payload[4 * n_blocks :].view(torch.int8)
+
+    # Encoding writes straight into the payload and decoding broadcasts the scales over
+    # blocks: no concatenation and no per-element scale tensor, which made these 7x and
+    # 25x slower, and this codec CPU-bound on a 1 Gbit/s link.
+    def encode(self, chunk: torch.Tensor) -> torch.Tensor:
+        payload = self.empty_payload(chunk)
+        scales, values = self._split(payload, chunk.numel())
+        blocks = self._blocks(chunk)
+        self._scales(blocks, out=scales)
+        quantized = blocks.div(scales[:, None]).round_().clamp_(-127, 127)
+        values.copy_(quantized.view(-1)[: chunk.numel()])
+        return payload
+
+    def decode(self, payload: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return self.add_decoded(payload, torch.zeros_like(like))
+
+    def decode_into(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        return self.add_decoded(payload, into.zero_())
+
+    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        scales, values = self._split(payload, into.numel())
+        if into.dtype == torch.float32 and into.is_contiguous() and into.numel() % self.block == 0:
+            into.view(-1, self.block).addcmul_(values.view(-1, self.block).float(), scales[:, None])
+            return into
+        per_element = scales.repeat_interleave(self.block)[: into.numel()]
+        return into.add_((values.float() * per_element).view_as(into).to(into.dtype))
+
+    def empty_payload(self, like: torch.Tensor) -> torch.Tensor:
+        n_blocks = -(-like.numel() // self.block)
+        return torch.empty(4 * n_blocks + like.numel(), dtype=torch.uint8, device=like.device)
+
+    def error_bound(self, chunk: torch.Tensor) -> torch.Tensor:
+        half_step = self._scales(self._blocks(chunk)) / 2
+        return half_step.repeat_interleave(self.block)[: chunk.numel()].view_as(chunk) * 1.0001
