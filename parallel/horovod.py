@@ -138,24 +138,26 @@ def size() -> int:
     return dist.get_world_size()
 
 
-def local_rank() -> int:
+def _placement():
+    """This rank's node and local place, as its launcher exported them (hpc/runtime/env.py)."""
     _require_init()
-    return detect_rank_info(os.environ).local_rank
+    return detect_rank_info(os.environ)
+
+
+def local_rank() -> int:
+    return _placement().local_rank
 
 
 def local_size() -> int:
-    _require_init()
-    return detect_rank_info(os.environ).local_size
+    return _placement().local_size
 
 
 def cross_rank() -> int:
-    _require_init()
-    return detect_rank_info(os.environ).node_rank
+    return _placement().node_rank
 
 
 def cross_size() -> int:
-    _require_init()
-    return detect_rank_info(os.environ).num_nodes
+    return _placement().num_nodes
 
 
 def is_homogeneous() -> bool:
