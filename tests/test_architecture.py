@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -24,6 +25,8 @@ ALLOWED = {
     "jobs": {"jobs", "parallel", "hpc"},
     "slurm": {"slurm", "hpc"},
 }
+# Read on login nodes by hpc --help, hpc submit --dry-run and hpc status: the standard library and each other only.
+STDLIB_ONLY = ("hpc.config", "hpc.errors", "hpc.lazy", "hpc.rundir", "hpc.text")
 HEAVY = ("torch", "numpy", "h5py")  # slurm/ runs on login nodes: sbatch generation must not need them
 MAX_FUNCTION_LINES = 60
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
@@ -83,6 +86,12 @@ def test_every_package_imports_only_what_its_layer_allows() -> None:
 def test_slurm_never_imports_the_heavy_libraries() -> None:
     wrong = [f"{module} imports {name}" for module in _sources() if module.split(".")[0] == "slurm"
              for name in _imports(module) if name.split(".")[0] in HEAVY]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_login_node_modules_use_only_the_standard_library() -> None:
+    wrong = [f"{module} imports {name}" for module in STDLIB_ONLY for name in sorted(_imports(module))
+             if name not in STDLIB_ONLY and name.split(".")[0] not in sys.stdlib_module_names]
     assert not wrong, "\n".join(wrong)
 
 

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--hosts", help="mpirun hosts as HOST:SLOTS,... (bare metal)")
     run.add_argument("--bind-to", choices=("none", "core", "socket", "numa"), help="mpirun process binding")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a spec value, e.g. --set train.lr=3e-4 (repeatable)")
+                     help="override a spec value, e.g. --set train.lr=3e-4 (repeatable; hpc spec lists every key)")
     run.add_argument("--dry-run", action="store_true", help="print the command lines and start nothing")
     run.set_defaults(handler=cmd_run)
 

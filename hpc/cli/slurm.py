@@ -76,7 +76,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def _add_run_options(parser: argparse.ArgumentParser, dry_run_help: str) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a spec value, e.g. --set train.lr=3e-4 (repeatable)")
+                        help="override a spec value, e.g. --set train.lr=3e-4 (repeatable; hpc spec lists every key)")
     parser.add_argument("--dry-run", action="store_true", help=dry_run_help)
 
 
