@@ -16,6 +16,8 @@ import math
 import operator
 import os
 import re
+import shlex
+import stat
 import tomllib
 import types
 from collections.abc import Mapping, Sequence
@@ -43,11 +45,25 @@ _NOUNS = types.MappingProxyType(
 _SLURM_WORD = types.MappingProxyType(
     {"pattern": r"\S*", "describe": "empty or a single word without spaces"}
 )
+_PATH = types.MappingProxyType({"max_len": 4096, "max_part_bytes": 255})  # PATH_MAX, NAME_MAX
+
+# Input limits (issue 16): what a spec, a sweep file or a --set may hold, each refused in one line.
+MAX_DEPTH = 32  # tables and arrays nested in a file or a --set (tomllib recurses: thousands overflow the stack)
+MAX_FILE_BYTES = 1 << 20  # a job spec or a sweep file: 1 MiB
+MAX_STRING = 1024  # characters of a string setting without a max_len of its own
+MAX_SWEEP_CONFIGS = 1000  # a sweep's configs: a Slurm job array's default MaxArraySize is 1001 (indices 0-1000)
+ECHO_LIMIT = 80  # characters of a bad value or override echoed in an error
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# What can hold a bracket without nesting (strings, comments), and the brackets themselves.
+_TOKENS = re.compile("|".join((
+    r'"""(?:[^\\]|\\.)*?"""', r"'''.*?'''", r'"(?:[^"\\\n]|\\.)*"', r"'[^'\n]*'", r"#[^\n]*", r"[][{}]",
+)), re.DOTALL)
 
 
 def _field(default: Any, doc: str, **constraints: Any) -> Any:
     """A setting: its default, what it means (``hpc spec`` and docs/JOB_SPEC.md print it) and the
-    constraints the builder checks (min, gt, max_excl, max, pattern, describe)."""
+    constraints the builder checks (min, gt, max_excl, max, pattern, describe; for strings max_len,
+    default MAX_STRING, max_part_bytes per '/'-separated part, shell_words: shlex must split it)."""
     return field(default=default, metadata={"doc": doc, **constraints})
 
 
@@ -56,12 +72,13 @@ class JobConfig:
     """The job's name, seed and run directory."""
 
     name: str = _field(
-        "job", "the job's name: Slurm's job name and the run directory <run_dir>/<name>",
+        "job", "the job's name: Slurm's job name and the run directory <run_dir>/<name>; at most 128 characters",
         pattern=r"[A-Za-z0-9][A-Za-z0-9._-]*",
-        describe="letters, digits, '.', '_' or '-', starting with a letter or digit",
+        describe="letters, digits, '.', '_' or '-', starting with a letter or digit", max_len=128,
     )
     seed: int = _field(0, "seeds the model's initialization, the batches and dropout: same seed, same run", min=0)
-    run_dir: str = _field("runs", "where runs keep their directories (metrics, checkpoints, logs); shared by the nodes")
+    run_dir: str = _field("runs", "where runs keep their directories (metrics, checkpoints, logs); shared by the nodes",
+                          **_PATH)
 
 
 @dataclass(frozen=True)
@@ -160,13 +177,13 @@ class ParallelConfig:
 class CheckpointConfig:
     """Sharded HDF5 checkpoints and resume."""
 
-    dir: str = _field("", "where checkpoints go; empty: <run_path>/checkpoints")
+    dir: str = _field("", "where checkpoints go; empty: <run_path>/checkpoints", **_PATH)
     every_steps: int = _field(0, "save every this many steps, and after the last; 0 = off", min=0)
     keep: int = _field(3, "newest complete checkpoints kept", min=1)
     async_save: bool = _field(False, "the loop waits only for a copy to host memory; files are written behind it")
     resume: str = _field(
         "auto", "auto: the newest complete checkpoint if any; never; or a checkpoint path",
-        pattern=r".+", describe="'auto', 'never' or a checkpoint path"
+        pattern=r".+", describe="'auto', 'never' or a checkpoint path", **_PATH
     )
 
 
@@ -185,14 +202,15 @@ class SlurmConfig:
     )
     partition: str = _field("", "partition; empty: the cluster's default", **_SLURM_WORD)
     time: str = _field(
-        "01:00:00", "time limit",
-        pattern=r"[0-9]+(?::[0-9]{1,2}){0,2}|[0-9]+-[0-9]{1,2}(?::[0-9]{1,2}){0,2}",
-        describe="a Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)",
+        "01:00:00", "time limit, above zero (Slurm reads 0 as no limit: give a real one)",
+        pattern=r"(?=.*[1-9])(?:[0-9]+(?::[0-9]{1,2}){0,2}|[0-9]+-[0-9]{1,2}(?::[0-9]{1,2}){0,2})",
+        describe="a Slurm time limit above zero (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)",
     )
     account: str = _field("", "account to charge", **_SLURM_WORD)
     qos: str = _field("", "quality of service", **_SLURM_WORD)
     constraint: str = _field("", "node features, e.g. a100", **_SLURM_WORD)
-    setup: tuple[str, ...] = _field((), "shell lines run in the batch script before the ranks start (literal words)")
+    setup: tuple[str, ...] = _field((), "shell lines run in the batch script before the ranks start (literal words)",
+                                    shell_words=True)
     signal_delay_s: int = _field(120, "SIGUSR1 this many seconds before the time limit: checkpoint and requeue",
                                  min=0)
     max_requeues: int = _field(3, "requeues after a warning signal before the job just stops", min=0)
@@ -227,15 +245,16 @@ class JobSpec:
 class SweepConfig:
     """The ``[sweep]`` table of a sweep file; the values searched are its ``[params]`` (see slurm/sweep.py)."""
 
-    base: str = _field("", "the job spec every config starts from, relative to the sweep file (required)")
+    base: str = _field("", "the job spec every config starts from, relative to the sweep file (required)", **_PATH)
     name: str = _field(
         "", "the sweep's name; empty: the sweep file's name",
         pattern=r"(?:[A-Za-z0-9][A-Za-z0-9._-]*)?",
-        describe="empty (the sweep file's name) or letters, digits, '.', '_' or '-'",
+        describe="empty (the sweep file's name) or letters, digits, '.', '_' or '-'", max_len=128,
     )
     method: Literal["grid", "random", "zip"] = _field(
         "grid", "grid: every combination; zip: the i-th value of each; random: samples draws")
-    samples: int = _field(8, "random: configs drawn", min=1)
+    samples: int = _field(8, f"random: configs drawn; a sweep has at most {MAX_SWEEP_CONFIGS} configs", min=1,
+                          max=MAX_SWEEP_CONFIGS)
     seed: int = _field(0, "random: the draws' seed", min=0)
     metric: str = _field(
         "final_loss", "the key of each task's result.json that ranks the tasks",
@@ -243,7 +262,7 @@ class SweepConfig:
     )
     goal: Literal["min", "max"] = _field("min", "whether the best task has the smallest or the largest metric")
     max_concurrent: int = _field(4, "Slurm array tasks running at once (%k)", min=1)
-    dir: str = _field("", "the sweep directory; empty: <job.run_dir of the base spec>/<name>")
+    dir: str = _field("", "the sweep directory; empty: <job.run_dir of the base spec>/<name>", **_PATH)
 
 
 def spec_reference(markdown: bool = False) -> str:
@@ -280,26 +299,105 @@ class _Invalid(Exception):
 
 def load_spec(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> JobSpec:
     """Read a TOML job spec; every error names the file (or the override) it came from."""
-    return spec_from_dict(read_toml(path), os.fspath(path), overrides)
+    return spec_from_dict(read_toml(path), show_path(path), overrides)
 
 
 def read_toml(path: str | os.PathLike[str], what: str = "job spec") -> dict[str, Any]:
-    """Parse a TOML file (a job spec, a sweep); every error names the file."""
-    source = os.fspath(path)
+    """Parse a TOML file (a job spec, a sweep); every error names the file.
+
+    Only a regular file of at most MAX_FILE_BYTES, nested at most MAX_DEPTH deep, is read:
+    /dev/zero would fill the memory, a FIFO block forever, deep brackets overflow tomllib's stack.
+    """
+    source = show_path(path)
     try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"no such {what}: {source}") from None
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read {what}: {exc.strerror}") from None
+        text = _read_regular(path, source, what).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"{source}: invalid TOML: not UTF-8 at byte {exc.start}"
         ) from None
+    line = _too_deep_line(text)
+    if line is not None:
+        raise ConfigError(f"{source}: line {line}: arrays and inline tables nested more than {MAX_DEPTH} deep")
     try:
-        return tomllib.loads(text)
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    deep = _too_deep_path(data)
+    if deep is not None:
+        raise ConfigError(f"{source}: {show_text(deep, 200)}: tables and arrays nested more than {MAX_DEPTH} deep")
+    return data
+
+
+def _read_regular(path: str | os.PathLike[str], source: str, what: str) -> bytes:
+    """The bytes of a regular file of at most MAX_FILE_BYTES; checked before opening (a device), once open (a file
+    swapped meanwhile: O_NONBLOCK keeps a FIFO from blocking the open) and while reading (a file still growing)."""
+    try:
+        _check_regular(os.stat(path), source, what)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        with os.fdopen(fd, "rb") as file:
+            _check_regular(os.fstat(file.fileno()), source, what)
+            data = file.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"no such {what}: {source}") from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read {what}: {exc.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"{source}: a {what} holds at most {MAX_FILE_BYTES} bytes (1 MiB); this one is larger")
+    return data
+
+
+def _check_regular(info: os.stat_result, source: str, what: str) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{source}: not a regular file: a {what} must be a TOML file, not a directory, "
+                          "device or pipe")
+    if info.st_size > MAX_FILE_BYTES:
+        raise ConfigError(f"{source}: a {what} holds at most {MAX_FILE_BYTES} bytes (1 MiB), got {info.st_size}")
+
+
+def _too_deep_line(text: str) -> int | None:
+    """The line where arrays and inline tables nest more than MAX_DEPTH deep, found before tomllib recurses into
+    them (brackets inside strings and comments do not count)."""
+    depth = 0
+    for match in _TOKENS.finditer(text):
+        token = match.group()
+        if token in ("[", "{"):
+            depth += 1
+            if depth > MAX_DEPTH:
+                return text.count("\n", 0, match.start()) + 1
+        elif token in ("]", "}"):
+            depth = max(depth - 1, 0)
+    return None
+
+
+def _too_deep_path(data: Any, depth: int = 0, path: str = "") -> str | None:
+    """The first dotted path below ``path`` more than MAX_DEPTH tables and arrays deep (dotted keys and
+    [a.b.c] headers nest without brackets); iterative, so any depth is safe."""
+    stack = [(data, path, depth)]
+    while stack:
+        value, where, level = stack.pop()
+        if level > MAX_DEPTH:
+            return where
+        if isinstance(value, Mapping):
+            stack.extend((item, f"{where}.{key}" if where else str(key), level + 1) for key, item in value.items())
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]", level + 1) for i, item in enumerate(value))
+    return None
+
+
+def show_value(value: Any, limit: int = ECHO_LIMIT) -> str:
+    """``repr(value)`` cut to ``limit`` characters: one short line, whatever the value."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def show_text(text: str, limit: int = ECHO_LIMIT) -> str:
+    """Text as typed when it is printable and short (a path, an override), else as :func:`show_value`."""
+    return text if text.isprintable() and len(text) <= limit else show_value(text, limit)
+
+
+def show_path(path: str | os.PathLike[str]) -> str:
+    """A file as errors name it: as typed unless it holds control characters or is longer than PATH_MAX."""
+    return show_text(os.fspath(path), 4096)
 
 
 def spec_from_dict(
@@ -330,24 +428,28 @@ def apply_overrides(
     Values are TOML so numbers and lists keep their type; anything that is not
     valid TOML, or that lands on a string setting, stays the raw text so that
     ``job.name=foo`` and ``slurm.time=02:00:00`` need no shell-quoted quotes.
+    A table value on a section (``train={lr=1}``) is refused rather than replacing the whole
+    section: each key of a section is set on its own (``train.lr=1``).
     """
     result = _plain(data)
     for override in overrides:
         key, sep, text = override.partition("=")
         keys = key.strip().split(".")
+        shown = show_text(override)
         if not sep or not all(keys):
             raise ConfigError(
-                f"--set {override}: expected dotted.key=value, e.g. train.lr=0.01"
+                f"--set {shown}: expected dotted.key=value, e.g. train.lr=0.01"
             )
+        value = _parse_override_value(keys, text, shown)
         table = result
         for depth, part in enumerate(keys[:-1], start=1):
             node = table.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(
-                    f"--set {override}: {'.'.join(keys[:depth])} is not a table, got {node!r}"
+                    f"--set {shown}: {show_text('.'.join(keys[:depth]))} is not a table, got {show_value(node)}"
                 )
             table = node
-        table[keys[-1]] = _parse_override_value(keys, text)
+        table[keys[-1]] = value
     return result
 
 
@@ -369,13 +471,23 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _parse_override_value(keys: list[str], text: str) -> Any:
+def _parse_override_value(keys: list[str], text: str, shown: str) -> Any:
+    if len(keys) > MAX_DEPTH or _too_deep_line(text) is not None:
+        raise ConfigError(f"--set {shown}: tables and arrays nested more than {MAX_DEPTH} deep")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
-    if _hint_at(keys) is str and not isinstance(value, str):
+    deep = _too_deep_path(value, len(keys), ".".join(keys))
+    if deep is not None:
+        raise ConfigError(f"--set {shown}: {show_text(deep, 200)}: tables and arrays nested more than {MAX_DEPTH} deep")
+    hint = _hint_at(keys)
+    if hint is str and not isinstance(value, str):
         return text
+    if isinstance(value, dict) and dataclasses.is_dataclass(hint):
+        example = next(iter(value), None) or dataclasses.fields(hint)[0].name
+        raise ConfigError(f"--set {shown}: {keys[0]} is a section: --set replaces one value, not a whole section; "
+                          f"set its keys one at a time, e.g. --set {keys[0]}.{show_text(example, 20)}=...")
     return value
 
 
@@ -394,7 +506,7 @@ def _blame(path: str, source: str, overrides: Sequence[str]) -> str:
     for override in reversed(overrides):
         key = override.partition("=")[0].strip()
         if _on_path(path, key) or _on_path(key, path):
-            return f"--set {override}"
+            return f"--set {show_text(override)}"
     return source
 
 
@@ -404,7 +516,7 @@ def _on_path(path: str, prefix: str) -> bool:
 
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, Mapping):
-        raise _Invalid(path, f"{path or 'the job spec'} must be a table, got {data!r}")
+        raise _Invalid(path, f"{path or 'the job spec'} must be a table, got {show_value(data)}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
@@ -422,14 +534,14 @@ def _build(cls: type, data: Any, path: str) -> Any:
     if conflict:
         name, wanted = conflict
         child = f"{path}.{name}" if path else name
-        raise _Invalid(child, f"{child} must be {wanted}, got {getattr(built, name)!r}")
+        raise _Invalid(child, f"{child} must be {wanted}, got {show_value(getattr(built, name))}")
     return built
 
 
 def _unknown_key(child: str, key: str, path: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f"did you mean {path + '.' if path else ''}{close[0]}? " if close else ""
-    return f"unknown key {child} ({hint}valid keys: {', '.join(valid)})"
+    return f"unknown key {show_text(child)} ({hint}valid keys: {', '.join(valid)})"
 
 
 def _convert(hint: Any, value: Any, path: str, constraints: Mapping[str, Any]) -> Any:
@@ -475,23 +587,41 @@ def _check(value: Any, path: str, constraints: Mapping[str, Any]) -> None:
         for name, holds, symbol in _BOUNDS:
             if name in constraints and not holds(value, constraints[name]):
                 raise _Invalid(
-                    path, f"{path} must be {symbol} {constraints[name]}, got {value!r}"
+                    path, f"{path} must be {symbol} {constraints[name]}, got {show_value(value)}"
                 )
+    if isinstance(value, str):
+        _check_text(value, path, constraints)
+
+
+def _check_text(value: str, path: str, constraints: Mapping[str, Any]) -> None:
+    """Every string setting: no control characters (they would land in paths and the sbatch script), a length
+    cap, then its own constraints."""
+    limit = constraints.get("max_len", MAX_STRING)
+    if len(value) > limit:
+        raise _Invalid(path, f"{path} must be at most {limit} characters, got {len(value)}: {show_value(value)}")
+    if _CONTROL.search(value):
+        raise _Invalid(path, f"{path} must not contain control characters (NUL, newline, tab, ...), "
+                             f"got {show_value(value)}")
+    part_limit = constraints.get("max_part_bytes")
+    if part_limit is not None and any(len(part.encode()) > part_limit for part in value.split("/")):
+        raise _Invalid(path, f"{path} must have at most {part_limit} bytes between slashes (a file name), "
+                             f"got {show_value(value)}")
+    if constraints.get("shell_words"):
+        try:
+            shlex.split(value)
+        except ValueError as exc:
+            raise _Invalid(path, f"{path} must split into shell words ({exc}), got {show_value(value)}") from None
     pattern = constraints.get("pattern")
-    if (
-        isinstance(value, str)
-        and pattern is not None
-        and not re.fullmatch(pattern, value)
-    ):
+    if pattern is not None and not re.fullmatch(pattern, value):
         wanted = constraints.get("describe", f"a string matching {pattern}")
-        raise _Invalid(path, f"{path} must be {wanted}, got {value!r}")
+        raise _Invalid(path, f"{path} must be {wanted}, got {show_value(value)}")
 
 
 def _must_be(path: str, hint: Any, value: Any) -> str:
     wanted = _describe(hint)
     # A list of choices already uses commas; a semicolon keeps the bad value apart from it.
     sep = ";" if ", " in wanted else ","
-    return f"{path} must be {wanted}{sep} got {value!r}"
+    return f"{path} must be {wanted}{sep} got {show_value(value)}"
 
 
 def _describe(hint: Any) -> str:

@@ -25,6 +25,7 @@ files and, for Slurm, sacct.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import itertools
 import json
 import math
@@ -34,7 +35,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc.config import JobSpec, SweepConfig, load_spec, read_toml, table_from_dict
+from hpc.config import (
+    MAX_SWEEP_CONFIGS,
+    JobSpec,
+    SweepConfig,
+    load_spec,
+    read_toml,
+    show_path,
+    show_text,
+    show_value,
+    table_from_dict,
+)
 from hpc.errors import ConfigError
 from hpc.rundir import RESULT_FILE, last_metrics, read_result, write_json
 from slurm.job_registry import FAILED_STATES
@@ -58,6 +69,11 @@ class Sweep:
     def name(self) -> str:
         return self.settings.name or self.source.stem
 
+    @property
+    def label(self) -> str:
+        """The sweep file as errors name it: one short line, whatever the file is called."""
+        return show_path(self.source)
+
 
 @dataclass(frozen=True)
 class Task:
@@ -70,22 +86,40 @@ class Task:
 def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file (the configs themselves are checked against the base spec by :func:`plan`)."""
     source = Path(path)
+    label = show_path(source)
     data = read_toml(source, "sweep file")
     unknown = sorted(set(data) - {"sweep", "params"})
     if unknown:
-        raise ConfigError(f"{source}: unknown table {unknown[0]} (valid: sweep, params)")
-    settings = table_from_dict(SweepConfig, data.get("sweep", {}), "sweep", str(source))
+        raise ConfigError(f"{label}: unknown table {show_text(unknown[0])} (valid: sweep, params)")
+    settings = table_from_dict(SweepConfig, data.get("sweep", {}), "sweep", label)
     if not settings.base:
-        raise ConfigError(f"{source}: sweep.base must name the job spec to start from")
+        raise ConfigError(f"{label}: sweep.base must name the job spec to start from")
+    if not isinstance(data.get("params", {}), dict):
+        raise ConfigError(f"{label}: params must be a table of dotted keys, got {show_value(data['params'])}")
     params = tuple(_flatten(data.get("params", {})))
     if not params:
-        raise ConfigError(f"{source}: [params] is empty: nothing to search")
+        raise ConfigError(f"{label}: [params] is empty: nothing to search")
     for key, values in params:
-        _check_param(source, settings.method, key, values)
+        _check_param(label, settings.method, key, values)
     if settings.method == "zip" and len({len(values) for _, values in params}) > 1:
         lengths = ", ".join(f"{key}: {len(values)}" for key, values in params)
-        raise ConfigError(f"{source}: zip needs lists of one length, got {lengths}")
-    return Sweep(settings, params, source)
+        raise ConfigError(f"{label}: zip needs lists of one length, got {show_text(lengths, 200)}")
+    sweep = Sweep(settings, params, source)
+    count = config_count(sweep)
+    if count > MAX_SWEEP_CONFIGS:
+        raise ConfigError(f"{label}: {settings.method} makes {count} configs, more than the limit of "
+                          f"{MAX_SWEEP_CONFIGS} (MAX_SWEEP_CONFIGS: a Slurm job array's default MaxArraySize "
+                          "is 1001); split the sweep")
+    return sweep
+
+
+def config_count(sweep: Sweep) -> int:
+    """How many configs :func:`expand` makes, counted without making them (a grid multiplies quickly)."""
+    method = sweep.settings.method
+    if method == "random":
+        return sweep.settings.samples
+    lengths = [len(values) for _, values in sweep.params]
+    return math.prod(lengths) if method == "grid" else min(lengths)
 
 
 def _flatten(table: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -97,11 +131,11 @@ def _flatten(table: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, 
             yield f"{prefix}{key}", value
 
 
-def _check_param(source: Path, method: str, key: str, values: Any) -> None:
-    where = f"{source}: params.{key}"
+def _check_param(source: str, method: str, key: str, values: Any) -> None:
+    where = f"{source}: params.{show_text(key)}"
     if key.startswith("slurm.") or key in RESERVED:
-        raise ConfigError(f"{where}: {key} is set by the sweep itself (every array task gets the same resources "
-                          "and its own run directory)")
+        raise ConfigError(f"{where}: {show_text(key)} is set by the sweep itself (every array task gets the same "
+                          "resources and its own run directory)")
     if isinstance(values, dict):
         (kind, bounds), = values.items()
         if method != "random":
@@ -110,10 +144,10 @@ def _check_param(source: Path, method: str, key: str, values: Any) -> None:
             isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
         if not numbers or not bounds[0] < bounds[1] or (kind == "log_uniform" and bounds[0] <= 0):
             low = "0 < low" if kind == "log_uniform" else "low"
-            raise ConfigError(f"{where}: {kind} takes [low, high] with {low} < high, got {bounds!r}")
+            raise ConfigError(f"{where}: {kind} takes [low, high] with {low} < high, got {show_value(bounds)}")
     elif not isinstance(values, list) or not values:
         raise ConfigError(f"{where}: expected a non-empty list of values or, for random, "
-                          f"{{uniform = [low, high]}} or {{log_uniform = [low, high]}}; got {values!r}")
+                          f"{{uniform = [low, high]}} or {{log_uniform = [low, high]}}; got {show_value(values)}")
 
 
 def expand(sweep: Sweep) -> list[dict[str, Any]]:
@@ -145,11 +179,18 @@ def as_overrides(config: Mapping[str, Any]) -> list[str]:
 
 def toml_value(value: Any) -> str:
     """A TOML literal. Hand-written because JSON, TOML for numbers, booleans and lists, writes strings
-    TOML rejects (characters past U+FFFF as surrogate pairs, DEL unescaped); tomli-w is no dependency of ours."""
+    TOML rejects (characters past U+FFFF as surrogate pairs, DEL unescaped); tomli-w is no dependency of ours.
+    Whatever a sweep file may hold comes back: inline tables, dates and times, inf and nan."""
     if isinstance(value, str):
         return '"' + "".join(_TOML_ESCAPES.get(ch, ch) for ch in value) + '"'
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{toml_value(str(key))} = {toml_value(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # inf, -inf, nan: TOML's spelling, not JSON's Infinity
     return json.dumps(value)
 
 
@@ -173,7 +214,7 @@ def plan(sweep: Sweep, overrides: Sequence[str] = ()) -> tuple[Path, list[tuple[
         try:
             spec = load_spec(sweep.base, task.overrides)
         except ConfigError as exc:
-            raise ConfigError(f"{sweep.source}: config {index} ({_describe(config)}): {exc}") from None
+            raise ConfigError(f"{sweep.label}: config {index} ({show_text(_describe(config), 200)}): {exc}") from None
         planned.append((task, spec))
     return directory, planned
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from pathlib import Path
 from typing import get_type_hints
@@ -353,8 +354,8 @@ def test_apply_overrides_does_not_mutate_its_input() -> None:
 
 def test_schema_uses_only_known_constraints() -> None:
     """A misspelt constraint would be silently ignored by the builder."""
-    known = {"doc", "min", "gt", "max_excl", "max", "pattern", "describe"}
-    for name, section in get_type_hints(JobSpec).items():
+    known = {"doc", "min", "gt", "max_excl", "max", "pattern", "describe", "max_len", "max_part_bytes", "shell_words"}
+    for name, section in [*get_type_hints(JobSpec).items(), ("sweep", SweepConfig)]:
         for f in dataclasses.fields(section):
             assert set(f.metadata) <= known, f"{name}.{f.name}"
 
@@ -416,3 +417,123 @@ def test_override_round_trip_property(lr: float, steps: int) -> None:
     """What Python prints is what --set reads back, exactly."""
     spec = spec_from_dict({}, overrides=[f"train.lr={lr!r}", f"train.steps={steps}"])
     assert (spec.train.lr, spec.train.steps) == (lr, steps)
+
+
+# --- input limits (issue 16): every bad input is one line naming the file or the override ---------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("v = " + "[" * 3000 + "]" * 3000, "line 1: arrays and inline tables nested more than 32 deep"),
+        ("[train]\nlr = " + "{a=" * 3000 + "1" + "}" * 3000, "line 2: arrays and inline tables nested more than 32"),
+        (".".join(["a"] * 3000) + " = 1", ".".join(["a"] * 33) + ": tables and arrays nested more than 32 deep"),
+        ("[" + ".".join(["a"] * 3000) + "]", "nested more than 32 deep"),
+        ("[model]\nhidden_sizes = " + "[" * 40 + "]" * 40, "line 2: arrays and inline tables nested more than 32"),
+        ("[model]\nhidden_sizes = " + "[" * 32 + "]" * 32,  # 32 brackets, but 34 levels with [model] and the key
+         "job.toml: model.hidden_sizes" + "[0]" * 31 + ": tables and arrays nested"),
+    ],
+)
+def test_nesting_deeper_than_the_limit_is_one_line_naming_the_file(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_spec(path)
+    assert str(info.value).startswith(f"{path}: ") and message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_brackets_in_strings_and_comments_do_not_count_as_nesting(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    brackets = "[" * 100
+    path.write_text(f'[job] # {brackets}\nrun_dir = "{brackets}"\n[checkpoint]\nresume = \'{brackets}\'\n'
+                    f'[slurm]\nsetup = ["""{brackets}\\"\\"""", \'\'\'{brackets}\'\'\']\n')
+    spec = load_spec(path)
+    assert spec.job.run_dir == spec.checkpoint.resume == brackets and spec.slurm.setup == (brackets + '""', brackets)
+
+
+@pytest.mark.parametrize("override", ["train.lr=" + "[" * 3000, "train.lr=" + "[" * 40 + "]" * 40,
+                                      ".".join(["a"] * 3000) + "=1",
+                                      "model.hidden_sizes=" + "{a=" * 40 + "1" + "}" * 40],
+                         ids=["unclosed-array", "array", "dotted-key", "inline-table"])
+def test_deep_overrides_are_one_line_naming_the_override(override: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_spec(EXAMPLE, [override])
+    message = str(info.value)
+    assert message.startswith("--set ") and override[:12] in message and "nested more than 32 deep" in message
+    assert "\n" not in message and len(message) < 250
+
+
+def test_devices_pipes_directories_and_large_files_are_refused_before_reading(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)  # opening it for reading would block until a writer came
+    big = tmp_path / "big.toml"
+    big.write_text("# padding\n" * 110_000)
+    for path, reason in [("/dev/zero", "not a regular file"), (fifo, "not a regular file"),
+                         (tmp_path, "not a regular file"),
+                         (big, "a job spec holds at most 1048576 bytes (1 MiB), got 1100000")]:
+        with pytest.raises(ConfigError) as info:
+            load_spec(path)
+        assert str(info.value).startswith(f"{path}: {reason}")
+
+
+@pytest.mark.parametrize(
+    ("toml_text", "overrides", "expected"),
+    [
+        ('[job]\nrun_dir = "runs\\u0000x"', (), "job.toml: job.run_dir must not contain control characters"),
+        ('[checkpoint]\ndir = "/ckpt\\nx"', (), "job.toml: checkpoint.dir must not contain control characters"),
+        ('[slurm]\nsetup = ["module load\\u0000x"]', (), "job.toml: slurm.setup[0] must not contain control"),
+        ("", ("job.run_dir=a\x00b",), "--set 'job.run_dir=a\\x00b': job.run_dir must not contain control characters"),
+        ("", ("slurm.partition=gpu\rx",), "--set 'slurm.partition=gpu\\rx': slurm.partition must not contain control"),
+    ],
+)
+def test_control_characters_in_string_settings_are_refused(toml_text: str, overrides, expected: str) -> None:
+    assert error_of(toml_text, overrides).startswith(expected)
+
+
+def test_string_settings_are_capped_in_length() -> None:
+    assert error_of(f'[job]\nname = "{"a" * 129}"').startswith(
+        "job.toml: job.name must be at most 128 characters, got 129: 'aaaa")
+    assert spec_from_dict({"job": {"name": "a" * 128}}).job.name == "a" * 128
+    assert error_of("", (f"slurm.account={'a' * 2000}",)).startswith(
+        "--set 'slurm.account=aaaaa")
+    assert "slurm.account must be at most 1024 characters, got 2000" in error_of("", (f"slurm.account={'a' * 2000}",))
+    assert "job.run_dir must have at most 255 bytes between slashes" in error_of(f'[job]\nrun_dir = "/x/{"b" * 256}"')
+    assert spec_from_dict({"job": {"run_dir": "/x/" + "b" * 255}}).job.run_dir.endswith("b" * 255)
+
+
+def test_setup_lines_must_split_into_shell_words_in_the_spec_itself() -> None:
+    assert error_of("[slurm]\nsetup = [\"echo 'unclosed\"]") == (
+        "job.toml: slurm.setup[0] must split into shell words (No closing quotation), got \"echo 'unclosed\"")
+    assert spec_from_dict({"slurm": {"setup": ["module load 'cuda 12'"]}}).slurm.setup == ("module load 'cuda 12'",)
+
+
+def test_a_table_on_a_section_is_refused_not_a_silent_replacement() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_spec(EXAMPLE, ["train={lr=1}"])
+    assert str(info.value) == ("--set train={lr=1}: train is a section: --set replaces one value, not a whole "
+                               "section; set its keys one at a time, e.g. --set train.lr=...")
+    assert load_spec(EXAMPLE, ["train.lr=1"]).train.momentum == 0.9  # the rest of [train] stays
+
+
+@pytest.mark.parametrize("override", ["train.lr=1\n2", "train.lr=" + "x" * 5000, "job.name=a\nb\nc",
+                                      "trian\n.lr=1", "train.lr\n", "model.hidden_sizes=[1, \"a\nb\"]"])
+def test_every_override_error_is_one_short_line(override: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_spec(EXAMPLE, [override])
+    message = str(info.value)
+    assert "\n" not in message and "\r" not in message and len(message) < 400, message
+    assert message.startswith("--set ")
+
+
+def test_a_zero_time_limit_is_refused() -> None:
+    """Slurm reads 0 as no limit at all; a spec asks for a real one."""
+    for zero in ("0", "00:00:00", "0-0", "0-00:00:00"):
+        assert "slurm.time must be a Slurm time limit above zero" in error_of(f"[slurm]\ntime = '{zero}'")
+    assert spec_from_dict({"slurm": {"time": "0-00:01"}}).slurm.time == "0-00:01"
+
+
+def test_sweep_samples_are_capped() -> None:
+    assert SweepConfig(samples=1000).samples == 1000
+    field = {f.name: f for f in dataclasses.fields(SweepConfig)}["samples"]
+    assert field.metadata["max"] == 1000

@@ -131,7 +131,14 @@ def test_dry_run_prints_the_golden_script_and_submits_nothing(tmp_path: Path) ->
         (("--mem", "lots"), "hpc submit options: slurm.mem must be empty or a Slurm memory size"),
         (("--set", "job.name=x $(touch /tmp/hpc-pwned)"), "job.name must be letters, digits"),
         (("--nodes", "2", "--set", "parallel.dp=3"), "dp*tp*pp = 3*1*1 = 3 does not match the world size 4"),
-        (("--setup", "echo 'unclosed"), "slurm.setup line \"echo 'unclosed\": No closing quotation"),
+        (("--setup", "echo 'unclosed"),
+         "hpc submit options: slurm.setup[0] must split into shell words (No closing quotation), "
+         "got \"echo 'unclosed\""),
+        (("--set", "slurm.setup=[\"echo 'unclosed\"]"), "slurm.setup[0] must split into shell words"),
+        (("--time", "0"), "hpc submit options: slurm.time must be a Slurm time limit above zero"),
+        (("--set", "job.name=" + "a" * 300), "job.name must be at most 128 characters, got 300"),
+        (("--set", "job.run_dir=runs\nx"), "job.run_dir must not contain control characters"),
+        (("--set", "train={lr=1}"), "train is a section: --set replaces one value, not a whole section"),
     ],
 )
 def test_bad_submissions_are_one_line_before_anything_is_submitted(tmp_path: Path, args, message) -> None:

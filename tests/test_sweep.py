@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from hpc.config import apply_overrides
 from hpc.errors import ConfigError
-from slurm.sweep import as_overrides, expand, load_sweep, plan, read_manifest
+from slurm.sweep import as_overrides, config_count, expand, load_sweep, plan, read_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = """
@@ -114,6 +114,16 @@ def test_overrides_give_back_the_value_the_config_holds(value) -> None:
         ('[sweep]\nbase = "base.toml"\nmethod = "zip"\n[params]\n"train.lr" = [1, 2]\n"train.steps" = [3]',
          "zip needs lists of one length, got train.lr: 2, train.steps: 1"),
         ('[sweep]\nbase = "base.toml"\n[params]\n"train.lr" = [0.1]\n[grid]\n', "unknown table grid"),
+        # issue 16: deep, odd or hostile input
+        ('[sweep]\nbase = "base.toml"\n[params' + ".a" * 3000 + ']\n"x" = [1]\n', "nested more than 32 deep"),
+        ('[sweep]\nbase = "base.toml"\n[params]\n"train.lr" = [' + "[" * 3000 + "]" * 3000 + "]\n",
+         "line 4: arrays and inline tables nested more than 32 deep"),
+        ('params = 3\n[sweep]\nbase = "base.toml"\n', "params must be a table of dotted keys, got 3"),
+        ('[sweep]\nbase = "base.toml"\n[params]\n"train.lr\\n" = 3\n', "params.'train.lr\\n': expected"),
+        ('[sweep]\nbase = "base.toml"\nname = "a\\u0000b"\n[params]\n"train.lr" = [1]\n',
+         "sweep.name must not contain control characters (NUL, newline, tab, ...), got 'a\\x00b'"),
+        ('[sweep]\nbase = "base.toml"\ndir = "x\\nb"\n[params]\n"train.lr" = [1]\n',
+         "sweep.dir must not contain control characters"),
     ],
 )
 def test_a_bad_sweep_file_is_one_line_naming_it(tmp_path: Path, text: str, message: str) -> None:
@@ -186,3 +196,62 @@ def test_local_executor_runs_every_config_and_marks_the_failed_one(tmp_path: Pat
     table = done.stdout[done.stdout.index("sweep one-fails (local ranks): 1 completed, 1 failed"):].splitlines()
     assert table[1].split() == ["TASK", "STATE", "train.lr", "checkpoint.resume", "STEP", "LOSS", "final_loss", "(min)"]
     assert table[2].split()[:2] == ["0", "COMPLETED"] and table[3].split()[:3] == ["1", "FAILED", "!"]
+
+
+# --- input limits (issue 16) -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ("\n".join(f'"train.x{i}" = [{", ".join(["1"] * 10)}]' for i in range(10)),
+         "grid makes 10000000000 configs, more than the limit of 1000 (MAX_SWEEP_CONFIGS"),
+        ('"train.lr" = [' + ", ".join(["0.1"] * 1001) + "]", "grid makes 1001 configs, more than the limit of 1000"),
+    ],
+)
+def test_a_sweep_is_counted_before_it_is_expanded(tmp_path: Path, params: str, message: str) -> None:
+    path = _sweep(tmp_path, f'[sweep]\nbase = "base.toml"\n[params]\n{params}\n')
+    with pytest.raises(ConfigError) as raised:
+        load_sweep(path)
+    assert str(raised.value).startswith(f"{path}: {message}") and "\n" not in str(raised.value)
+
+
+def test_random_samples_are_capped_in_the_sweep_table(tmp_path: Path) -> None:
+    path = _sweep(tmp_path, '[sweep]\nbase = "base.toml"\nmethod = "random"\nsamples = 1000000\n[params]\n'
+                            '"train.lr" = [0.1]\n')
+    with pytest.raises(ConfigError, match=r"sweep.samples must be <= 1000, got 1000000$"):
+        load_sweep(path)
+
+
+@given(table=params, method=st.sampled_from(["grid", "zip", "random"]), samples=st.integers(1, 30))
+def test_the_count_is_the_number_of_configs(tmp_path_factory, table, method, samples) -> None:
+    if method == "zip":
+        table = {key: values[:1] for key, values in table.items()}
+    text = f'[sweep]\nbase = "base.toml"\nmethod = "{method}"\nsamples = {samples}\n[params]\n{_params_toml(table)}'
+    sweep = load_sweep(_sweep(tmp_path_factory.mktemp("count"), text))
+    assert config_count(sweep) == len(expand(sweep))
+
+
+def test_a_sweep_file_that_is_a_pipe_or_a_device_is_refused(tmp_path: Path) -> None:
+    fifo = tmp_path / "sweep.toml"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero"):
+        with pytest.raises(ConfigError, match="not a regular file: a sweep file must be a TOML file"):
+            load_sweep(path)
+
+
+toml_values = st.recursive(
+    st.integers(-(2**63), 2**63 - 1) | st.floats() | st.booleans() | st.text() | st.dates()
+    | st.times().map(lambda t: t.replace(fold=0)) | st.datetimes().map(lambda t: t.replace(fold=0)),  # as TOML reads
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=2),
+    max_leaves=6,
+)
+
+
+@given(value=toml_values)
+def test_every_toml_value_a_sweep_may_hold_comes_back_through_an_override(value) -> None:
+    """Dates, inline tables, inf and nan too: JSON would write them as text TOML cannot read."""
+    (override,) = as_overrides({"a.b": value})
+    back = apply_overrides({}, [override])["a"]["b"]
+    assert repr(back) == repr(value)  # nan != nan, but its repr is stable

@@ -84,10 +84,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def run_script(args: argparse.Namespace) -> int:
     """``hpc run -n 4 train.py --epochs 2``: every rank runs the script, as ``horovodrun`` or torchrun would."""
+    from hpc.config import show_path
     from hpc.runtime import launch
 
     if not os.path.isfile(args.spec):
-        raise ConfigError(f"script {args.spec}: no such file")
+        raise ConfigError(f"script {show_path(args.spec)}: no such file")
     if args.overrides:
         raise ConfigError("--set overrides job spec values; pass a script's options after the script")
     launcher = args.launcher or launch.default_launcher()

@@ -212,7 +212,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         try:
             check_layout(spec, ranks)
         except ConfigError as exc:
-            raise type(exc)(f"{sweep.source}: config {task.index}: {exc}") from None
+            raise type(exc)(f"{sweep.label}: config {task.index}: {exc}") from None
     if (directory / sweeps.MANIFEST).exists() and not args.dry_run:
         raise ConfigError(f"{directory} already holds a sweep: remove it, or give this one another sweep.name or "
                           "sweep.dir")
