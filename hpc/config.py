@@ -396,8 +396,8 @@ def show_text(text: str, limit: int = ECHO_LIMIT) -> str:
 
 
 def show_path(path: str | os.PathLike[str]) -> str:
-    """A file as errors name it: as typed unless it holds control characters or is longer than PATH_MAX."""
-    return show_text(os.fspath(path), 4096)
+    """A file as errors name it: as typed unless it holds control characters or is over 1024 characters."""
+    return show_text(os.fspath(path), 1024)
 
 
 def spec_from_dict(

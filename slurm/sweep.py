@@ -29,6 +29,7 @@ import datetime
 import itertools
 import json
 import math
+import os
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -63,7 +64,8 @@ class Sweep:
 
     @property
     def base(self) -> Path:
-        return (self.source.parent / self.settings.base).resolve()
+        # realpath, not Path.resolve: a symlink loop is then the spec's "cannot read", not a RuntimeError.
+        return Path(os.path.realpath(self.source.parent / self.settings.base))
 
     @property
     def name(self) -> str:
