@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from hpc.checkpoint.format import (
     STEP_DIR,
     TMP_DIR,
     CheckpointError,
+    first_line,
     step_dir_name,
 )
 from hpc.rundir import fsync_path
@@ -37,10 +39,15 @@ class Entry:
 def list_checkpoints(root: str | Path) -> list[Entry]:
     """Every step directory and unfinished save under ``root``, oldest first."""
     root = Path(root)
-    if not root.is_dir():
+    if not os.path.lexists(root):
         return []
+    try:
+        children = list(root.iterdir())
+    except OSError as exc:  # a symlink loop, a file, no permission: never "no checkpoints, start from step 0"
+        raise CheckpointError(f"cannot list the checkpoint directory {root}: {exc.strerror or first_line(exc)}",
+                              dir=str(root)) from exc
     entries = []
-    for child in root.iterdir():
+    for child in children:
         done, unfinished = STEP_DIR.fullmatch(child.name), TMP_DIR.fullmatch(child.name)
         if done and child.is_dir():
             entries.append(Entry(int(done[1]), child, (child / COMPLETE).is_file()))
@@ -77,10 +84,20 @@ def resolve_resume(resume: str, root: str | Path) -> Path | None:
 
 
 def read_latest(root: str | Path) -> str | None:
+    """The step directory ``latest`` names, if it is a regular file naming one: a hint, so anything else is None."""
     try:
-        return (Path(root) / LATEST).read_text().strip() or None
-    except FileNotFoundError:
+        fd = os.open(Path(root) / LATEST, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block
+    except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        text = os.read(fd, 64).decode("ascii", errors="replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return text if STEP_DIR.fullmatch(text) else None
 
 
 def write_latest(root: Path, step_dir: Path) -> None:

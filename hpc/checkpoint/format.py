@@ -21,7 +21,9 @@ let ``xxhsum -H3`` check a dataset without Python.
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,7 @@ import xxhash
 from hpc.errors import HpcError
 
 FORMAT = "hpc-batch checkpoint"
-FORMAT_VERSION = 2  # 1 chunked datasets through Fletcher32
+FORMAT_VERSION = 3  # 1 chunked datasets through Fletcher32; 2 had no save id, no per-dataset record, heap strings
 LIBVER = ("v110", "v110")
 INDEX = "index.h5"
 COMPLETE = "COMPLETE"
@@ -45,7 +47,10 @@ RANKS = "ranks"  # index: one external link per rank to that shard's RANK_STATE 
 MANIFEST = "manifest"  # index: per shard, every dataset and the byte range of its data
 CHECKSUM = "xxh3_64"  # attribute: the hex XXH3-64 of the bytes as stored (C order), as `xxhsum -H3` prints it
 SLAB_BYTES = 64 << 20  # verify hashes datasets in slabs of about this size
-RESERVED_ATTRS = frozenset({"format", "format_version", "step", "world_size", "created_unix"})
+RESERVED_ATTRS = frozenset({"format", "format_version", "step", "world_size", "created_unix", "save_id"})
+# Anything a damaged file can make h5py, numpy or a decoder raise while we read metadata.
+READ_ERRORS = (OSError, KeyError, ValueError, TypeError, IndexError, RuntimeError, OverflowError, AttributeError)
+SHARD_FILE = re.compile(r"rank-(\d{5})\.h5")
 
 STEP_DIR = re.compile(r"step-(\d{8})")
 TMP_DIR = re.compile(r"step-(\d{8})\.tmp-([0-9a-f]+)")  # a save in progress, or abandoned by a crash
@@ -184,6 +189,7 @@ class CheckpointIndex:
     step: int
     world_size: int
     created_unix: float
+    save_id: str  # random, written into the index and every shard of one save: a shard from elsewhere differs
     attrs: Mapping[str, Any]  # the caller's metadata (layout, job spec, ...)
     tensors: Mapping[str, TensorRecord]
     shards: Mapping[str, ShardRecord]
@@ -198,23 +204,45 @@ class CheckpointIndex:
         return sorted(p for p in shard.extents if p.startswith(prefix)) if shard else []
 
 
+def text_attr(value: str) -> np.bytes_:
+    """A string as a fixed-length attribute: it lives in the checksummed object header, not the unchecked heap."""
+    return np.bytes_(value.encode())
+
+
+def shard_attrs(step: int, rank: int, world_size: int, save_id: str) -> dict[str, Any]:
+    """A shard's root attributes: what ties it to one save of one run (checked against the index on every read)."""
+    return {"format": text_attr(FORMAT), "format_version": FORMAT_VERSION, "step": step, "rank": rank,
+            "world_size": world_size, "save_id": text_attr(save_id)}
+
+
+def piece_attrs(name: str, dtype: str, global_shape: tuple[int, ...], offsets: tuple[int, ...],
+                shape: tuple[int, ...]) -> dict[str, Any]:
+    """A shard dataset's own record of which block of which tensor it holds, cross-checked with the index."""
+    return {"tensor": text_attr(name), "dtype": text_attr(dtype), "global_shape": _ints(global_shape),
+            "offsets": _ints(offsets), "shape": _ints(shape)}
+
+
+def _ints(values: Iterable[int]) -> np.ndarray:
+    return np.asarray(tuple(values), dtype=np.int64)
+
+
 def write_index(
     path: Path,
-    step: int,
-    world_size: int,
-    created_unix: float,
+    header: Mapping[str, Any],
     attrs: Mapping[str, Any],
     tensors: Iterable[TensorRecord],
     shards: Iterable[ShardRecord],
 ) -> None:
-    """The index: every global tensor as a virtual dataset over its pieces, plus all metadata as attributes."""
+    """The index: every global tensor as a virtual dataset over its pieces, plus all metadata as attributes.
+
+    ``header`` holds step, world_size, created_unix and save_id.
+    """
     with h5py.File(path, "w", libver=LIBVER) as index:
-        index.attrs.update(
-            {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "world_size": world_size,
-             "created_unix": created_unix}
-        )
+        index.attrs.update({"format": text_attr(FORMAT), "format_version": FORMAT_VERSION,
+                            "step": header["step"], "world_size": header["world_size"],
+                            "created_unix": header["created_unix"], "save_id": text_attr(header["save_id"])})
         for key, value in attrs.items():
-            index.attrs[key] = value
+            index.attrs[key] = text_attr(value) if isinstance(value, str) else value
         for record in tensors:
             _write_virtual_tensor(index, record)
         for shard in shards:
@@ -236,9 +264,9 @@ def _write_virtual_tensor(index: h5py.File, record: TensorRecord) -> None:
     dataset = index.create_virtual_dataset(record.dataset, layout, fillvalue=None)
     dataset.attrs.update(
         {
-            "dtype": record.dtype,
-            "shape": np.array(record.shape, dtype=np.int64),
-            "piece_files": np.array([p.file for p in record.pieces], dtype=h5py.string_dtype()),
+            "dtype": text_attr(record.dtype),
+            "shape": _ints(record.shape),
+            "piece_files": np.array([p.file.encode() for p in record.pieces]),
             "piece_offsets": np.array([storage_offsets(p.offsets) for p in record.pieces], dtype=np.int64),
             "piece_shapes": np.array([storage_shape(p.shape) for p in record.pieces], dtype=np.int64),
         }
@@ -249,60 +277,219 @@ def storage_offsets(offsets: tuple[int, ...]) -> tuple[int, ...]:
     return offsets or (0,)
 
 
+def open_file(path: Path) -> h5py.File:
+    """``path`` opened read-only, if it is a regular file: HDF5 would wait forever on a FIFO."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise CheckpointError(f"cannot open {path}: {exc.strerror or first_line(exc)}", file=str(path)) from exc
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path} is not a regular file", file=str(path))
+    try:
+        return h5py.File(path, "r")
+    except READ_ERRORS as exc:
+        raise CheckpointError(f"{path} is not a readable HDF5 file: {first_line(exc)}", file=str(path)) from exc
+
+
+def hard_get(group: h5py.Group, path: str) -> h5py.Group | h5py.Dataset:
+    """``group[path]`` through hard links only: a soft or external link could lead anywhere, a FIFO included."""
+    node: h5py.Group | h5py.Dataset = group
+    file = group.file.filename
+    for part in path.strip("/").split("/"):
+        link = node.get(part, getlink=True) if isinstance(node, h5py.Group) else None
+        if link is None:
+            raise CheckpointError(f"{path} is missing from {file}", file=file, dataset=path)
+        if not isinstance(link, h5py.HardLink):
+            raise CheckpointError(f"{path} in {file} is reached through a {type(link).__name__}, which is never "
+                                  "followed", file=file, dataset=path)
+        node = node[part]
+    return node
+
+
+def optional_group(group: h5py.Group, name: str) -> h5py.Group | None:
+    """The group ``name`` under ``group`` if there is one (``name in group`` would follow an external link)."""
+    if group.get(name, getlink=True) is None:
+        return None
+    node = hard_get(group, name)
+    if not isinstance(node, h5py.Group):
+        file = group.file.filename
+        raise CheckpointError(f"{name} in {file} is not a group", file=file, dataset=name)
+    return node
+
+
+def plain_dataset(group: h5py.Group, path: str) -> h5py.Dataset:
+    """A dataset whose bytes are in this file: not a group, not virtual, no external storage."""
+    node = hard_get(group, path)
+    if not isinstance(node, h5py.Dataset) or node.is_virtual or node.external:
+        file = group.file.filename
+        raise CheckpointError(f"{path} in {file} is not a plain dataset", file=file, dataset=path)
+    return node
+
+
 def read_index(step_dir: str | Path) -> CheckpointIndex:
-    """Parse ``index.h5``; reads attributes only, no tensor data."""
+    """Parse ``index.h5`` and check it against itself; reads attributes only, no tensor data."""
     step_dir = Path(step_dir)
     path = step_dir / INDEX
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{step_dir} is not a checkpoint: no {INDEX}", file=str(path))
     try:
-        with h5py.File(path, "r") as index:
+        with open_file(path) as index:
             return _parse_index(step_dir, index)
-    except (OSError, KeyError, ValueError) as exc:
+    except READ_ERRORS as exc:
         raise CheckpointError(f"cannot read {path}: {first_line(exc)}", file=str(path)) from exc
 
 
 def _parse_index(step_dir: Path, index: h5py.File) -> CheckpointIndex:
+    path = step_dir / INDEX
     attrs = {key: _plain(value) for key, value in index.attrs.items()}
     if attrs.get("format") != FORMAT:
-        raise CheckpointError(f"{step_dir / INDEX} is not an {FORMAT} index", file=str(step_dir / INDEX))
+        raise CheckpointError(f"{path} is not an {FORMAT} index", file=str(path))
     if attrs.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{step_dir / INDEX} is format version {attrs.get('format_version')}; this version "
-                              f"of hpc-batch reads version {FORMAT_VERSION}", file=str(step_dir / INDEX))
-    tensors: dict[str, TensorRecord] = {}
-
-    def visit(path: str, item: h5py.HLObject) -> None:
-        if isinstance(item, h5py.Dataset):
-            tensors[path] = _tensor_record(path, item.attrs)
-
-    if TENSORS in index:
-        index[TENSORS].visititems(visit)
+        raise CheckpointError(f"{path} is format version {_short(attrs.get('format_version'))}; this version "
+                              f"of hpc-batch reads version {FORMAT_VERSION}", file=str(path))
+    tensors = _tensor_records(index)
     shards = {}
-    for file, listing in index.get(MANIFEST, {}).items():
+    for file in optional_group(index, MANIFEST) or ():
+        listing = plain_dataset(index, f"{MANIFEST}/{file}")
         rows = listing[()]
         check_read(listing, rows)
         extents = {_text(row["dataset"]): (int(row["start"]), int(row["end"])) for row in rows}
         shards[file] = ShardRecord(file=file, size=int(listing.attrs["size"]), extents=extents)
-    return CheckpointIndex(
+    checked = CheckpointIndex(
         path=step_dir,
         step=int(attrs.pop("step")),
         world_size=int(attrs.pop("world_size")),
         created_unix=float(attrs.pop("created_unix")),
+        save_id=str(attrs.pop("save_id")),
         attrs={k: v for k, v in attrs.items() if k not in RESERVED_ATTRS},
         tensors=tensors,
         shards=shards,
     )
+    _check_index(checked)
+    return checked
 
 
-def _tensor_record(name: str, attrs: h5py.AttributeManager) -> TensorRecord:
-    shape = tuple(int(n) for n in attrs["shape"])
-    ndim = len(shape)
-    columns = (attrs["piece_files"], attrs["piece_offsets"], attrs["piece_shapes"])
-    pieces = tuple(
-        PieceRecord(_text(file), tuple(int(o) for o in offsets)[:ndim], tuple(int(n) for n in extent)[:ndim])
-        for file, offsets, extent in zip(*columns, strict=True)
-    )
-    return TensorRecord(name=name, dtype=_text(attrs["dtype"]), shape=shape, pieces=pieces)
+def _tensor_records(index: h5py.File) -> dict[str, TensorRecord]:
+    """Every dataset under /tensors; a soft or external link there is refused, never followed."""
+    tensors: dict[str, TensorRecord] = {}
+    group = optional_group(index, TENSORS)
+    if group is None:
+        return tensors
+
+    links: list[tuple[str, Any]] = []
+    group.visititems_links(lambda name, link: links.append((name, link)))  # raising inside would break h5py
+    for name, link in links:
+        if not isinstance(link, h5py.HardLink):
+            raise CheckpointError(f"{TENSORS}/{name} in {index.filename} is a {type(link).__name__}, which is "
+                                  "never followed", file=index.filename, dataset=f"{TENSORS}/{name}")
+        item = group[name]
+        if isinstance(item, h5py.Dataset):
+            tensors[name] = _tensor_record(index.filename, name, item.attrs)
+    return tensors
+
+
+def _check_index(index: CheckpointIndex) -> None:
+    """The index agrees with itself: known shard names, each piece listed in its shard's manifest at its size."""
+    path = str(index.path / INDEX)
+    for shard in index.shards.values():
+        match = SHARD_FILE.fullmatch(shard.file)
+        if not match or int(match[1]) >= index.world_size:
+            raise CheckpointError(f"{path} lists a shard {shard.file!r} outside its world of {index.world_size}",
+                                  file=path)
+        if any(not 0 <= start <= end <= shard.size for start, end in shard.extents.values()):
+            raise CheckpointError(f"{path} lists byte ranges past the end of {shard.file}", file=path)
+    for record in index.tensors.values():
+        files = [piece.file for piece in record.pieces]
+        for piece in record.pieces:
+            extent = index.shards[piece.file].extents.get(record.dataset) if piece.file in index.shards else None
+            nbytes = math.prod(piece.shape) * storage_dtype(record.dtype).itemsize
+            if extent is None or extent[1] - extent[0] != nbytes or files.count(piece.file) > 1:
+                raise CheckpointError(f"{record.dataset} in {path} maps a piece to {piece.file}, whose manifest "
+                                      f"does not list it once at {nbytes} bytes", file=path, dataset=record.dataset)
+
+
+def _tensor_record(file: str, name: str, attrs: h5py.AttributeManager) -> TensorRecord:
+    dataset = f"{TENSORS}/{name}"
+    try:
+        check_name(name)
+        dtype = check_dtype(_plain(attrs["dtype"]), file, dataset)
+        shape = _shape(attrs["shape"])
+        ndim = len(shape)
+        columns = (attrs["piece_files"], attrs["piece_offsets"], attrs["piece_shapes"])
+        pieces = tuple(
+            PieceRecord(_text(file), _shape(offsets)[:ndim], _shape(extent)[:ndim])
+            for file, offsets, extent in zip(*columns, strict=True)
+        )
+    except READ_ERRORS as exc:
+        raise CheckpointError(f"{dataset} in {file} has unreadable attributes: {first_line(exc)}", file=file,
+                              dataset=dataset) from exc
+    return TensorRecord(name=name, dtype=dtype, shape=shape, pieces=pieces)
+
+
+def check_dtype(value: Any, file: str, dataset: str) -> str:
+    """A dtype attribute, if it names one of the stored dtypes: never handed to ``getattr(torch, ...)`` otherwise."""
+    if value not in STORAGE_DTYPES:
+        raise CheckpointError(f"{dataset} in {file} has dtype {_short(value)}, not one of "
+                              f"{', '.join(STORAGE_DTYPES)}", file=file, dataset=dataset)
+    return value
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    """Non-negative integers (a shape or offsets), else ValueError."""
+    values = np.asarray(value)
+    if values.ndim != 1 or values.dtype.kind not in "iu" or (values < 0).any():
+        raise ValueError(f"{_short(_plain(value))} is not a list of non-negative integers")
+    return tuple(int(n) for n in values)
+
+
+def shard_problem(handle: h5py.File, index: CheckpointIndex, file: str) -> str | None:
+    """Why a shard is not part of this save, if it is not: one copied in from another step or run differs here."""
+    rank = int(SHARD_FILE.fullmatch(file)[1])
+    expected = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": index.step, "save_id": index.save_id,
+                "rank": rank, "world_size": index.world_size}
+    for key, want in expected.items():
+        have = _plain(handle.attrs.get(key))
+        if have != want:
+            return f"not part of this checkpoint: its {key} is {_short(have)}, the index says {_short(want)}"
+    return None
+
+
+def piece_problem(dataset: h5py.Dataset, record: TensorRecord, piece: PieceRecord) -> str | None:
+    """Why a shard's dataset is not the piece the index says it is, if it is not (its own record disagrees)."""
+    claims = {"tensor": record.name, "dtype": record.dtype, "global_shape": list(record.shape),
+              "offsets": list(piece.offsets), "shape": list(piece.shape)}
+    for key, want in claims.items():
+        have = _plain(dataset.attrs.get(key))
+        if have != want:
+            return f"disagrees with the index: its {key} is {_short(have)}, the index says {_short(want)}"
+    return _storage_problem(dataset, record.dtype, piece.shape)
+
+
+def rank_state_meta(dataset: h5py.Dataset) -> tuple[str, tuple[int, ...]]:
+    """A rank-state dataset's dtype and shape, from its attributes, checked against how it is stored."""
+    file, name = dataset.file.filename, dataset.name.lstrip("/")
+    dtype = check_dtype(_plain(dataset.attrs.get("dtype")), file, name)
+    try:
+        shape = _shape(dataset.attrs.get("shape"))
+    except READ_ERRORS as exc:
+        raise CheckpointError(f"{name} in {file} has a bad shape: {first_line(exc)}", file=file,
+                              dataset=name) from exc
+    problem = _storage_problem(dataset, dtype, shape)
+    if problem:
+        raise CheckpointError(f"{name} in {file} {problem}", file=file, dataset=name)
+    return dtype, shape
+
+
+def _storage_problem(dataset: h5py.Dataset, dtype: str, shape: tuple[int, ...]) -> str | None:
+    if dataset.dtype != storage_dtype(dtype) or dataset.shape != storage_shape(shape):
+        return f"is stored as {dataset.dtype}{list(dataset.shape)}, not as {dtype}{list(shape)}"
+    return None
+
+
+def _short(value: Any) -> str:
+    """A value from a possibly damaged file, for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _text(value: Any) -> str:

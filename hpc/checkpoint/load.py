@@ -14,6 +14,7 @@ read: the marker, and every shard at its recorded size.
 from __future__ import annotations
 
 import math
+import stat
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,32 +26,45 @@ import torch
 from hpc.checkpoint.format import (
     COMPLETE,
     RANK_STATE,
+    READ_ERRORS,
+    STORAGE_DTYPES,
     CheckpointError,
     CheckpointIndex,
+    PieceRecord,
+    TensorRecord,
     check_read,
     first_line,
+    open_file,
+    piece_problem,
+    plain_dataset,
+    rank_state_meta,
     read_index,
     shard_name,
+    shard_problem,
     storage_offsets,
     storage_shape,
 )
-from hpc.checkpoint.pieces import Piece
+from hpc.checkpoint.pieces import Piece, check_records
 
 
 def open_checkpoint(step_dir: str | Path) -> CheckpointIndex:
     """The index of a checkpoint that is complete: marker present, every shard there at full size."""
     index = read_index(step_dir)
+    check_records(index)
     if not (index.path / COMPLETE).is_file():
         raise CheckpointError(f"{index.path} is incomplete: no {COMPLETE} marker", file=str(index.path / COMPLETE))
     for shard in index.shards.values():
         path = index.path / shard.file
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing", file=str(path))
-        size = path.stat().st_size
-        if size != shard.size:
-            lost = sorted(name for name, (_, end) in shard.extents.items() if end > size)
+        try:
+            info = path.stat()
+        except OSError as exc:
+            raise CheckpointError(f"{path} is missing", file=str(path)) from exc
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path} is not a regular file", file=str(path))
+        if info.st_size != shard.size:
+            lost = sorted(name for name, (_, end) in shard.extents.items() if end > info.st_size)
             raise CheckpointError(
-                f"{path} is truncated ({size} of {shard.size} bytes); datasets cut off: "
+                f"{path} is truncated ({info.st_size} of {shard.size} bytes); datasets cut off: "
                 f"{', '.join(lost) or 'none, only HDF5 metadata'}",
                 file=str(path),
             )
@@ -68,26 +82,47 @@ def open_shards(index: CheckpointIndex) -> Iterator[dict[str, h5py.File]]:
             handle.close()
 
 
-def _dataset(index: CheckpointIndex, files: dict[str, h5py.File], file: str, dataset: str) -> h5py.Dataset:
-    path = index.path / file
+def _shard(index: CheckpointIndex, files: dict[str, h5py.File], file: str) -> h5py.File:
+    """A shard, opened once, after checking it belongs to this save: a shard from another step or run does not."""
+    if file not in files:
+        path = index.path / file
+        handle = open_file(path)
+        try:
+            problem = shard_problem(handle, index, file)
+        except READ_ERRORS as exc:
+            problem = f"unreadable attributes: {first_line(exc)}"
+        if problem:
+            handle.close()
+            raise CheckpointError(f"{path}: {problem}", file=str(path))
+        files[file] = handle
+    return files[file]
+
+
+def _piece_dataset(
+    index: CheckpointIndex, files: dict[str, h5py.File], record: TensorRecord, piece: PieceRecord
+) -> h5py.Dataset:
+    """The dataset holding ``piece``, if the shard's own record of it agrees with the index."""
+    path = index.path / piece.file
     try:
-        if file not in files:
-            files[file] = h5py.File(path, "r")
-        return files[file][dataset]
-    except (OSError, KeyError) as exc:
-        raise CheckpointError(f"cannot open {dataset} in {path}: {first_line(exc)}", file=str(path),
-                              dataset=dataset) from exc
+        dataset = plain_dataset(_shard(index, files, piece.file), record.dataset)
+        problem = piece_problem(dataset, record, piece)
+    except READ_ERRORS as exc:
+        raise CheckpointError(f"cannot open {record.dataset} in {path}: {first_line(exc)}", file=str(path),
+                              dataset=record.dataset) from exc
+    if problem:
+        raise CheckpointError(f"{record.dataset} in {path} {problem}", file=str(path), dataset=record.dataset)
+    return dataset
 
 
 def _read_checked(dataset: h5py.Dataset, out: np.ndarray) -> None:
     """All of ``dataset`` into ``out`` (its shape, C-contiguous), then its hash checked."""
     try:
         dataset.read_direct(out)
-    except OSError as exc:
+        check_read(dataset, out)
+    except READ_ERRORS as exc:
         file = dataset.file.filename
         raise CheckpointError(f"cannot read {dataset.name.lstrip('/')} from {file}: {first_line(exc)}",
                               file=file, dataset=dataset.name.lstrip("/")) from exc
-    check_read(dataset, out)
 
 
 def load_into(index: CheckpointIndex, pieces: Sequence[Piece]) -> None:
@@ -119,7 +154,7 @@ def _load_piece(index: CheckpointIndex, files: dict[str, h5py.File], piece: Piec
             continue
         source = tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, have_at, strict=True))
         dest = tuple(slice(lo - a, hi - a) for lo, hi, a in zip(low, high, want_at, strict=True))
-        dataset = _dataset(index, files, stored.file, record.dataset)
+        dataset = _piece_dataset(index, files, record, stored)
         region = out[dest]
         if region.shape == have and region.flags.c_contiguous:
             _read_checked(dataset, region)
@@ -151,9 +186,17 @@ def read_tensor(index: CheckpointIndex, name: str) -> torch.Tensor:
     record = index.tensors.get(name)
     if record is None:
         raise CheckpointError(f"{index.path} has no tensor {name}", dataset=name)
-    tensor = torch.empty(record.shape, dtype=getattr(torch, record.dtype))
+    tensor = torch.empty(record.shape, dtype=torch_dtype(record.dtype))
     load_into(index, [Piece.whole(name, tensor)])
     return tensor
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of an allow-listed name (``format.check_dtype`` checked it): no ``getattr`` on file data."""
+    return TORCH_DTYPES[name]
+
+
+TORCH_DTYPES = {name: getattr(torch, name) for name in STORAGE_DTYPES}
 
 
 def load_rank_state(
@@ -162,13 +205,22 @@ def load_rank_state(
     """What ``rank`` saved as its own state (just the keys in ``only`` if given, those it has);
     empty when the checkpoint had no such rank."""
     state = {}
+    file = shard_name(rank)
     with open_shards(index) as files:
         for path in index.rank_state_datasets(rank):
             if only is not None and path.removeprefix(f"{RANK_STATE}/") not in only:
                 continue
-            dataset = _dataset(index, files, shard_name(rank), path)
-            dtype = dataset.attrs["dtype"]
-            tensor = torch.empty(tuple(int(n) for n in dataset.attrs["shape"]), dtype=getattr(torch, dtype))
+            try:
+                dataset = plain_dataset(_shard(index, files, file), path)
+                dtype, shape = rank_state_meta(dataset)
+            except READ_ERRORS as exc:
+                raise CheckpointError(f"cannot open {path} in {index.path / file}: {first_line(exc)}",
+                                      file=str(index.path / file), dataset=path) from exc
+            start, end = index.shards[file].extents[path]
+            if end - start != dataset.dtype.itemsize * math.prod(storage_shape(shape)):
+                raise CheckpointError(f"{path} in {index.path / file} is not the size its manifest entry says",
+                                      file=str(index.path / file), dataset=path)
+            tensor = torch.empty(shape, dtype=torch_dtype(dtype))
             _read_checked(dataset, _destination(tensor)[0])
             state[path.removeprefix(f"{RANK_STATE}/")] = tensor
     return state

@@ -19,7 +19,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hpc.checkpoint.format import CheckpointError, PieceRecord, TensorRecord, check_name, shard_name, storage_dtype
+from hpc.checkpoint.format import (
+    INDEX,
+    CheckpointError,
+    CheckpointIndex,
+    PieceRecord,
+    TensorRecord,
+    check_name,
+    shard_name,
+    storage_dtype,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -172,3 +181,17 @@ def _check_tiling(name: str, pieces: Sequence[PieceMeta]) -> None:
     total = math.prod(first.global_shape)
     if covered != total:
         raise CheckpointError(f"the pieces of {name} cover {covered} of its {total} elements")
+
+
+def check_records(index: CheckpointIndex) -> None:
+    """The index's pieces of each tensor tile it exactly, as the save checked: a damaged index may not."""
+    for record in index.tensors.values():
+        try:
+            pieces = [PieceMeta(record.name, record.dtype, record.shape, p.offsets, p.shape) for p in record.pieces]
+            if not pieces:
+                raise CheckpointError("it has no pieces")
+            _check_tiling(record.name, pieces)
+        except CheckpointError as exc:
+            path = str(index.path / INDEX)
+            raise CheckpointError(f"{record.dataset} in {path} is inconsistent: {exc.message}", file=path,
+                                  dataset=record.dataset) from exc

@@ -46,7 +46,6 @@ import torch.distributed as dist
 from hpc.checkpoint.discovery import delete, publish, retire_old, write_latest
 from hpc.checkpoint.format import (
     COMPLETE,
-    FORMAT,
     INDEX,
     LIBVER,
     RANK_STATE,
@@ -59,7 +58,10 @@ from hpc.checkpoint.format import (
     done_name,
     failed_name,
     first_line,
+    piece_attrs,
+    shard_attrs,
     shard_name,
+    text_attr,
     tmp_dir_name,
     write_checksummed,
     write_index,
@@ -84,6 +86,7 @@ class _SaveJob:
     root: Path
     tmp: Path
     step: int
+    save_id: str  # rank 0's random token: written into the index and every shard of this save
     rank: int
     world_size: int
     arrays: tuple[_Array, ...]
@@ -147,17 +150,17 @@ class Checkpointer:
         mine = plan.written_by(self.rank)
         arrays = [
             _Array(f"{TENSORS}/{meta.name}", self._host(f"{TENSORS}/{meta.name}", piece.tensor),
-                   {"dtype": meta.dtype, "global_shape": meta.global_shape, "offsets": meta.offsets})
+                   piece_attrs(meta.name, meta.dtype, meta.global_shape, meta.offsets, meta.shape))
             for piece, meta in zip(pieces, metas, strict=True)
             if meta.key in mine
         ]
         arrays += [
             _Array(f"{RANK_STATE}/{key}", self._host(f"{RANK_STATE}/{key}", tensor),
-                   {"dtype": dtype_name(tensor), "shape": tuple(tensor.shape)})
+                   {"dtype": text_attr(dtype_name(tensor)), "shape": np.asarray(tensor.shape, dtype=np.int64)})
             for key, tensor in (rank_state or {}).items()
         ]
         job = _SaveJob(
-            root=self.root, tmp=self.root / tmp_dir_name(step, token), step=step, rank=self.rank,
+            root=self.root, tmp=self.root / tmp_dir_name(step, token), step=step, save_id=token, rank=self.rank,
             world_size=self.world_size, arrays=tuple(arrays), plan=plan, attrs=attrs, created_unix=created,
             keep=self.keep, commit_timeout_s=self.commit_timeout_s,
         )
@@ -250,11 +253,10 @@ def _write_shard(path: Path, job: _SaveJob) -> ShardRecord:
     """This rank's file: its share of the pieces and its private state, each dataset checksummed."""
     extents = {}
     with h5py.File(path, "w", libver=LIBVER) as shard, writeback_while_writing(path):
-        shard.attrs.update({"format": FORMAT, "step": job.step, "rank": job.rank, "world_size": job.world_size})
+        shard.attrs.update(shard_attrs(job.step, job.rank, job.world_size, job.save_id))
         for array in job.arrays:
             dataset = write_checksummed(shard, array.path, array.data)
-            for key, value in array.attrs.items():
-                dataset.attrs[key] = np.asarray(value, dtype=np.int64) if isinstance(value, tuple) else value
+            dataset.attrs.update(array.attrs)
             extents[array.path] = data_extent(dataset)
     fsync_path(path)
     return ShardRecord(file=path.name, size=path.stat().st_size, extents=extents)
@@ -290,7 +292,8 @@ def writeback_while_writing(path: Path) -> Iterator[None]:
 def _commit(job: _SaveJob) -> tuple[Path, list[Path]]:
     """Rank 0, once every shard is written: index, marker, rename, ``latest``, retention."""
     shards = _wait_for_shards(job)
-    write_index(job.tmp / INDEX, job.step, job.world_size, job.created_unix, job.attrs, job.plan.tensors, shards)
+    header = {"step": job.step, "world_size": job.world_size, "created_unix": job.created_unix, "save_id": job.save_id}
+    write_index(job.tmp / INDEX, header, job.attrs, job.plan.tensors, shards)
     fsync_path(job.tmp / INDEX)
     for rank in range(job.world_size):
         (job.tmp / done_name(rank)).unlink()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from hpc.checkpoint.discovery import list_checkpoints, read_latest
     from hpc.errors import ConfigError
 
-    if not Path(args.dir).is_dir():
+    if not os.path.lexists(args.dir):
         raise ConfigError(f"no such directory: {args.dir}")
     entries = list_checkpoints(args.dir)
     latest = read_latest(args.dir)
@@ -78,8 +79,26 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"{file:<16} {human_bytes(shard.size):>10}  {', '.join(own) or '-'}")
     if args.spec and "job_spec" in index.attrs:
         print("\njob spec:")
-        print(json.dumps(json.loads(index.attrs["job_spec"]), indent=2))
+        print(_spec_json(index.attrs["job_spec"], index.path))
     return 0
+
+
+MAX_SPEC_CHARS = 1 << 20  # a job spec is a few kB; anything near this is damage
+
+
+def _spec_json(text: object, step_dir: Path) -> str:
+    """The stored job spec, indented; bounded and one error line, since a damaged attribute can hold anything."""
+    from hpc.checkpoint.format import INDEX, CheckpointError, first_line
+
+    where = {"file": str(step_dir / INDEX), "dataset": "job_spec"}
+    if not isinstance(text, str) or len(text) > MAX_SPEC_CHARS:
+        raise CheckpointError(f"the job_spec attribute of {step_dir / INDEX} is not a JSON text of at most "
+                              f"{MAX_SPEC_CHARS} characters", **where)
+    try:
+        return json.dumps(json.loads(text), indent=2)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's recursion limit
+        raise CheckpointError(f"the job_spec attribute of {step_dir / INDEX} is not readable JSON: "
+                              f"{first_line(exc)}", **where) from exc
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
