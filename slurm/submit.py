@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Callable, Sequence
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,30 @@ def executor_parameters(slurm: SlurmConfig, name: str, array_parallelism: int | 
     if array_parallelism is not None:
         params["array_parallelism"] = array_parallelism
     return params
+
+
+def check_resources(slurm: SlurmConfig, environ: Mapping[str, str] | None = None) -> None:
+    """Ask Slurm whether it could run a job of these resources (``sbatch --test-only``), before anything is
+    submitted: a node count, memory, partition or account the cluster cannot give is sbatch's own reason,
+    as one line, and no job (not even a FAILED one) is left in sacct. Node count and resources come first,
+    so ``--nodes 3`` on two nodes is that, not a batch that does not divide by 3 ranks."""
+    argv = ["sbatch", "--test-only", f"--nodes={slurm.nodes}", f"--ntasks-per-node={slurm.ntasks_per_node}",
+            f"--cpus-per-task={slurm.cpus_per_task}", f"--time={time_minutes(slurm.time)}"]
+    optional = {"gpus-per-node": slurm.gpus_per_node or "", "mem": slurm.mem, "partition": slurm.partition,
+                "account": slurm.account, "qos": slurm.qos, "constraint": slurm.constraint}
+    argv += [f"--{option}={value}" for option, value in optional.items() if value]
+    try:
+        done = subprocess.run([*argv, "--wrap=true"], capture_output=True, text=True, env=environ, timeout=60)
+    except FileNotFoundError:
+        raise SubmitError("sbatch not found: is this a Slurm login node?") from None
+    except subprocess.TimeoutExpired:
+        raise SubmitError("sbatch --test-only gave no answer within 60 s: is slurmctld up?") from None
+    lines = done.stderr.splitlines()
+    if done.returncode == 0 or any(line.startswith("sbatch: fatal:") for line in lines):
+        return  # fits; or no controller to ask (no slurm.conf): the submission itself will say so
+    reasons = [line.removeprefix("sbatch: error: ") for line in lines if line.strip()]
+    reason = "; ".join(dict.fromkeys(reasons)) if reasons else f"exit status {done.returncode}"
+    raise SubmitError(f"Slurm cannot run {' '.join(argv[2:])}: {reason}")
 
 
 def make_executor(folder: Path, slurm: SlurmConfig, name: str, array_parallelism: int | None = None):

@@ -153,6 +153,28 @@ def test_bad_submissions_are_one_line_before_anything_is_submitted(tmp_path: Pat
 # --- on the one-node cluster ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--partition", "nosuch"), "--partition=nosuch: invalid partition specified: nosuch"),
+        (("--nodes", "3"), "Slurm cannot run --nodes=3 --ntasks-per-node=2"),  # not: the batch 64 over 6 ranks
+        (("--mem", "999T"), "--mem=999T: allocation failure: Requested node configuration is not available"),
+    ],
+)
+def test_what_the_cluster_cannot_give_is_one_line_and_leaves_no_job(slurm_cluster, args, message) -> None:
+    state = slurm_cluster.state
+    spec = state / "refused.toml"
+    spec.write_text(SPEC)
+    env = {**slurm_cluster.env, "HPC_HOME": str(state / "hpc-home-refused")}
+    done = _hpc(env, "submit", str(spec), "--set", "job.name=refused", "--set", f"job.run_dir={state / 'runs'}", *args)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("hpc: error: Slurm cannot run ") and message in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr  # sbatch's own lines are not printed before ours
+    listed = subprocess.run(["sacct", "-X", "-n", "--name=refused", "-o", "JobID,State"], env=env, capture_output=True,
+                            text=True, check=True)
+    assert listed.stdout.strip() == ""  # --test-only: no FAILED job in sacct
+
+
 @dataclass(frozen=True)
 class Submitted:
     env: dict[str, str]

@@ -110,6 +110,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     spec = _with_resources(load_spec(args.spec, args.overrides), args)
     ranks = _ranks(spec)
+    if not args.dry_run:  # what the cluster offers first: --nodes 3 on two nodes is that, not the batch split
+        submit.check_resources(spec.slurm)
     check_layout(spec, ranks)
     folder = spec.run_path.absolute() / "slurm"
     executor = submit.make_executor(folder, spec.slurm, spec.job.name)
@@ -208,6 +210,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     sweep = sweeps.load_sweep(args.target)
     directory, planned = sweeps.plan(sweep, args.overrides)
     ranks = _ranks(planned[0][1])  # slurm.* is never swept: every task has the same resources
+    if (args.executor or "slurm") == "slurm" and not args.dry_run:
+        from slurm import submit
+
+        submit.check_resources(planned[0][1].slurm)
     for task, spec in planned:
         try:
             check_layout(spec, ranks)
