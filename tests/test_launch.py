@@ -39,6 +39,40 @@ def test_threads_are_split_between_ranks() -> None:
     assert launch.threads_per_rank(4, cpus=2) == 1
 
 
+SRUN_TASK = {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4",
+             "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "2",
+             "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+BATCH_SCRIPT = {"SLURM_JOB_ID": "9", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
+                "SLURM_NODEID": "0", "SLURM_CPUS_PER_TASK": "8"}
+LOCAL_RANK = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+
+
+@pytest.mark.parametrize(
+    ("environ", "affinity", "threads"),
+    [
+        ({**SRUN_TASK, "SLURM_CPUS_PER_TASK": "1"}, range(64), 1),  # --cpus-per-task, not the node's 64 CPUs
+        ({**SRUN_TASK, "SLURM_CPUS_PER_TASK": "8"}, {0, 1, 2, 3}, 4),  # never past the affinity mask
+        (SRUN_TASK, range(16), 8),  # no --cpus-per-task: the mask shared by the 2 tasks on this node
+        ({**BATCH_SCRIPT, **LOCAL_RANK}, range(8), 4),  # hpc run inside a job: the job's per-task CPUs are not ours
+        (LOCAL_RANK, {0, 1}, 1),  # hpc run on 2 usable CPUs, whatever os.cpu_count() says
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, {0, 1}, 1),  # at least one
+        ({}, {5}, 1),
+    ],
+)
+def test_rank_threads_follow_slurms_cpus_per_task_and_the_affinity_mask(environ, affinity, threads) -> None:
+    assert launch.rank_threads(environ, affinity) == threads
+
+
+def test_launchers_count_the_cpus_this_process_may_use_not_the_machines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 3, 4, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert launch.usable_cpus() == 4
+    assert {c.env["OMP_NUM_THREADS"] for c in launch.local_commands(2, ARGV, {}, 1, "j", "tty")} == {"2"}
+    assert "-x OMP_NUM_THREADS=1" in " ".join(launch.mpirun_command(4, ARGV, {}))
+    assert launch.rank_threads(LOCAL_RANK) == 2
+
+
 def test_mpirun_command_for_bare_metal_hosts() -> None:
     env = {"PATH": "/bin", "NCCL_IB_HCA": "mlx5", "HOME": "/root", "HPC_X": "1"}
     command = launch.mpirun_command(8, ARGV, env, hosts=[("a", 4), ("b", 4)], is_root=True, cpus=64)
@@ -216,3 +250,17 @@ def test_exception_on_one_rank_aborts_the_others(tmp_path, launcher) -> None:
     assert time.monotonic() - started < 60
     assert re.search(r"^\[0\] hpc-rank: rank 0: error: .*not-a-directory", done.stderr + done.stdout, re.M)
     assert "rank 0 exited with code 1" in done.stderr or launcher == "mpirun"
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line_naming_it_and_the_host(tmp_path: Path) -> None:
+    import socket
+
+    from hpc.cli.rank import make_run_dir
+    from hpc.errors import HpcError
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(HpcError) as raised:
+        make_run_dir(tmp_path / "file" / "run")
+    message = str(raised.value)
+    assert message.startswith(f"cannot create the run directory {tmp_path / 'file' / 'run'} on "
+                              f"{socket.gethostname()}: Not a directory;") and "\n" not in message

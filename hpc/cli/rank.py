@@ -53,14 +53,14 @@ def train_rank(spec_path: str, overrides: Sequence[str], watcher) -> int:
     from hpc.config import load_spec
     from hpc.observe.progress import progress_mode
     from hpc.runtime import bootstrap, preemption
-    from hpc.runtime.env import detect_rank_info
-    from hpc.runtime.launch import threads_per_rank
+    from hpc.runtime.launch import rank_threads
     from hpc.runtime.mesh import build_mesh, resolve_layout
     from jobs.train import train
 
     spec = load_spec(spec_path, overrides)
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(threads_per_rank(detect_rank_info(os.environ).local_size))
+    make_run_dir(spec.run_path)
+    if "OMP_NUM_THREADS" not in os.environ:  # else torch follows it: the user's, or what our launchers set
+        torch.set_num_threads(rank_threads(os.environ))
     world = bootstrap.init(spec.parallel.backend, spec.parallel.init_timeout_s, spec.parallel.timeout_s)
     shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world.size)
     mesh = build_mesh(shape, world.rank)
@@ -75,6 +75,19 @@ def train_rank(spec_path: str, overrides: Sequence[str], watcher) -> int:
         print(summary_line(result, world, shape, spec.run_path / METRICS_FILE), flush=True)
     bootstrap.shutdown()
     return 0
+
+
+def make_run_dir(path: Path) -> None:
+    """job.run_dir on this host, or one line that says which directory and where (a node's private /tmp?)."""
+    import socket
+
+    from hpc.errors import HpcError
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise HpcError(f"cannot create the run directory {path} on {socket.gethostname()}: {exc.strerror}; "
+                       "job.run_dir must be writable, and shared by every node") from None
 
 
 def write_result(path: Path, result, world) -> None:

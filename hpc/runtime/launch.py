@@ -25,12 +25,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from hpc.errors import ConfigError, RankFailedError
 from hpc.observe.stall import STALL_EXIT
+from hpc.runtime.env import Launcher, detect_rank_info
 
 STOP_GRACE_S = 5.0
 # Variables a rank needs from the launching shell; -x copies their current values.
@@ -58,8 +59,32 @@ def rank_argv(spec_path: str, overrides: Sequence[str]) -> tuple[str, ...]:
     return (sys.executable, "-m", "hpc.cli.rank", spec_path, *sets)
 
 
+def usable_cpus(affinity: Collection[int] | None = None) -> int:
+    """The CPUs this process may run on: its affinity mask (set by Slurm's task plugin, mpirun --bind-to,
+    taskset, a container's cpuset), not the machine's count, which os.cpu_count() gives."""
+    if affinity is None:
+        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return max(1, len(affinity))
+
+
 def threads_per_rank(ranks_on_node: int, cpus: int | None = None) -> int:
-    return max(1, (cpus or os.cpu_count() or 1) // ranks_on_node)
+    """Each of ``ranks_on_node`` ranks sharing ``cpus`` (default: this process's usable CPUs) gets an equal share."""
+    return max(1, (cpus or usable_cpus()) // ranks_on_node)
+
+
+def rank_threads(environ: Mapping[str, str], affinity: Collection[int] | None = None) -> int:
+    """A rank's torch threads when OMP_NUM_THREADS does not say, from where it runs, under every launcher.
+
+    An srun task gets Slurm's ``--cpus-per-task`` (SLURM_CPUS_PER_TASK), at most its affinity mask;
+    any other rank an equal share of its mask with the ranks on its node (hpc run and mpirun's
+    ranks inherit the launcher's mask, or are bound by it).
+    """
+    info = detect_rank_info(environ)
+    cpus = usable_cpus(affinity)
+    per_task = environ.get("SLURM_CPUS_PER_TASK", "") if info.launcher is Launcher.SLURM else ""
+    if per_task.isdigit() and int(per_task) > 0:
+        return min(int(per_task), cpus)
+    return threads_per_rank(info.local_size, cpus)
 
 
 def describe_exit(returncode: int) -> str:
@@ -118,7 +143,7 @@ def mpirun_command(
     is_root: bool = False,
     cpus: int | None = None,
 ) -> list[str]:
-    slots = sum(s for _, s in hosts) if hosts else (cpus or os.cpu_count() or 1)
+    slots = sum(s for _, s in hosts) if hosts else (cpus or usable_cpus())
     oversubscribe = n > slots
     ranks_per_node = max(s for _, s in hosts) if hosts else n
     command = ["mpirun", "-np", str(n), "--tag-output"]
