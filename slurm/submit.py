@@ -16,6 +16,13 @@ words and joined back quoted (shlex): a line runs as one command with literal ar
 belongs in a script that a setup line sources. Nothing from the submitting environment is
 written into the script (sbatch passes it on by itself).
 
+Signals (hpc/runtime/preemption.py): every srun task starts under ``env --block-signal``, so a
+warning signal during a rank's start-up waits until the rank's handlers are installed instead
+of killing it. The batch script traps USR1 and USR2 (``scancel --full`` or ``--batch`` signal
+the script itself; bash's default would kill it): before srun starts, no rank can checkpoint,
+so the script requeues the job (within ``slurm.max_requeues``) and exits; once srun runs, the
+ranks handle the signal and the trap does nothing.
+
 Runs on login nodes: nothing here imports torch.
 """
 
@@ -24,12 +31,14 @@ from __future__ import annotations
 import math
 import shlex
 import subprocess
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hpc.config import SlurmConfig
 from hpc.errors import ConfigError, HpcError
+from hpc.runtime.preemption import BLOCKED_AT_START, PREEMPTED_EXIT
 
 # srun: one dead rank ends the step at once instead of leaving the others in a collective.
 SRUN_ARGS = ("--kill-on-bad-exit=1",)
@@ -70,6 +79,35 @@ def quote_setup(lines: Sequence[str]) -> list[str]:
     return quoted
 
 
+def signal_trap(max_requeues: int) -> list[str]:
+    """The batch script's first lines: a warning signal before srun starts requeues the job (see the module docs).
+
+    submitit exports SUBMITIT_EXECUTOR on the line before srun: from there on the ranks own the signal.
+    """
+    said = 'echo "preempted: SIG$1 before the ranks started; '
+    return [
+        "unset SUBMITIT_EXECUTOR  # set just before srun: from then on the ranks handle USR1 and USR2",
+        "hpc_early_signal() {",
+        '    [ -n "${SUBMITIT_EXECUTOR:-}" ] && return',
+        "    local restarts=${SLURM_RESTART_COUNT:-0}",
+        f'    if [ "$restarts" -ge {max_requeues} ]; then',
+        f'        {said}not requeued: job $SLURM_JOB_ID was requeued $restarts times '
+        f'(slurm.max_requeues = {max_requeues})"',
+        "    else",
+        f'        {said}requeued job $SLURM_JOB_ID (requeue $((restarts + 1)) of at most {max_requeues})"',
+        '        scontrol requeue "$SLURM_JOB_ID"',
+        "    fi",
+        f"    exit {PREEMPTED_EXIT}",
+        "}",
+        *(f"trap 'hpc_early_signal {name}' {name}" for name in ("USR1", "USR2")),
+    ]
+
+
+def task_python() -> str:
+    """The interpreter each srun task runs, with the warning signals blocked from its first instruction."""
+    return f"env --block-signal={BLOCKED_AT_START} {shlex.quote(sys.executable)}"
+
+
 def executor_parameters(slurm: SlurmConfig, name: str, array_parallelism: int | None = None) -> dict[str, Any]:
     """submitit's ``update_parameters`` for a spec's resources; unset optional resources stay out of the script."""
     params: dict[str, Any] = {
@@ -89,8 +127,9 @@ def executor_parameters(slurm: SlurmConfig, name: str, array_parallelism: int | 
                 "account": slurm.account, "qos": slurm.qos, "constraint": slurm.constraint}
     params.update({key: value for key, value in optional.items() if value})
     setup = quote_setup(slurm.setup)
+    params["setup"] = signal_trap(slurm.max_requeues)
     if setup:
-        params["setup"] = ["set -e  # a failed setup line ends the job", *setup]
+        params["setup"] += ["set -e  # a failed setup line ends the job", *setup]
     if array_parallelism is not None:
         params["array_parallelism"] = array_parallelism
     return params
@@ -125,7 +164,7 @@ def make_executor(folder: Path, slurm: SlurmConfig, name: str, array_parallelism
     import submitit
 
     try:
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=0, python=task_python())
     except RuntimeError as exc:  # submitit's "Could not detect srun"
         raise SubmitError(f"Slurm is not available here: {exc}") from None
     executor.update_parameters(**executor_parameters(slurm, name, array_parallelism))

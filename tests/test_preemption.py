@@ -13,7 +13,7 @@ import pytest
 
 from hpc.config import spec_from_dict
 from hpc.runtime.mesh import build_mesh, resolve_layout
-from hpc.runtime.preemption import Preempted, Preemption, requeue_plan, watch
+from hpc.runtime.preemption import BLOCKED_AT_START, Preempted, Preemption, requeue_plan, watch
 from tests.ranks import run_ranks
 
 SRUN_TASK = {"SLURM_JOB_ID": "57", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
@@ -66,6 +66,26 @@ def test_handler_records_the_signal_keeps_a_requeue_over_a_stop_and_is_removed_o
         os.kill(os.getpid(), signal.SIGTERM)  # the process lives on: the handler only records
         assert preemption.received is signal.SIGUSR1
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_signal_blocked_during_start_up_waits_for_the_handler_and_is_recorded() -> None:
+    """hpc submit starts srun tasks with these signals blocked (env --block-signal): one sent before the
+    handlers exist stays pending, reaches ours once installed, and is blocked again afterwards."""
+    ours = {signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM}
+    assert {signal.Signals[f"SIG{name}"] for name in BLOCKED_AT_START.split(",")} == ours
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, ours)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # would kill the process with its default action
+        assert signal.SIGUSR1 in signal.sigpending()
+        with Preemption() as preemption:
+            assert preemption.received is signal.SIGUSR1 and not signal.sigpending()
+            assert not ours & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        os.kill(os.getpid(), signal.SIGUSR2)  # after the run: pending, never delivered to the default action
+        assert signal.SIGUSR2 in signal.sigpending() and preemption.received is signal.SIGUSR1
+        assert ours <= signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        assert signal.sigwait([signal.SIGUSR2]) == signal.SIGUSR2  # consume it before unblocking
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _signal_then_resume(world, base: dict, signals: dict[int, signal.Signals]) -> tuple:

@@ -13,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import pytest
 
 from hpc.runtime.env import Launcher, detect_rank_info
 from slurm.job_registry import DONE_STATES, sacct_states
-from slurm.submit import quote_setup, time_minutes
+from slurm.submit import quote_setup, signal_trap, time_minutes
 
 REPO = Path(__file__).resolve().parent.parent
 # sbatch passes the environment on: one torch thread per rank, as the references below use.
@@ -122,7 +123,9 @@ def test_dry_run_prints_the_golden_script_and_submits_nothing(tmp_path: Path) ->
     assert done.stdout.replace(shlex.quote(sys.executable), "PYTHON") == (GOLDEN / "submit_dry_run.sbatch").read_text()
     assert not Path("/scratch/runs/golden").exists() and not (tmp_path / "jobs").exists()
     replaced = _hpc(env, "submit", str(GOLDEN / "submit_job.toml"), "--dry-run", "--setup", "module load gcc")
-    assert "\n# setup\nset -e  # a failed setup line ends the job\nmodule load gcc\n\n# command\n" in replaced.stdout
+    setup = ["# setup", *signal_trap(3), "set -e  # a failed setup line ends the job", "module load gcc", "",
+             "# command"]
+    assert "\n" + "\n".join(setup) + "\n" in replaced.stdout
 
 
 @pytest.mark.parametrize(
@@ -381,20 +384,29 @@ def _train_locally(world, spec: str, overrides: list[str]) -> None:
 
 @pytest.mark.slow
 def test_two_node_jobs_train_across_the_nodes_with_the_loss_of_local_ranks(slurm_cluster_2nodes) -> None:
+    """Also: threads come from --cpus-per-task, not the node's CPU count, so without OMP_NUM_THREADS the
+    one-rank-per-node job loses bit for bit what hpc run -n 2 and mpirun lose (issue 16); a run directory
+    under a node's private /tmp fails the job at once, and hpc logs says why."""
     from tests.ranks import run_ranks
 
     cluster = slurm_cluster_2nodes
     state = cluster.state  # each node has its own /tmp: everything the jobs write lives under the state directory
-    env = {**cluster.env, **ONE_THREAD, "HPC_HOME": str(state / "hpc-home")}
+    env = {**{k: v for k, v in cluster.env.items() if k != "OMP_NUM_THREADS"}, "HPC_HOME": str(state / "hpc-home")}
     spec, runs = state / "job.toml", state / "runs"
     spec.write_text(SPEC)
     jobs = {}
     for per_node in (1, 2):
         sets = ("--set", f"job.run_dir={runs}", "--set", f"job.name=slurm-{per_node}")
         jobs[per_node] = _submitted(_hpc(env, "submit", str(spec), "--nodes", "2", "--ntasks-per-node",
-                                         str(per_node), *sets))
+                                         str(per_node), "--cpus-per-task", "1", *sets))
+    private = Path(tempfile.mkdtemp(prefix="hpc-private-"))  # this host's /tmp: no node sees it
+    lost = _submitted(_hpc(env, "submit", str(spec), "--nodes", "2", "--set", f"job.run_dir={private}"))
     for per_node in (1, 2):  # meanwhile, the same spec on as many local ranks
         run_ranks(2 * per_node, _train_locally, str(spec), [f"job.run_dir={runs}", f"job.name=local-{per_node}"])
+    for launcher in ("local", "mpirun"):
+        done = _hpc(env, "run", "-n", "2", "--launcher", launcher, str(spec), "--set", f"job.run_dir={runs}",
+                    "--set", f"job.name=run-{launcher}")
+        assert done.returncode == 0, done.stderr
     for per_node in (1, 2):
         assert _wait_done(env, jobs[per_node]) == {jobs[per_node]: "COMPLETED"}
         logs = _logs(runs / f"slurm-{per_node}" / "slurm")
@@ -402,3 +414,10 @@ def test_two_node_jobs_train_across_the_nodes_with_the_loss_of_local_ranks(slurm
         assert hosts == [node for node in cluster.nodes for _ in range(per_node)]
         slurm_losses = _losses(runs / f"slurm-{per_node}")
         assert len(slurm_losses) == 20 and slurm_losses == _losses(runs / f"local-{per_node}")
+    assert _losses(runs / "slurm-1") == _losses(runs / "run-local") == _losses(runs / "run-mpirun")
+    assert _wait_done(env, lost) == {lost: "FAILED"}
+    shown = _hpc(env, "logs", lost)
+    assert shown.returncode != 0 and shown.stderr.count("\n") == 1, shown.stderr
+    assert f"job {lost} ended FAILED" in shown.stderr and f"without writing {private}/digits/slurm/{lost}_0_log.out: " \
+        "Slurm could not create it on the node" in shown.stderr and "(/tmp is private to each node)" in shown.stderr
+    shutil.rmtree(private)

@@ -169,8 +169,21 @@ def cmd_logs(args: argparse.Namespace) -> int:
     elif path.exists():
         sys.stdout.write(path.read_text(errors="replace"))
     else:
-        raise job_registry.JobLookupError(f"no log yet: {path} (has job {job_id} started? hpc status {job_id})")
+        raise job_registry.JobLookupError(_no_log(job_id, path))
     return 0
+
+
+def _no_log(job_id: str, path: Path) -> str:
+    """Why a job has no log: not started yet, or ended without one (Slurm could not open it on the node)."""
+    from slurm import job_registry
+
+    fields = job_registry.sacct_states([job_id]).get(job_id, {})
+    if fields.get("State") not in job_registry.DONE_STATES:
+        return f"no log yet: {path} (has job {job_id} started? hpc status {job_id})"
+    private = " (/tmp is private to each node)" if path.is_relative_to("/tmp") else ""
+    return (f"job {job_id} ended {fields['State']} (exit code {fields.get('ExitCode', '?')}) on "
+            f"{fields.get('NodeList', '?')} without writing {path}: Slurm could not create it on the node, so that "
+            f"rank never started; job.run_dir must be a directory every node shares{private}")
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:

@@ -18,6 +18,13 @@ come back later": checkpoint and requeue. SIGTERM means stop: checkpoint and exi
 Slurm requeues a preempted job by itself and a cancelled one must stay cancelled. Handlers
 are installed only in srun tasks; elsewhere our launchers stop ranks with SIGTERM and it keeps
 its default action.
+
+Start-up: a signal's default action kills a process, and a rank imports for a second or more
+before this module can install anything. ``hpc submit`` therefore starts every srun task with
+these signals blocked (``env --block-signal``, :data:`BLOCKED_AT_START`; a signal mask survives
+exec), and :class:`Preemption` installs its handlers *then* unblocks them, so a signal that
+arrived during start-up waits pending and is recorded the moment the handlers are ready. On
+exit it blocks them again: a late signal is dropped with the process instead of killing it.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 # Agreement takes the highest rank: a rank asked to requeue outweighs one asked to stop.
 _PRIORITY = {signal.SIGTERM: 1, signal.SIGUSR2: 2, signal.SIGUSR1: 3}
 _BY_PRIORITY = {priority: signum for signum, priority in _PRIORITY.items()}
+# What slurm/submit.py blocks from the first instruction of every srun task (as env's --block-signal list).
+BLOCKED_AT_START = "USR1,USR2,TERM"
 
 
 class Preempted(HpcError):
@@ -58,13 +67,17 @@ class Preemption:
         self.signals = signals
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, object] = {}
+        self._mask: set[signal.Signals] = set()
 
     def __enter__(self) -> Preemption:
+        """Handlers first, then unblock: a signal left pending during start-up is recorded here."""
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._record)
+        self._mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
         return self
 
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)  # blocked again if they were before
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
