@@ -3,15 +3,22 @@ file types and links are checked before anything is opened, and every failure is
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hpc.checkpoint.discovery import list_checkpoints, read_latest, resolve_resume
 from hpc.checkpoint.format import CheckpointError, read_index
@@ -280,3 +287,107 @@ def test_an_intact_checkpoint_still_loads_equal(saved) -> None:
     for name, tensor in _reference_tensors().items():
         assert torch.equal(read_tensor(index, name), tensor), name
     assert torch.equal(load_rank_state(index, 1)["counter"], torch.tensor([1, 4]))
+
+
+# --- fuzzing: flipped bits and truncated files ------------------------------------------------------
+
+FILES = ("index.h5", "rank-00000.h5", "rank-00001.h5")
+LOAD_TIMEOUT_S = 30
+
+
+def _everything(step: str) -> dict:
+    """What a resume and an export read: every whole tensor, a resharded block, every rank's state."""
+    import torch
+
+    from hpc.checkpoint import Piece, load_into, load_rank_state, open_checkpoint, read_tensor
+
+    index = open_checkpoint(step)
+    loaded = {name: read_tensor(index, name) for name in sorted(index.tensors)}
+    block = torch.empty(3, 4)  # straddles both ranks' pieces
+    load_into(index, [Piece("optim/split", block, (8, 6), (2, 1))])
+    loaded["block"] = block
+    for rank in (0, 1):
+        loaded |= {f"rank{rank}/{key}": value for key, value in load_rank_state(index, rank).items()}
+    return loaded
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
+_ORIGINAL: dict = {}
+
+
+def _outcome(step: str, original: str) -> tuple[str, str]:
+    """In the worker: ("equal", ...) or ("error", the line); any other kind is a failure of the test."""
+    from hpc.checkpoint.verify import verify_checkpoint
+
+    try:
+        report = verify_checkpoint(step)
+    except Exception:
+        return "verify raised", traceback.format_exc()
+    if any("\n" in str(problem) or step not in str(problem) for problem in report.problems):
+        return "verify problem not one line naming its file", "; ".join(map(str, report.problems))
+    if not _ORIGINAL:
+        _ORIGINAL.update(_everything(original))
+    try:
+        loaded = _everything(step)
+    except CheckpointError as exc:
+        if report.ok:
+            return "verify passed what the load refused", str(exc)
+        return "error", str(exc)
+    except Exception:
+        return "crash", traceback.format_exc()
+    if not _same(loaded, _ORIGINAL):
+        return "different data", f"verify ok: {report.ok}"
+    return "equal", ""
+
+
+@pytest.fixture(scope="module")
+def worker():
+    """One process that loads: a hang is a timeout there, not a stalled suite."""
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("forkserver"))
+    yield pool
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _damage(step: Path, edits) -> None:
+    for file, kind, where, bit in edits:
+        path = step / file
+        size = path.stat().st_size
+        if kind == "truncate" or not size:
+            os.truncate(path, int(where * size))
+            continue
+        at = min(size - 1, int(where * size))
+        with open(path, "r+b") as handle:
+            handle.seek(at)
+            byte = handle.read(1)[0]
+            handle.seek(at)
+            handle.write(bytes([byte ^ (1 << bit)]))
+
+
+EDITS = st.lists(st.tuples(st.sampled_from(FILES), st.sampled_from(("flip",) * 6 + ("truncate",)),
+                           st.floats(0, 1, exclude_max=True), st.integers(0, 7)), min_size=1, max_size=3)
+
+
+@settings(max_examples=200, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(edits=EDITS)
+def test_damaged_checkpoints_load_equal_or_fail_in_one_line(saved, worker, edits) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        step = Path(scratch) / "step-00000004"
+        shutil.copytree(saved / step.name, step)
+        _damage(step, edits)
+        future = worker.submit(_outcome, str(step), str(saved / step.name))
+        try:
+            kind, detail = future.result(timeout=LOAD_TIMEOUT_S)
+        except FutureTimeout:
+            for process in list(worker._processes.values()):
+                process.kill()
+            pytest.fail(f"loading hung after {edits}")
+        assert kind in ("equal", "error"), f"{kind} after {edits}: {detail}"
+        if kind == "error":
+            assert "\n" not in detail and str(step) in detail, detail

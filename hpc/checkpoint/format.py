@@ -382,10 +382,28 @@ def _tensor_records(index: h5py.File) -> dict[str, TensorRecord]:
         if not isinstance(link, h5py.HardLink):
             raise CheckpointError(f"{TENSORS}/{name} in {index.filename} is a {type(link).__name__}, which is "
                                   "never followed", file=index.filename, dataset=f"{TENSORS}/{name}")
-        item = group[name]
-        if isinstance(item, h5py.Dataset):
-            tensors[name] = _tensor_record(index.filename, name, item.attrs)
+        if h5py.h5o.get_info(group.id, name.encode()).type == h5py.h5o.TYPE_DATASET:
+            tensors[name] = _tensor_record(index.filename, name, _attrs_of(group, name))
     return tensors
+
+
+TENSOR_ATTRS = ("dtype", "shape", "piece_files", "piece_offsets", "piece_shapes")
+
+
+def _attrs_of(group: h5py.Group, name: str) -> dict[str, Any]:
+    """A virtual dataset's attributes, read without opening it: HDF5 crashes (SIGSEGV) opening one whose
+    mapping, kept in the unchecked global heap, is damaged. A missing attribute is left out."""
+    attrs = {}
+    for key in TENSOR_ATTRS:
+        if not h5py.h5a.exists(group.id, key.encode(), obj_name=name.encode()):
+            continue
+        attr = h5py.h5a.open(group.id, key.encode(), obj_name=name.encode())
+        if attr.dtype.kind == "O":
+            raise ValueError(f"attribute {key} is variable-length")
+        value = np.empty(attr.shape, dtype=attr.dtype)
+        attr.read(value)
+        attrs[key] = value[()] if value.ndim == 0 else value
+    return attrs
 
 
 def _check_index(index: CheckpointIndex) -> None:
@@ -408,7 +426,7 @@ def _check_index(index: CheckpointIndex) -> None:
                                       f"does not list it once at {nbytes} bytes", file=path, dataset=record.dataset)
 
 
-def _tensor_record(file: str, name: str, attrs: h5py.AttributeManager) -> TensorRecord:
+def _tensor_record(file: str, name: str, attrs: Mapping[str, Any]) -> TensorRecord:
     dataset = f"{TENSORS}/{name}"
     try:
         check_name(name)

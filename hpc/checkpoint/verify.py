@@ -13,9 +13,11 @@ catches a failure that HDF5 alone would let through or report without a name:
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import stat
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import h5py
@@ -144,8 +146,37 @@ def _pieces_in(index: CheckpointIndex, file: str) -> dict[str, tuple[TensorRecor
             for piece in record.pieces if piece.file == file}
 
 
+VIRTUAL_CHECK_TIMEOUT_S = 60.0
+
+
 def _check_virtual_sources(index: CheckpointIndex) -> list[Problem]:
-    """Every virtual dataset maps only datasets that the manifest promises (it is opened, never read)."""
+    """Every virtual dataset maps only datasets the manifest promises, checked in a forked child: HDF5
+    crashes (SIGSEGV) opening a virtual dataset whose mapping, in the unchecked global heap, is damaged."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_send_virtual_problems, args=(index, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        problems = receive.recv() if receive.poll(VIRTUAL_CHECK_TIMEOUT_S) else None
+    except EOFError:
+        problems = None
+    child.join(timeout=5)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    if problems is None:
+        return [Problem(str(index.path / INDEX), "", f"a virtual dataset's mapping is damaged: HDF5 failed reading "
+                                                     f"it (exit code {child.exitcode})")]
+    return problems
+
+
+def _send_virtual_problems(index: CheckpointIndex, send: Connection) -> None:
+    send.send(_virtual_problems(index))
+    send.close()
+
+
+def _virtual_problems(index: CheckpointIndex) -> list[Problem]:
     problems = []
     path = index.path / INDEX
     try:
