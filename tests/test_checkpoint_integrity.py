@@ -391,3 +391,16 @@ def test_damaged_checkpoints_load_equal_or_fail_in_one_line(saved, worker, edits
         assert kind in ("equal", "error"), f"{kind} after {edits}: {detail}"
         if kind == "error":
             assert "\n" not in detail and str(step) in detail, detail
+
+
+def test_a_latest_that_is_a_directory_does_not_fail_a_save(tmp_path, capsys) -> None:
+    """``latest`` is only a hint: a directory in its place is reported and left, the save stands."""
+    from hpc.checkpoint.discovery import write_latest
+    from hpc.checkpoint.format import LATEST
+
+    step_dir = tmp_path / "step-00000002"
+    step_dir.mkdir()
+    (tmp_path / LATEST).mkdir()
+    write_latest(tmp_path, step_dir)
+    assert (tmp_path / LATEST).is_dir() and not list(tmp_path.glob(f".{LATEST}.tmp-*"))
+    assert f"checkpoint {step_dir} is saved, but {tmp_path / LATEST} could not point at it" in capsys.readouterr().err

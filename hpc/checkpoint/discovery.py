@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,10 +102,21 @@ def read_latest(root: str | Path) -> str | None:
 
 
 def write_latest(root: Path, step_dir: Path) -> None:
-    """Point ``latest`` at ``step_dir`` atomically: write a temporary file, then rename it over."""
+    """Point ``latest`` at ``step_dir`` atomically: write a temporary file, then rename it over.
+
+    ``latest`` is a hint for people and tools (resume scans the step directories), so a
+    ``latest`` that cannot be replaced, such as a directory someone made there, is
+    reported and left alone rather than failing a save that is already published.
+    """
     temporary = root / f".{LATEST}.tmp-{os.getpid()}"
     temporary.write_text(step_dir.name + "\n")
-    os.replace(temporary, root / LATEST)
+    try:
+        os.replace(temporary, root / LATEST)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        print(f"hpc: warning: checkpoint {step_dir} is saved, but {root / LATEST} could not point at it "
+              f"({exc.strerror}); resume finds it by scanning {root}", file=sys.stderr, flush=True)
+        return
     fsync_path(root)
 
 
