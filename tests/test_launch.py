@@ -239,16 +239,17 @@ def test_mpirun_dry_run_is_the_exact_command(tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["local", pytest.param("mpirun", marks=needs_mpi)])
 def test_exception_on_one_rank_aborts_the_others(tmp_path, launcher) -> None:
-    """Only rank 0 writes metrics: an unwritable run directory fails rank 0 alone while the
-    other ranks wait for it in the gradient all-reduce; they must be taken down, not hang."""
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("")
+    """Only rank 0 writes metrics: a directory where its metrics.jsonl goes fails rank 0 alone while
+    the other ranks wait for it in the gradient all-reduce; they must be taken down, not hang.
+    (Every rank makes the run directory itself, so an unwritable run_dir would fail them all.)"""
+    (tmp_path / "blocked" / "metrics.jsonl").mkdir(parents=True)
     started = time.monotonic()
-    done = _run("run", "-n", "2", "--launcher", launcher, str(EXAMPLE), "--set", f"job.run_dir={blocker}",
-                timeout=90)
+    done = _run("run", "-n", "2", "--launcher", launcher, str(EXAMPLE), "--set", f"job.run_dir={tmp_path}",
+                "--set", "job.name=blocked", timeout=90)
     assert done.returncode != 0
     assert time.monotonic() - started < 60
-    assert re.search(r"^\[0\] hpc-rank: rank 0: error: .*not-a-directory", done.stderr + done.stdout, re.M)
+    assert re.search(r"^\[0\] hpc-rank: rank 0: error: .*Is a directory: .*metrics\.jsonl", done.stderr + done.stdout,
+                     re.M)
     assert "rank 0 exited with code 1" in done.stderr or launcher == "mpirun"
 
 
