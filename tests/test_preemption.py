@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -75,12 +76,14 @@ def test_a_signal_blocked_during_start_up_waits_for_the_handler_and_is_recorded(
     assert {signal.Signals[f"SIG{name}"] for name in BLOCKED_AT_START.split(",")} == ours
     before = signal.pthread_sigmask(signal.SIG_BLOCK, ours)
     try:
-        os.kill(os.getpid(), signal.SIGUSR1)  # would kill the process with its default action
+        # To this thread: the mask is per thread, and a process-directed signal could reach another
+        # thread of pytest's (none blocks it) and kill the whole run with the default action.
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
         assert signal.SIGUSR1 in signal.sigpending()
         with Preemption() as preemption:
             assert preemption.received is signal.SIGUSR1 and not signal.sigpending()
             assert not ours & signal.pthread_sigmask(signal.SIG_BLOCK, [])
-        os.kill(os.getpid(), signal.SIGUSR2)  # after the run: pending, never delivered to the default action
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR2)  # after the run: pending, not delivered
         assert signal.SIGUSR2 in signal.sigpending() and preemption.received is signal.SIGUSR1
         assert ours <= signal.pthread_sigmask(signal.SIG_BLOCK, [])
         assert signal.sigwait([signal.SIGUSR2]) == signal.SIGUSR2  # consume it before unblocking
