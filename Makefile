@@ -27,7 +27,7 @@ debs:
 	fi
 
 $(STAMPS)/pip: setup.cfg pyproject.toml
-	$(PYTHON) -m pip install -q -e '.[dev]'
+	$(PYTHON) -m pip install -q -e '.[dev,hf]'
 	@mkdir -p $(STAMPS) && touch $@
 
 run: install

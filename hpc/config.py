@@ -46,6 +46,11 @@ _SLURM_WORD = types.MappingProxyType(
     {"pattern": r"\S*", "describe": "empty or a single word without spaces"}
 )
 _PATH = types.MappingProxyType({"max_len": 4096, "max_part_bytes": 255})  # PATH_MAX, NAME_MAX
+_ENTRY = types.MappingProxyType(
+    {"pattern": r"(?:[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)?",
+     "describe": "empty or 'package.module:function'"}
+)
+_NO_TABLE: Mapping[str, Any] = types.MappingProxyType({})
 
 # Input limits (issue 16): what a spec, a sweep file or a --set may hold, each refused in one line.
 MAX_DEPTH = 32  # tables and arrays nested in a file or a --set (tomllib recurses: thousands overflow the stack)
@@ -64,6 +69,8 @@ def _field(default: Any, doc: str, **constraints: Any) -> Any:
     """A setting: its default, what it means (``hpc spec`` and docs/JOB_SPEC.md print it) and the
     constraints the builder checks (min, gt, max_excl, max, pattern, describe; for strings max_len,
     default MAX_STRING, max_part_bytes per '/'-separated part, shell_words: shlex must split it)."""
+    if isinstance(default, Mapping):  # a table: dataclasses refuse an unhashable default
+        return field(default_factory=lambda: default, metadata={"doc": doc, **constraints})
     return field(default=default, metadata={"doc": doc, **constraints})
 
 
@@ -83,11 +90,18 @@ class JobConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model: a built-in MLP or GPT."""
+    """The model: your own (entry) or a built-in MLP or GPT."""
 
     vocab_size: ClassVar[int] = 256  # the GPT reads raw bytes
 
-    kind: Literal["mlp", "gpt"] = _field("mlp", "mlp: the digits classifier; gpt: the byte-level GPT (jobs/gpt.py)")
+    entry: str = _field("", "your model: a function 'package.module:function' returning an nn.Module that follows "
+                            "docs/USER_MODELS.md; empty: the built-in model.kind", **_ENTRY)
+    args: Mapping[str, Any] = _field(_NO_TABLE, "entry: its keyword arguments")
+    tp_plan: Mapping[str, str] = _field(
+        _NO_TABLE, "module-name patterns ('*' for one name) to a TP style (colwise, rowwise, vocab, replicate, ...), "
+                   "over the model's own tp_plan")
+    kind: Literal["mlp", "gpt"] = _field("mlp", "without entry: mlp, the digits classifier, or gpt, the byte-level "
+                                                "GPT (jobs/gpt.py)")
     hidden_sizes: tuple[int, ...] = _field((128, 128), "mlp: the width of each hidden layer", min=1)
     dropout: float = _field(0.0, "dropout probability after each hidden layer or block", min=0, max_excl=1)
     n_layers: int = _field(4, "gpt: transformer blocks (cut into pipeline stages)", min=1)
@@ -106,8 +120,12 @@ class ModelConfig:
 class DataConfig:
     """The data set and the global batch."""
 
+    entry: str = _field("", "your data: a function 'package.module:function' returning a map-style data set "
+                            "(docs/USER_MODELS.md); empty: the built-in data.name", **_ENTRY)
+    args: Mapping[str, Any] = _field(_NO_TABLE, "entry: its keyword arguments")
     name: Literal["digits", "licenses"] = _field(
-        "digits", "digits: scikit-learn's handwritten digits (mlp); licenses: Debian's license texts (gpt)")
+        "digits", "without entry: digits, scikit-learn's handwritten digits (mlp), or licenses, Debian's license "
+                  "texts (gpt)")
     batch_size: int = _field(64, "the global batch, split across the data-parallel ranks", min=1)
 
 
@@ -285,7 +303,7 @@ def spec_reference(markdown: bool = False) -> str:
 
 
 def _default_text(f: dataclasses.Field) -> str:
-    value = _plain(f.default)
+    value = _plain(f.default_factory() if f.default is dataclasses.MISSING else f.default)
     return str(value).lower() if isinstance(value, bool) else json.dumps(value)
 
 
@@ -548,6 +566,8 @@ def _convert(hint: Any, value: Any, path: str, constraints: Mapping[str, Any]) -
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, path)
     origin, args = get_origin(hint), get_args(hint)
+    if origin is Mapping:
+        return _table(args[1], value, path)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise _Invalid(path, _must_be(path, hint, value))
@@ -564,6 +584,16 @@ def _convert(hint: Any, value: Any, path: str, constraints: Mapping[str, Any]) -
             _check(converted, path, constraints)
             return converted
     raise _Invalid(path, _must_be(path, hint, value))
+
+
+def _table(value_hint: Any, value: Any, path: str) -> Mapping[str, Any]:
+    """A free-form table (an entry's arguments, a TP plan), read-only; ``value_hint`` is str or Any."""
+    if not isinstance(value, Mapping):
+        raise _Invalid(path, f"{path} must be a table, got {show_value(value)}")
+    for key, item in value.items():
+        if value_hint is str:
+            _convert(str, item, f"{path}.{key}", {})
+    return types.MappingProxyType(_plain(value))
 
 
 def _match(hint: Any, value: Any) -> tuple[bool, Any]:
@@ -634,6 +664,8 @@ def _describe(hint: Any) -> str:
         return " or ".join(_describe(arm) for arm in args)
     if origin is tuple:
         return f"a list of {_NOUNS[args[0]]}s"
+    if origin is Mapping:
+        return "a table" if args[1] is Any else f"a table of {_NOUNS[args[1]]}s"
     noun = _NOUNS[hint]
     return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
 

@@ -1,0 +1,239 @@
+"""The model and data protocol: how ``model.entry`` and ``data.entry`` bring any torch model and data set.
+
+An entry is ``"package.module:function"``, imported from the job's working directory or
+an installed package, and called with its spec table (``[model.args]``, ``[data.args]``)
+as keyword arguments. The built-in models and data sets are entries like any other
+(``BUILTIN_MODELS``, ``BUILTIN_DATA``). docs/USER_MODELS.md is the user's guide; in short:
+
+A model is a single-device ``nn.Module`` (built under ``torch.manual_seed(job.seed)``) with
+
+- ``loss(output, targets) -> Tensor``: the batch's mean loss (required). When its
+  plan keeps the output split over the vocabulary (``vocab`` on a Linear), the trainer
+  passes ``tp_group=`` too (``jobs.gpt.lm_loss`` takes it);
+- ``pipeline_parts() -> (first, blocks, last)`` (for ``parallel.pp > 1``): ``first``
+  runs before the first block on the first stage (embeddings), ``blocks`` are equal
+  modules mapping one activation shape to itself (cut into ``pp * virtual_stages``
+  chunks), ``last`` runs after the last block on the last stage (norm, head);
+- ``tp_plan`` (for ``parallel.tp > 1``): module-name patterns (``*`` stands for one
+  name, e.g. ``layers.*.mlp.up_proj``) to a style of ``TP_STYLES``, the spelling of the
+  ``base_model_tp_plan`` that ``transformers`` configs carry; ``[model.tp_plan]`` in the
+  spec adds to it or overrides it;
+- ``tp_divisors`` (optional): spec key -> a count the TP degree must divide (attention heads);
+- ``metrics(output, targets) -> dict[str, float]`` (optional): batch means reported on
+  the held-out set as ``held_out_<name>``.
+
+Data is a map-style data set (``len(data)``, ``data[i] -> (input, target)``, e.g. a
+``torch.utils.data.TensorDataset``), or ``DataSplits(train, held_out)``. Batches are a
+pure function of (seed, step): ``data.batch_indices(step, batch_size, seed)`` when the
+data set defines it, else an epoch-wise permutation (``jobs.datasets.global_batch_indices``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hpc.errors import ConfigError, LayoutError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from hpc.config import JobSpec
+
+# style -> what it does (aliases are transformers' spellings); STYLE_MODULES: what it applies to.
+TP_STYLES = {
+    "colwise": "Linear: output features split, the output stays split (feeds a rowwise layer)",
+    "rowwise": "Linear: input features split, partial products summed: the output is whole",
+    "colwise_gather_output": "Linear: output features split, then gathered: the output is whole",
+    "colwise_rep": "Linear: as colwise_gather_output (older transformers spelling)",
+    "vocab": "Embedding: rows (the vocabulary) split; Linear: logits split over the vocabulary, "
+             "the loss gets tp_group",
+    "embedding_rowwise": "Embedding: as vocab (transformers spelling)",
+    "replicate": "left whole on every rank",
+}
+
+STYLE_MODULES = {"vocab": "Linear or Embedding", "embedding_rowwise": "Embedding", "replicate": "",
+                 **dict.fromkeys(("colwise", "rowwise", "colwise_gather_output", "colwise_rep"), "Linear")}
+
+BUILTIN_MODELS = {"mlp": "jobs.models:mlp", "gpt": "jobs.gpt:gpt"}
+BUILTIN_DATA = {"digits": "jobs.datasets:digits", "licenses": "jobs.datasets:licenses"}
+
+
+@dataclass(frozen=True)
+class DataSplits:
+    """What a data entry returns when it has a held-out set to evaluate on."""
+
+    train: Any  # map-style: len() and [i] -> (input, target)
+    held_out: Any = None
+
+
+def load_entry(entry: str, key: str) -> Callable[..., Any]:
+    """The function ``entry`` ("package.module:function") names, or a ConfigError naming ``key``."""
+    module_name, sep, function_name = entry.partition(":")
+    if not sep or not module_name or not function_name.isidentifier():
+        raise ConfigError(f"{key} must be 'package.module:function', got {entry!r}")
+    if os.getcwd() not in sys.path:  # the job's working directory, as `python -m` would see it
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{key}={entry!r}: cannot import {module_name!r} ({exc})") from None
+    except Exception as exc:  # the user's module failed while importing: one line
+        raise ConfigError(f"{key}={entry!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ConfigError(f"{key}={entry!r}: {module_name!r} has no function {function_name!r}")
+    return function
+
+
+def call_entry(function: Callable[..., Any], args: Mapping[str, Any], entry: str, key: str) -> Any:
+    """``function(**args)``; arguments it does not take are one error line naming ``<key>.args``."""
+    table = key.rsplit(".", 1)[0] + ".args"
+    try:
+        inspect.signature(function).bind(**args)
+    except TypeError as exc:
+        raise ConfigError(f"{table} do not fit {entry}: {exc}") from None
+    except ValueError:  # no signature to inspect (a builtin): let the call say
+        pass
+    return function(**args)
+
+
+def model_entry(spec: JobSpec) -> tuple[str, dict[str, Any]]:
+    """The model's entry and keyword arguments: ``model.entry`` or the built-in ``model.kind``."""
+    model = spec.model
+    if model.entry:
+        return model.entry, dict(model.args)
+    if model.kind == "mlp":
+        return BUILTIN_MODELS["mlp"], {"hidden_sizes": model.hidden_sizes, "dropout": model.dropout}
+    return BUILTIN_MODELS["gpt"], {"vocab_size": model.vocab_size, "seq_len": model.seq_len, "d_model": model.d_model,
+                                   "n_heads": model.n_heads, "n_layers": model.n_layers, "dropout": model.dropout,
+                                   "seed": spec.job.seed}
+
+
+def data_entry(spec: JobSpec) -> tuple[str, dict[str, Any]]:
+    """The data's entry and keyword arguments: ``data.entry`` or the built-in ``data.name``."""
+    data = spec.data
+    if data.entry:
+        return data.entry, dict(data.args)
+    return BUILTIN_DATA[data.name], ({"seq_len": spec.model.seq_len} if data.name == "licenses" else {})
+
+
+def build_model(spec: JobSpec) -> nn.Module:
+    """The full single-device model, the same for a seed on every rank."""
+    import torch
+
+    entry, args = model_entry(spec)
+    function = load_entry(entry, "model.entry")
+    torch.manual_seed(spec.job.seed)
+    model = call_entry(function, args, entry, "model.entry")
+    if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "loss", None)):
+        raise ConfigError(f"model.entry={entry!r} must return a torch.nn.Module with a loss(output, targets) method, "
+                          f"got {type(model).__name__}")
+    return model
+
+
+def build_data(spec: JobSpec) -> DataSplits:
+    entry, args = data_entry(spec)
+    data = call_entry(load_entry(entry, "data.entry"), args, entry, "data.entry")
+    splits = data if isinstance(data, DataSplits) else DataSplits(data)
+    for name, part in (("train", splits.train), ("held_out", splits.held_out)):
+        if part is not None and not (hasattr(part, "__len__") and hasattr(part, "__getitem__")):
+            raise ConfigError(f"data.entry={entry!r}: its {name} set must be map-style (len() and [i]), "
+                              f"got {type(part).__name__}")
+    if len(splits.train) == 0:
+        raise ConfigError(f"data.entry={entry!r} returned an empty training set")
+    return splits
+
+
+def tp_plan(model: nn.Module, spec: JobSpec) -> dict[str, str]:
+    """The model's own plan with the spec's ``[model.tp_plan]`` over it."""
+    return {**dict(getattr(model, "tp_plan", None) or {}), **dict(spec.model.tp_plan)}
+
+
+def _pattern(name_pattern: str) -> re.Pattern[str]:
+    return re.compile(r"[^.]+".join(re.escape(part) for part in name_pattern.split("*")))
+
+
+def plan_targets(model: nn.Module, plan: Mapping[str, str]) -> list[tuple[str, str, nn.Module, str]]:
+    """(pattern, style, module, module name) for every module the plan splits; checks every entry first."""
+    from torch import nn
+
+    named = dict(model.named_modules())
+    targets = []
+    for name_pattern, style in plan.items():
+        key = f"model.tp_plan.{name_pattern!r}"
+        if style not in TP_STYLES:
+            raise ConfigError(f"{key} = {style!r} is not a style we apply (valid: {', '.join(TP_STYLES)})")
+        regex = _pattern(name_pattern)
+        matched = [(name, module) for name, module in named.items() if name and regex.fullmatch(name)]
+        if not matched:
+            raise ConfigError(f"{key} matches no module of the model (e.g. {next(iter(named.keys() - {''}), '-')})")
+        for name, module in matched:
+            is_linear, is_embedding = isinstance(module, nn.Linear), isinstance(module, nn.Embedding)
+            wanted = STYLE_MODULES[style]
+            fits = not wanted or ("Linear" in wanted and is_linear) or ("Embedding" in wanted and is_embedding)
+            if not fits:
+                raise ConfigError(f"{key} = {style!r} applies to an nn.{wanted}, but {name} is a "
+                                  f"{type(module).__name__}")
+            if style != "replicate":
+                targets.append((name_pattern, style, module, name))
+    return targets
+
+
+def split_size(module: nn.Module, style: str) -> tuple[int, str]:
+    """The dimension a style splits, and what it is, for the divisibility check."""
+    if style in ("vocab", "embedding_rowwise") and hasattr(module, "num_embeddings"):
+        return module.num_embeddings, "vocabulary rows"
+    if style == "rowwise":
+        return module.in_features, "input features"
+    return module.out_features, "output features"
+
+
+def check_tp(model: nn.Module, spec: JobSpec, tp: int) -> None:
+    """Raise naming the key when the plan cannot split this model over ``tp`` ranks (pure: no process group)."""
+    if tp == 1:
+        return
+    plan = tp_plan(model, spec)
+    if not plan:
+        raise LayoutError(f"parallel.tp={tp}, but the model has no tp_plan: give one in [model.tp_plan] "
+                          f"(module-name patterns to {', '.join(TP_STYLES)})")
+    for name_pattern, style, module, name in plan_targets(model, plan):
+        size, what = split_size(module, style)
+        if size % tp:
+            raise LayoutError(f"model.tp_plan.{name_pattern!r} ({style}): {name} has {size} {what}, "
+                              f"not divisible by parallel.tp={tp}")
+    for key, count in dict(getattr(model, "tp_divisors", None) or {}).items():
+        if count % tp:
+            raise LayoutError(f"{key}={count} is not divisible by parallel.tp={tp}")
+
+
+def check_pipeline(model: nn.Module, chunks: int, key_hint: str) -> None:
+    """Raise when the model cannot be cut into ``chunks`` equal pipeline chunks."""
+    if chunks == 1:
+        return
+    parts = getattr(model, "pipeline_parts", None)
+    if parts is None:
+        raise LayoutError(f"{key_hint} = {chunks} pipeline chunks, but the model has no pipeline_parts(): "
+                          "it cannot be cut into stages (docs/USER_MODELS.md)")
+    blocks = list(parts()[1])
+    if len(blocks) < chunks or len(blocks) % chunks:
+        raise LayoutError(f"the model's {len(blocks)} blocks cannot be cut into {key_hint} = {chunks} equal "
+                          "pipeline chunks")
+
+
+def check_model_layout(spec: JobSpec, tp: int, pp: int, virtual: int) -> None:
+    """Build the model on the meta device (no memory, no init cost) and check the layout cuts it."""
+    import torch
+
+    with torch.device("meta"):
+        model = build_model(spec)
+    check_tp(model, spec, tp)
+    check_pipeline(model, pp * virtual, f"parallel.pp * virtual_stages = {pp}*{virtual}")
+    if spec.train.activation_checkpointing and getattr(model, "pipeline_parts", None) is None:
+        raise ConfigError("train.activation_checkpointing recomputes the model's blocks: it needs pipeline_parts()")
