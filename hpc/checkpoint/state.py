@@ -1,0 +1,117 @@
+"""A model and its optimizer as checkpoint pieces, and back: what the training loop and user scripts save.
+
+Names in the checkpoint:
+
+- ``model/<name>``: every entry of ``model.state_dict()``, named as in the single-device
+  model. A tensor-parallel shard is a piece at its offsets in the global tensor: the caller
+  passes ``split_dims`` (state-dict name -> the dimension split over the TP group) and this
+  rank's ``tp_rank`` of ``tp_size``; without them every tensor is whole. Replicas (DP ranks,
+  and TP ranks for unsplit tensors) hold the same piece, which one of them writes;
+- ``optim/<parameter name>/<key>``: every tensor of the optimizer's per-parameter state
+  (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``); one shaped like
+  its parameter is placed like it;
+- per rank, ``rng/torch_cpu`` (:data:`RNG`): the default generator, which drives dropout.
+
+Nothing here knows about tensor-parallel layers (``parallel/``) or a job spec (``jobs/``):
+``jobs/checkpointing.py`` passes the TP split of its layers, ``hpc/script.py`` none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpc.checkpoint.discovery import resolve_resume
+from hpc.checkpoint.format import CheckpointError, CheckpointIndex
+from hpc.checkpoint.load import load_into, torch_dtype
+from hpc.checkpoint.pieces import Piece
+
+RNG = "rng/torch_cpu"
+NO_SPLIT: Mapping[str, int] = {}
+
+
+def placed(name: str, tensor: torch.Tensor, split_dim: int | None, tp_rank: int, tp_size: int) -> Piece:
+    """``tensor`` as the piece it is of global tensor ``name``: this TP rank's block along ``split_dim``, or whole."""
+    if split_dim is None:
+        return Piece.whole(name, tensor)
+    global_shape, offsets = list(tensor.shape), [0] * tensor.dim()
+    offsets[split_dim] = tp_rank * tensor.shape[split_dim]
+    global_shape[split_dim] *= tp_size
+    return Piece(name, tensor, tuple(global_shape), tuple(offsets))
+
+
+def model_pieces(
+    model: torch.nn.Module, split_dims: Mapping[str, int] = NO_SPLIT, tp_rank: int = 0, tp_size: int = 1
+) -> list[Piece]:
+    """The model's tensors (sharing its memory) as pieces of the single-device model's tensors."""
+    return [placed(f"model/{name}", tensor, split_dims.get(name), tp_rank, tp_size)
+            for name, tensor in model.state_dict().items()]
+
+
+def state_pieces(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    split_dims: Mapping[str, int] = NO_SPLIT,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> list[Piece]:
+    """The model's pieces and every tensor of the optimizer's per-parameter state."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    pieces = model_pieces(model, split_dims, tp_rank, tp_size)
+    for param, entries in optimizer.state.items():
+        name = names[id(param)]
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                split = split_dims.get(name) if value.shape == param.shape else None
+                pieces.append(placed(f"optim/{name}/{key}", value, split, tp_rank, tp_size))
+            elif value is not None:
+                raise CheckpointError(f"optimizer state {key!r} is a {type(value).__name__}, not a tensor")
+    return pieces
+
+
+def load_state(
+    index: CheckpointIndex,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    split_dims: Mapping[str, int] = NO_SPLIT,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> None:
+    """Load a checkpoint's model and optimizer tensors into a freshly built ``model`` and ``optimizer``,
+    each rank reading the blocks its own (tp_rank, tp_size) holds, whatever layout saved them."""
+    load_into(index, model_pieces(model, split_dims, tp_rank, tp_size))
+    names = {id(p): name for name, p in model.named_parameters()}
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    pieces = []
+    for position, param in enumerate(ordered):
+        name = names[id(param)]
+        param_shape = placed(name, param, split_dims.get(name), tp_rank, tp_size).global_shape
+        prefix = f"optim/{name}/"
+        for stored in (record for key, record in index.tensors.items() if key.startswith(prefix)):
+            like_param = tuple(stored.shape) == param_shape
+            tensor = torch.empty(param.shape if like_param else stored.shape, dtype=torch_dtype(stored.dtype))
+            pieces.append(placed(stored.name, tensor, split_dims.get(name) if like_param else None, tp_rank, tp_size))
+            state.setdefault(position, {})[stored.name.removeprefix(prefix)] = tensor
+    load_into(index, pieces)
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def choose_resume(resume: str, root: str | Path, group: dist.ProcessGroup) -> Path | None:
+    """Collective: the checkpoint every rank of ``group`` resumes from (``checkpoint.resume``: 'never', 'auto'
+    or a path; see :func:`resolve_resume`), or None. Rank 0 looks, so all ranks agree even while a save lands."""
+    choice: list[tuple[str | None, str | None]] = [(None, None)]
+    if dist.get_rank(group) == 0:
+        try:
+            path = resolve_resume(resume, root)
+            choice = [(str(path) if path else None, None)]
+        except CheckpointError as exc:
+            choice = [(None, str(exc))]
+    dist.broadcast_object_list(choice, group=group, group_src=0)
+    path, error = choice[0]
+    if error is not None:
+        raise CheckpointError(error)
+    return Path(path) if path is not None else None
