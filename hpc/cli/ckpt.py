@@ -1,7 +1,9 @@
 """``hpc ckpt ls|show|verify|export``.
 
 Nothing heavy at module level (``hpc --help`` imports this): h5py is imported by the
-commands that read checkpoints, torch only by ``export``.
+commands that read checkpoints, torch only by ``export``, and transformers (through
+``jobs.hf``) only by ``export --format hf``, which rebuilds the model's config from the
+job spec stored in the checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import time
 from pathlib import Path
 
 from hpc.text import human_bytes
+
+EXPORT_FORMATS = ("safetensors", "pt", "hf")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -29,9 +33,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     verify = actions.add_parser("verify", help="check completeness and every checksum; non-zero exit on damage")
     verify.add_argument("step_dir", help="a step-XXXXXXXX directory")
     verify.set_defaults(handler=cmd_verify)
-    export = actions.add_parser("export", help="write the global tensors to one .safetensors or .pt file")
+    export = actions.add_parser("export", help="write the global tensors to one .safetensors or .pt file, or a "
+                                               "transformers model directory (--format hf)")
     export.add_argument("step_dir", help="a step-XXXXXXXX directory")
-    export.add_argument("--to", required=True, metavar="FILE", help="destination, ending in .safetensors or .pt")
+    export.add_argument("--to", required=True, metavar="PATH",
+                        help="destination: a file ending in .safetensors or .pt, or a directory for --format hf")
+    export.add_argument("--format", choices=EXPORT_FORMATS, default=None,
+                        help="safetensors or pt (default: from the --to suffix), or hf: config.json and "
+                             "model.safetensors that transformers' from_pretrained loads (model.entry "
+                             "jobs.hf:causal_lm)")
     export.add_argument("--only", default="", metavar="PREFIX",
                         help="keep tensors whose name starts with PREFIX, and strip it (e.g. --only model/)")
     export.set_defaults(handler=cmd_export)
@@ -87,7 +97,12 @@ MAX_SPEC_CHARS = 1 << 20  # a job spec is a few kB; anything near this is damage
 
 
 def _spec_json(text: object, step_dir: Path) -> str:
-    """The stored job spec, indented; bounded and one error line, since a damaged attribute can hold anything."""
+    """The stored job spec, indented."""
+    return json.dumps(_spec_data(text, step_dir), indent=2)
+
+
+def _spec_data(text: object, step_dir: Path) -> object:
+    """The stored job spec, parsed; bounded and one error line, since a damaged attribute can hold anything."""
     from hpc.checkpoint.format import INDEX, CheckpointError, first_line
 
     where = {"file": str(step_dir / INDEX), "dataset": "job_spec"}
@@ -95,7 +110,7 @@ def _spec_json(text: object, step_dir: Path) -> str:
         raise CheckpointError(f"the job_spec attribute of {step_dir / INDEX} is not a JSON text of at most "
                               f"{MAX_SPEC_CHARS} characters", **where)
     try:
-        return json.dumps(json.loads(text), indent=2)
+        return json.loads(text)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's recursion limit
         raise CheckpointError(f"the job_spec attribute of {step_dir / INDEX} is not readable JSON: "
                               f"{first_line(exc)}", **where) from exc
@@ -115,8 +130,39 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from hpc.errors import ConfigError
+
+    suffix = Path(args.to).suffix.lstrip(".")
+    if args.format == "hf":
+        if args.only:
+            raise ConfigError("--only applies to --format safetensors and pt; --format hf writes the model's tensors")
+        count = _export_hf(args.step_dir, args.to)
+        print(f"wrote {count} tensors and config.json to {args.to}")
+        return 0
+    if args.format and suffix != args.format:
+        raise ConfigError(f"--to {args.to}: --format {args.format} writes a file ending in .{args.format}")
+    if not args.format and suffix not in EXPORT_FORMATS[:2]:
+        raise ConfigError(f"--to {args.to}: the file name must end in .safetensors or .pt "
+                          "(or give --format hf for a transformers model directory)")
     from hpc.checkpoint.export import export_tensors
 
     count = export_tensors(args.step_dir, args.to, args.only)
     print(f"wrote {count} tensors to {args.to}")
     return 0
+
+
+def _export_hf(step_dir: str, dest: str) -> int:
+    """The stored job spec names the model; jobs.hf rebuilds its config and writes the directory."""
+    from hpc.checkpoint.format import CheckpointError, read_index
+    from hpc.config import spec_from_dict
+    from jobs.hf import export_hf
+
+    index = read_index(step_dir)
+    if "job_spec" not in index.attrs:
+        raise CheckpointError(f"{index.path} holds no job spec: --format hf needs a checkpoint of a job spec "
+                              "with model.entry = 'jobs.hf:causal_lm'")
+    data = _spec_data(index.attrs["job_spec"], index.path)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"the job_spec attribute of {index.path} is not a JSON table")
+    spec = spec_from_dict(data, f"{index.path} job_spec")
+    return export_hf(index.path, dest, spec)

@@ -1,0 +1,252 @@
+"""Hugging Face ``transformers`` causal LMs (Llama and its look-alikes) as a ``model.entry``.
+
+Researchers arrive with a transformers model, not with ours; this adapter lets the
+3D trainer run the model's own modules (embeddings, decoder layers, rotary embedding,
+norm, head) under DP x TP x PP, and lets ``hpc ckpt export --format hf`` hand the
+result back to ``from_pretrained``. The adapter's children are the transformers
+model's children, so parameter names (and checkpoint names) are exactly the Hugging
+Face ones (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``), and its
+TP plan is the one the transformers model carries.
+
+A pipeline block is one decoder layer that computes its own position ids, rotary
+(cos, sin) and causal mask from the hidden state, so one tensor is all that crosses
+stages. The model is built from a config alone (random init, offline), float32,
+with SDPA attention: its causal mask may be None and SDPA then masks causally
+(eager attention with no mask would attend to the future). transformers is imported
+lazily: importing this module is cheap, and ``pip install hpc-batch[hf]`` is only
+needed when the entry is used.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hpc.errors import ConfigError, LayoutError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from hpc.config import JobSpec
+
+ENTRY = "jobs.hf:causal_lm"
+# What "Llama-shaped" means: the modules the adapter runs, by their names in the model.
+LLAMA_SHAPED = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+TIED = "model.args.tie_word_embeddings"
+CHECK_TOKENS = 5  # the forward compared with the transformers model's own at build time
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(f"model.entry={ENTRY!r} needs transformers: pip install hpc-batch[hf]") from None
+    return transformers
+
+
+def _last_line(exc: BaseException) -> str:
+    """transformers' validation errors span lines; the last one says what is wrong."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
+
+
+def build_config(model_type: str = "llama", **fields: Any) -> Any:
+    """The transformers config of ``model_type`` with ``fields`` (``[model.args]``); one error line naming the key."""
+    auto_config = _transformers().AutoConfig
+    try:
+        default = auto_config.for_model(model_type)
+    except ValueError:
+        raise ConfigError(f"model.args.model_type={model_type!r} is not a transformers model type "
+                          "(e.g. llama, mistral, qwen2, qwen3)") from None
+    try:
+        config = auto_config.for_model(model_type, **fields)
+    except Exception as exc:  # the config's own validation (dataclass validators)
+        raise ConfigError(f"model.args do not make a {model_type} config: {_last_line(exc)}") from None
+    # transformers keeps unknown keys as attributes; a key it stored but does not define is a typo
+    known, stored = set(default.to_dict()), set(config.to_dict())
+    for key in fields:
+        if key in stored and key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"model.args.{key} is not a setting of {type(config).__name__}{hint}")
+    return config
+
+
+def causal_lm(model_type: str = "llama", **fields: Any) -> CausalLM:
+    """The entry: a randomly initialized transformers causal LM of ``model_type``, float32, as a ``CausalLM``."""
+    transformers = _transformers()
+    config = build_config(model_type, **fields)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                               dtype=torch.float32)
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise ConfigError(f"model.args.model_type={model_type!r} has no causal LM in transformers") from None
+        raise ConfigError(f"model.args do not make a {model_type} model: {_last_line(exc)}") from None
+    except Exception as exc:
+        raise ConfigError(f"model.args do not make a {model_type} model: {_last_line(exc)}") from None
+    adapter = CausalLM(model)
+    _check_same_forward(adapter, model)
+    return adapter
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+class Head(nn.Module):
+    """The last pipeline part: final norm, then the LM head."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+class DecoderBlock(nn.Module):
+    """One decoder layer as a pipeline block: hidden state in, hidden state out.
+
+    Position ids, the rotary (cos, sin) and the causal mask are made here from the
+    hidden state, exactly as the transformers model makes them once for all layers.
+    """
+
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: Any, attention_type: str) -> None:
+        super().__init__()
+        self.layer, self.rotary_emb = layer, rotary_emb
+        self.config, self.attention_type = config, attention_type
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers import masking_utils
+
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        make_mask = (masking_utils.create_sliding_window_causal_mask if self.attention_type == "sliding_attention"
+                     else masking_utils.create_causal_mask)
+        mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+                         position_ids=positions)
+        return self.layer(hidden, attention_mask=mask, position_ids=positions,
+                          position_embeddings=self.rotary_emb(hidden, positions))
+
+
+def attention_type(config: Any, index: int) -> str:
+    """Which mask layer ``index`` gets, by the rule transformers' models follow (``layer_types``, else a
+    ``sliding_window`` for every layer, as Mistral's)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+class CausalLM(nn.Module):
+    """A Llama-shaped transformers causal LM under the model protocol (jobs/protocol.py)."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        config = hf_model.config
+        missing = [name for name in LLAMA_SHAPED if not _has(hf_model, name)]
+        if missing:
+            raise ConfigError(f"model.args.model_type={config.model_type!r}: {type(hf_model).__name__} has no "
+                              f"{missing[0]}; jobs.hf takes Llama-shaped models ({', '.join(LLAMA_SHAPED)})")
+        for name, child in hf_model.named_children():  # parameter names stay the Hugging Face ones
+            self.add_module(name, child)
+        self.config = config
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.tp_plan = dict(getattr(hf_model, "_tp_plan", None) or {})
+        if self.tied:  # split separately, the shared weight would become two: keep both whole and shared
+            self.tp_plan.update({"model.embed_tokens": "replicate", "lm_head": "replicate"})
+        heads = config.num_attention_heads
+        self.tp_divisors = {"model.args.num_attention_heads": heads,
+                            "model.args.num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads}
+
+    def _parts(self) -> tuple[nn.Module, list[nn.Module], nn.Module]:
+        blocks = [DecoderBlock(layer, self.model.rotary_emb, self.config, attention_type(self.config, i))
+                  for i, layer in enumerate(self.model.layers)]
+        return self.model.embed_tokens, blocks, Head(self.model.norm, self.lm_head)
+
+    def pipeline_parts(self) -> tuple[nn.Module, list[nn.Module], nn.Module]:
+        """(embed_tokens, one ``DecoderBlock`` per layer, norm + lm_head), sharing the model's modules."""
+        if self.tied:
+            raise LayoutError(f"{TIED}=true: the head shares the embedding's weight, so the model cannot be cut "
+                              f"into pipeline stages or recomputed per block; set {TIED}=false")
+        return self._parts()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        first, blocks, last = self._parts()
+        hidden = first(ids)
+        for block in blocks:
+            hidden = block(hidden)
+        return last(hidden)
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy against already-shifted targets; ``tp_group`` when a ``vocab``
+        plan keeps the logits split over the vocabulary."""
+        from jobs.gpt import lm_loss
+
+        return lm_loss(output, targets, tp_group)
+
+
+def _check_same_forward(adapter: CausalLM, hf_model: nn.Module) -> None:
+    """One short forward of both: a model whose own forward does more than embed -> layers -> norm -> head
+    (embedding or logit scaling, soft-capping) is not Llama-shaped, and would train as another model."""
+    if adapter.lm_head.weight.is_meta:
+        return
+    ids = (torch.arange(CHECK_TOKENS) % adapter.config.vocab_size).unsqueeze(0)
+    training = adapter.training
+    adapter.eval()
+    try:
+        with torch.no_grad():
+            ours, theirs = adapter(ids), hf_model(input_ids=ids, use_cache=False).logits
+    finally:
+        adapter.train(training)
+    if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5):
+        raise ConfigError(f"model.args.model_type={adapter.config.model_type!r}: {type(hf_model).__name__}'s forward "
+                          "is not embed_tokens -> layers -> norm -> lm_head (it scales or caps something), so "
+                          "jobs.hf cannot run it")
+
+
+def is_hf_entry(spec: JobSpec) -> bool:
+    return spec.model.entry == ENTRY
+
+
+def export_hf(step_dir: str | Path, dest: str | Path, spec: JobSpec) -> int:
+    """Write ``dest/config.json`` and ``dest/model.safetensors`` (the ``model/`` tensors, whatever layout
+    saved them) from a checkpoint of ``spec``; returns how many tensors. ``from_pretrained(dest)`` loads it."""
+    from hpc.checkpoint.export import export_tensors
+    from hpc.checkpoint.format import CheckpointError
+    from hpc.checkpoint.load import open_checkpoint
+
+    if not is_hf_entry(spec):
+        model = f"model.entry={spec.model.entry!r}" if spec.model.entry else f"model.kind={spec.model.kind!r}"
+        raise ConfigError(f"{step_dir}: its {model} is not model.entry={ENTRY!r}: --format hf exports "
+                          "transformers models only (use --format safetensors)")
+    config = build_config(**spec.model.args)
+    with torch.device("meta"):
+        expected = {f"model/{name}": tuple(t.shape) for name, t in causal_lm(**spec.model.args).state_dict().items()}
+    index = open_checkpoint(step_dir)
+    stored = {name: tuple(record.shape) for name, record in index.tensors.items() if name.startswith("model/")}
+    if stored != expected:
+        differ = sorted(set(stored.items()) ^ set(expected.items()))[0][0]
+        raise CheckpointError(f"{index.path}: its model tensors do not match model.args "
+                              f"({differ}: checkpoint {stored.get(differ)}, config {expected.get(differ)})")
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise ConfigError(f"--to {dest}: not a directory (--format hf writes config.json and model.safetensors)")
+    dest.mkdir(parents=True, exist_ok=True)
+    config.architectures = [_causal_lm_class(config)]
+    config.save_pretrained(dest)
+    return export_tensors(step_dir, dest / "model.safetensors", "model/")
+
+
+def _causal_lm_class(config: Any) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
