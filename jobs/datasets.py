@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import TensorDataset
 
 from hpc.errors import ConfigError, LayoutError
+from jobs.protocol import DataSplits
 
 
 @dataclass(frozen=True)
@@ -90,12 +93,40 @@ def load_licenses(directory: Path = LICENSES_DIR, test_fraction: float = 0.1) ->
     )
 
 
-def load_dataset(name: str) -> Dataset | ByteCorpus:
-    if name == "digits":
-        return load_digits()
-    if name == "licenses":
-        return load_licenses()
-    raise ConfigError(f"data.name={name!r} is not a known data set (valid: digits, licenses)")
+def digits() -> DataSplits:
+    """The built-in ``digits`` entry: the training images and the held-out test images."""
+    data = load_digits()
+    return DataSplits(TensorDataset(data.x_train, data.y_train), TensorDataset(data.x_test, data.y_test))
+
+
+class ByteWindows:
+    """Map-style windows of ``seq_len + 1`` bytes every ``stride`` bytes of a text: item i is (inputs, next bytes)."""
+
+    def __init__(self, text: torch.Tensor, seq_len: int, stride: int = 1) -> None:
+        if len(text) <= seq_len:
+            raise ConfigError(f"model.seq_len={seq_len} is longer than the text ({len(text)} bytes)")
+        self.text, self.seq_len, self.stride = text, seq_len, stride
+
+    def __len__(self) -> int:
+        return (len(self.text) - self.seq_len - 1) // self.stride + 1
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = byte_windows(self.text, np.array([index * self.stride]), self.seq_len)
+        return inputs[0], targets[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        inputs, targets = byte_windows(self.text, np.asarray(indices) * self.stride, self.seq_len)
+        return list(zip(inputs, targets, strict=True))
+
+    def batch_indices(self, step: int, batch_size: int, seed: int) -> np.ndarray:
+        """Windows drawn anywhere in the text, with replacement: ``window_starts`` (stride 1)."""
+        return window_starts(len(self.text), batch_size, self.seq_len, seed, step) // self.stride
+
+
+def licenses(seq_len: int = 64) -> DataSplits:
+    """The built-in ``licenses`` entry: random training windows, held-out windows tiling the held-out text."""
+    corpus = load_licenses()
+    return DataSplits(ByteWindows(corpus.train, seq_len), ByteWindows(corpus.test, seq_len, stride=seq_len))
 
 
 def global_batch_indices(num_samples: int, batch_size: int, seed: int, step: int) -> np.ndarray:
@@ -131,11 +162,6 @@ def window_starts(num_bytes: int, batch_size: int, seq_len: int, seed: int, step
     if last < 0:
         raise ConfigError(f"model.seq_len={seq_len} is longer than the text ({num_bytes} bytes)")
     return np.random.default_rng([seed, step]).integers(0, last + 1, size=batch_size)
-
-
-def held_out_starts(num_bytes: int, seq_len: int) -> np.ndarray:
-    """Non-overlapping windows tiling the held-out text: the same evaluation set for every run."""
-    return np.arange(0, num_bytes - seq_len, seq_len)
 
 
 def byte_windows(data: torch.Tensor, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,12 @@
 """A small byte-level GPT, written as plain single-device code.
 
-Parallelism is applied from outside: ``jobs.parallelize.parallelize_tp`` swaps the
-linears and the embedding for tensor-parallel ones, and a pipeline cuts
-``[model.embedding, *model.blocks, model.head]`` into stages. Two choices make that
-possible without touching this file:
+Parallelism is applied from outside, through the model protocol (``jobs.protocol``):
+``tp_plan`` splits attention by heads (the QKV projection column-parallel, its output
+projection row-parallel), the MLP column then row, and the token embedding and the LM
+head over the vocabulary (the logits stay split; ``loss`` then takes the TP group);
+``pipeline_parts()`` cuts ``[embedding, *blocks, head]`` into stages. LayerNorms,
+position embeddings and row-parallel biases stay whole on every rank. Two choices
+make that possible without touching this file:
 
 - the fused QKV projection lays its outputs out head by head (``[head, q|k|v,
   head_dim]``, as Megatron does), so a contiguous split of its rows is a split by
@@ -20,6 +23,7 @@ the same model wherever and however it is built.
 from __future__ import annotations
 
 import math
+import types
 from typing import TYPE_CHECKING
 
 import torch
@@ -112,6 +116,11 @@ class Head(nn.Module):
 
 
 class GPT(nn.Module):
+    tp_plan = types.MappingProxyType({
+        "embedding.tokens": "vocab", "blocks.*.attention.qkv": "colwise", "blocks.*.attention.proj": "rowwise",
+        "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise", "head.linear": "vocab",
+    })
+
     def __init__(
         self, vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int, dropout: float = 0.0
     ) -> None:
@@ -120,6 +129,13 @@ class GPT(nn.Module):
         self.embedding = Embedding(vocab_size, seq_len, d_model, dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.head = Head(d_model, vocab_size)
+        self.tp_divisors = {"model.n_heads": n_heads}  # attention is split by heads
+
+    def pipeline_parts(self) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
+        return self.embedding, self.blocks, self.head
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:
+        return lm_loss(logits.float(), targets, tp_group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[batch, time, vocab]`` (a vocabulary slice once the head is tensor-parallel)."""
@@ -143,17 +159,17 @@ class GPT(nn.Module):
                     module.reset_parameters()
 
 
-def build_gpt(model_cfg: ModelConfig, seed: int) -> GPT:
-    model = GPT(
-        vocab_size=model_cfg.vocab_size,
-        seq_len=model_cfg.seq_len,
-        d_model=model_cfg.d_model,
-        n_heads=model_cfg.n_heads,
-        n_layers=model_cfg.n_layers,
-        dropout=model_cfg.dropout,
-    )
+def gpt(vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int, dropout: float = 0.0,
+        seed: int = 0) -> GPT:
+    """The built-in GPT's entry (``model.kind = "gpt"``), its weights drawn from ``seed``."""
+    model = GPT(vocab_size, seq_len, d_model, n_heads, n_layers, dropout)
     model.init_weights(seed)
     return model
+
+
+def build_gpt(model_cfg: ModelConfig, seed: int) -> GPT:
+    return gpt(model_cfg.vocab_size, model_cfg.seq_len, model_cfg.d_model, model_cfg.n_heads, model_cfg.n_layers,
+               model_cfg.dropout, seed)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Whether a job spec can run on a (dp, tp, pp) mesh: checked by ``hpc run`` before launch and by every rank.
 
-Pure and torch-free (``hpc run`` imports it on the login node): it only combines the
-model's own check (``jobs.parallelize.check_gpt_layout``), the pipeline schedule's
-validation (``parallel.schedule.build_schedule``) and the batch arithmetic, so a layout
-that cannot work is one error line and no process is started.
+Torch-free for the built-in models (``hpc submit`` runs it on a login node): it combines
+the model's cut, the pipeline schedule's validation (``parallel.schedule.build_schedule``)
+and the batch arithmetic, so a layout that cannot work is one error line and no process
+is started. A user's model (``model.entry``) is built on torch's meta device to check its
+TP plan and pipeline blocks (``jobs.protocol.check_model_layout``).
 """
 
 from __future__ import annotations
@@ -35,27 +36,45 @@ def check_layout(spec: JobSpec, world_size: int) -> MeshShape:
 
 def check_job_layout(spec: JobSpec, shape: MeshShape) -> None:
     """Raise ``ConfigError``/``LayoutError`` naming the numbers when ``spec`` cannot train on ``shape``."""
-    from jobs.parallelize import check_gpt_layout
+    from jobs.protocol import check_model_layout, load_entry
     from parallel.schedule import build_schedule
 
-    par, model = spec.parallel, spec.model
-    if spec.data.name != DATA_OF_MODEL[model.kind]:
-        raise ConfigError(
-            f"model.kind={model.kind!r} trains on data.name={DATA_OF_MODEL[model.kind]!r}, got {spec.data.name!r}"
-        )
+    par = spec.parallel
+    if not spec.model.entry and not spec.data.entry and spec.data.name != DATA_OF_MODEL[spec.model.kind]:
+        raise ConfigError(f"model.kind={spec.model.kind!r} trains on data.name={DATA_OF_MODEL[spec.model.kind]!r}, "
+                          f"got {spec.data.name!r}")
     m = par.microbatches
     if spec.data.batch_size % (shape.dp * m):
         split = f"dp={shape.dp}" if m == 1 else f"dp * parallel.microbatches = {shape.dp}*{m} = {shape.dp * m}"
         raise LayoutError(f"data.batch_size={spec.data.batch_size} is not divisible by {split}")
-    if model.kind == "mlp":
-        if (shape.tp, shape.pp, par.virtual_stages, m) != (1, 1, 1, 1):
-            raise LayoutError(
-                f"model.kind='mlp' trains data-parallel only: parallel.tp, pp, virtual_stages and microbatches "
-                f"must be 1, got {shape.tp}, {shape.pp}, {par.virtual_stages}, {m} (the GPT takes them)"
-            )
-        if spec.train.activation_checkpointing:
-            raise ConfigError("train.activation_checkpointing recomputes transformer blocks: it needs model.kind='gpt'")
-        return
-    check_gpt_layout(model, shape.tp, shape.pp, par.virtual_stages)
+    if spec.model.entry:
+        check_model_layout(spec, shape.tp, shape.pp, par.virtual_stages)  # builds it on the meta device: torch
+    else:
+        _check_builtin_model(spec, shape)
+    if spec.data.entry:
+        load_entry(spec.data.entry, "data.entry")
     if uses_pipeline(par):
         build_schedule(par.schedule, shape.pp, m, par.virtual_stages)
+
+
+def _check_builtin_model(spec: JobSpec, shape: MeshShape) -> None:
+    """The built-in models' cuts, without torch (``hpc submit`` on a login node): the numbers their
+    ``tp_plan``, ``tp_divisors`` and ``pipeline_parts`` would be checked against."""
+    model, chunks = spec.model, shape.pp * spec.parallel.virtual_stages
+    if model.kind == "mlp":
+        if shape.tp > 1 or chunks > 1:
+            raise LayoutError(f"model.kind='mlp' has no tp_plan and no pipeline_parts: parallel.tp and "
+                              f"pp * virtual_stages must be 1, got {shape.tp} and {chunks}")
+        if spec.train.activation_checkpointing:
+            raise ConfigError("train.activation_checkpointing recomputes the model's blocks: model.kind='mlp' "
+                              "has none (pipeline_parts)")
+        return
+    if model.n_heads % shape.tp:
+        raise LayoutError(f"model.n_heads={model.n_heads} is not divisible by parallel.tp={shape.tp} "
+                          "(attention is split by heads)")
+    if model.vocab_size % shape.tp:
+        raise LayoutError(f"the vocabulary of {model.vocab_size} tokens is not divisible by parallel.tp={shape.tp} "
+                          "(the embedding and the LM head are split by vocabulary)")
+    if model.n_layers % chunks:
+        raise LayoutError(f"model.n_layers={model.n_layers} is not divisible by parallel.pp * virtual stages = "
+                          f"{shape.pp}*{spec.parallel.virtual_stages} = {chunks}")

@@ -1,62 +1,105 @@
-"""Turn the single-device GPT into its tensor-parallel form, and check a layout fits it first.
+"""Apply a tensor-parallel plan to a single-device model, and cut it into pipeline stages.
 
-``check_gpt_layout`` is pure and imports nothing heavy, so the launcher can reject a
-layout before any rank starts; the tensor-parallel layers (and torch with them) are
-imported only by ``parallelize_tp``, on the ranks.
-
-Attention is split by heads (the QKV projection column-parallel, its output
-projection row-parallel), the MLP column then row, the token embedding and the LM
-head over the vocabulary (train it with ``jobs.gpt.lm_loss(..., tp_group)``). LayerNorms,
-position embeddings and row-parallel biases stay whole on every rank. The MLP width
-4 * d_model needs no check of its own: n_heads divides d_model and tp divides n_heads.
+The plan maps module-name patterns to styles (``jobs.protocol.TP_STYLES``); each
+matching ``nn.Linear`` or ``nn.Embedding`` is swapped, in place, for the layer of
+``parallel.tensor_parallel`` holding this rank's slice (taken from the full module,
+so a seed means the same weights under every layout). Pipeline cuts follow the
+model's ``pipeline_parts()``: the blocks split into ``pp * virtual_stages`` equal
+chunks, ``first`` joining stage 0 and ``last`` the last stage. Modules a rank does not
+hold become ``Elsewhere`` placeholders, so the parameters it keeps have their
+single-device names, and checkpoints and comparisons speak of the same tensors under
+every layout.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
 
 from hpc.errors import LayoutError
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
-    from hpc.config import ModelConfig
-    from jobs.gpt import GPT
+from jobs.protocol import plan_targets
+from parallel.pipeline import split_into_stages
+from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
-def _check_tp_fits(n_heads: int, vocab_size: int, tp: int) -> None:
-    if n_heads % tp:
-        raise LayoutError(f"model.n_heads={n_heads} is not divisible by parallel.tp={tp} (attention is split by heads)")
-    if vocab_size % tp:
-        raise LayoutError(
-            f"the vocabulary of {vocab_size} tokens is not divisible by parallel.tp={tp} "
-            "(the embedding and the LM head are split by vocabulary)"
-        )
+def _tp_layer(module: nn.Module, style: str, group: ProcessGroup) -> nn.Module:
+    if style == "rowwise":
+        return RowParallelLinear.from_full(module, group)
+    if isinstance(module, nn.Embedding):  # vocab, embedding_rowwise
+        return VocabParallelEmbedding.from_full(module, group)
+    gather = style in ("colwise_gather_output", "colwise_rep")
+    return ColumnParallelLinear.from_full(module, group, gather_output=gather)
 
 
-def check_gpt_layout(model_cfg: ModelConfig, tp: int, pp: int, virtual: int = 1) -> None:
-    """Raise ``LayoutError`` naming the numbers when (tp, pp, virtual stages) cannot cut this GPT."""
-    _check_tp_fits(model_cfg.n_heads, model_cfg.vocab_size, tp)
-    chunks = pp * virtual
-    if model_cfg.n_layers % chunks:
-        raise LayoutError(
-            f"model.n_layers={model_cfg.n_layers} is not divisible by parallel.pp * virtual stages = "
-            f"{pp}*{virtual} = {chunks}"
-        )
+def parallelize_tp(model: nn.Module, plan: Mapping[str, str], group: ProcessGroup) -> bool:
+    """Swap the plan's modules for tensor-parallel ones (collective-free). True when the model's
+    output stays split over the vocabulary (a ``vocab`` Linear): its loss then needs ``tp_group``."""
+    split_output = False
+    for _, style, module, name in plan_targets(model, plan):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, _tp_layer(module, style, group))
+        split_output |= style == "vocab" and isinstance(module, nn.Linear)
+    return split_output
 
 
-def parallelize_tp(model: GPT, tp_group: ProcessGroup) -> GPT:
-    """Swap the GPT's layers for tensor-parallel ones holding this rank's shard; in place (collective-free)."""
-    import torch.distributed as dist
+class Stage(nn.Module):
+    """One pipeline chunk as the executor calls it: its layers in order, under the run's autocast,
+    the model's blocks optionally recomputed in backward instead of keeping their activations."""
 
-    from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    def __init__(self, layers: Sequence[nn.Module], bf16_autocast: bool, recompute: Collection[nn.Module] = ()):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.bf16_autocast = bf16_autocast
+        self.recompute = {id(layer) for layer in recompute}
 
-    _check_tp_fits(model.n_heads, model.vocab_size, dist.get_world_size(tp_group))
-    model.embedding.tokens = VocabParallelEmbedding.from_full(model.embedding.tokens, tp_group)
-    for block in model.blocks:
-        block.attention.qkv = ColumnParallelLinear.from_full(block.attention.qkv, tp_group)
-        block.attention.proj = RowParallelLinear.from_full(block.attention.proj, tp_group)
-        block.mlp.fc = ColumnParallelLinear.from_full(block.mlp.fc, tp_group)
-        block.mlp.proj = RowParallelLinear.from_full(block.mlp.proj, tp_group)
-    model.head.linear = ColumnParallelLinear.from_full(model.head.linear, tp_group)
-    return model
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast):
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False) if id(layer) in self.recompute else layer(x)
+        return x
+
+
+class Elsewhere(nn.Module):
+    """Stands in for a module another pipeline rank holds, keeping the names of the modules this rank holds."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        raise LayoutError(f"{self.name} is held by another pipeline rank; run this rank's stages instead")
+
+
+def keep_stages(model: nn.Module, p: int, rank: int, v: int, bf16_autocast: bool, recompute: bool) -> list[Stage]:
+    """Cut ``model.pipeline_parts()`` into p*v stages and keep pipeline rank ``rank``'s v chunks,
+    replacing every module it does not hold by ``Elsewhere``."""
+    first, blocks, last = model.pipeline_parts()
+    blocks = list(blocks)
+    final = p * v - 1
+    chunks = []
+    for k, chunk in enumerate(split_into_stages(blocks, p, v)[rank]):
+        stage = k * p + rank
+        layers = [*([first] if stage == 0 else []), *chunk, *([last] if stage == final else [])]
+        chunks.append(Stage(layers, bf16_autocast, blocks if recompute else ()))
+    held = {id(param) for stage in chunks for param in stage.parameters()}
+    shared = {id(param) for param in first.parameters()} & {id(param) for param in last.parameters()}
+    if p > 1 and shared:
+        raise LayoutError("the model's first and last pipeline parts share parameters (tied embeddings?): "
+                          "they cannot sit on different pipeline ranks; untie them or use parallel.pp=1")
+    _drop_unheld(model, held, "")
+    return chunks
+
+
+def _drop_unheld(module: nn.Module, held: set[int], prefix: str) -> None:
+    """Replace each child holding parameters, none of them held, by ``Elsewhere``; recurse into the rest."""
+    for name, child in list(module.named_children()):
+        params = [id(param) for param in child.parameters()]
+        if params and not held.intersection(params):
+            setattr(module, name, Elsewhere(prefix + name))
+        elif params:
+            _drop_unheld(child, held, f"{prefix}{name}.")

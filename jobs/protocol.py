@@ -199,6 +199,9 @@ def check_tp(model: nn.Module, spec: JobSpec, tp: int) -> None:
     """Raise naming the key when the plan cannot split this model over ``tp`` ranks (pure: no process group)."""
     if tp == 1:
         return
+    for key, count in dict(getattr(model, "tp_divisors", None) or {}).items():
+        if count % tp:
+            raise LayoutError(f"{key}={count} is not divisible by parallel.tp={tp}")
     plan = tp_plan(model, spec)
     if not plan:
         raise LayoutError(f"parallel.tp={tp}, but the model has no tp_plan: give one in [model.tp_plan] "
@@ -208,9 +211,6 @@ def check_tp(model: nn.Module, spec: JobSpec, tp: int) -> None:
         if size % tp:
             raise LayoutError(f"model.tp_plan.{name_pattern!r} ({style}): {name} has {size} {what}, "
                               f"not divisible by parallel.tp={tp}")
-    for key, count in dict(getattr(model, "tp_divisors", None) or {}).items():
-        if count % tp:
-            raise LayoutError(f"{key}={count} is not divisible by parallel.tp={tp}")
 
 
 def check_pipeline(model: nn.Module, chunks: int, key_hint: str) -> None:

@@ -36,8 +36,7 @@ from hpc.runtime.preemption import Preempted, Preemption
 from jobs.checkpointing import TrainingCheckpoints
 from jobs.layout import check_job_layout, uses_pipeline
 from jobs.optim import build_optimizer, learning_rate
-from jobs.workloads import Workload, build_workload, sum_over_replicas
-from jobs.workloads import build_mlp as build_model
+from jobs.workloads import Workload, sum_over_replicas
 from parallel.clip import clip_grad_norm_
 from parallel.compression.registry import make_reducer
 from parallel.optimizer import distributed_optimizer
@@ -46,26 +45,18 @@ from parallel.ring import make_transport
 from parallel.schedule import Action, build_schedule
 from parallel.tensor_parallel import tp_split_dims
 
-# build_model: the MLP, which tests build as the single-process reference
-__all__ = [
-    "StepRunner", "TrainResult", "base_learning_rate", "build_model", "clip_gradients", "forward_backward", "train",
-]
+__all__ = ["StepRunner", "TrainResult", "base_learning_rate", "clip_gradients", "forward_backward", "train"]
 
 
 @dataclass(frozen=True)
 class TrainResult:
     steps: int
     final_loss: float
-    evaluation: Mapping[str, float]  # the workload's end-of-run measures (train_loss, test_accuracy, held_out_loss)
+    evaluation: Mapping[str, float]  # the workload's end-of-run measures (held_out_loss, held_out_<metric>)
     throughput: float  # ``unit``s per second over the run
-    unit: str  # samples (MLP) or tokens (GPT)
+    unit: str  # samples, or tokens for integer sequences
     wall_s: float
     start_step: int = 0  # the step a resume started from; 0 for a fresh run
-
-    @property
-    def train_loss(self) -> float:
-        """The MLP's loss on its whole training set."""
-        return self.evaluation["train_loss"]
 
 
 def base_learning_rate(cfg: TrainConfig, global_batch: int) -> float:
@@ -132,7 +123,7 @@ def _train(
         report = check_mesh(mesh, probe, spec.train.health_check_timeout_s)
         if world.rank == 0:
             print("\n".join(report.lines()), flush=True)
-    workload = build_workload(spec, mesh)
+    workload = Workload(spec, mesh)
     steps = StepRunner(spec, workload, mesh, probe, build_data_parallel_optimizer(spec, workload.model, mesh, probe))
     checkpoints = TrainingCheckpoints(spec, dist.group.WORLD, mesh, workload.model, steps.optimizer)
     start_step = checkpoints.resume()

@@ -61,6 +61,27 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromTP(torch.autograd.Function):
+    """forward: all-gather along the last dimension over the TP group; backward: this rank's slice.
+
+    Turns a column-parallel layer's split output into the whole one (transformers'
+    ``colwise_gather_output``); the gradient of the whole output is replicated, so
+    each rank keeps the columns its shard produced.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Sum into a fresh contiguous copy: autograd may share ``x`` with other nodes."""
     out = x.clone(memory_format=torch.contiguous_format)
@@ -96,18 +117,25 @@ class _ShardedLinear(nn.Module):
 
 
 class ColumnParallelLinear(_ShardedLinear):
-    """``y = x W^T + b`` with the output features split across ranks; the output stays split."""
+    """``y = x W^T + b`` with the output features split across ranks; the output stays split,
+    or is gathered whole with ``gather_output`` (Megatron's flag)."""
 
     partition_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
 
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup,
+                 gather_output: bool = False) -> None:
+        super().__init__(weight, bias, group)
+        self.gather_output = gather_output
+
     @classmethod
-    def from_full(cls, linear: nn.Linear, group: ProcessGroup) -> ColumnParallelLinear:
+    def from_full(cls, linear: nn.Linear, group: ProcessGroup, gather_output: bool = False) -> ColumnParallelLinear:
         what = f"Linear({linear.in_features}, {linear.out_features}) output features"
         bias = None if linear.bias is None else _shard(linear.bias, 0, group, what)
-        return cls(_shard(linear.weight, 0, group, what), bias, group)
+        return cls(_shard(linear.weight, 0, group, what), bias, group, gather_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        return _GatherFromTP.apply(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(_ShardedLinear):

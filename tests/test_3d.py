@@ -166,12 +166,12 @@ def _clip_once(world, layout, max_norm: float):
     """One step's gradients under ``layout`` (dp = 1), clipped; returns the norm and the clipped gradients."""
     from jobs.layout import uses_pipeline
     from jobs.train import clip_gradients, forward_backward
-    from jobs.workloads import build_workload
+    from jobs.workloads import Workload
     from parallel.schedule import build_schedule
 
     spec = gpt_spec("unused", "clip", layout, "1f1b", microbatches=2)
     mesh = build_mesh(MeshShape(*layout), world.rank)
-    workload = build_workload(spec, mesh)
+    workload = Workload(spec, mesh)
     actions = build_schedule("1f1b", layout[2], 2)[mesh.index("pp")] if uses_pipeline(spec.parallel) else None
     inputs, targets = workload.batch(0)
     forward_backward(workload, actions, mesh.group("pp"), inputs, targets, microbatches=2)
@@ -216,7 +216,7 @@ def test_clipping_across_tp_and_pp_equals_torch_on_the_single_device_model() -> 
          "virtual_stages=2 needs schedule='interleaved'"),
         (GPT_EXAMPLE, ["-n", "4", "--set", "parallel.schedule=interleaved", "--set", "parallel.microbatches=2",
                        "--set", "parallel.tp=1", "--set", "parallel.pp=4"], "microbatches to be a multiple"),
-        (MLP_EXAMPLE, ["-n", "4", "--set", "parallel.tp=2"], "model.kind='mlp' trains data-parallel only"),
+        (MLP_EXAMPLE, ["-n", "4", "--set", "parallel.tp=2"], "model.kind='mlp' has no tp_plan and no pipeline_parts"),
         (GPT_EXAMPLE, ["-n", "4", "--set", "data.name=digits"], "model.kind='gpt' trains on data.name='licenses'"),
     ],
 )

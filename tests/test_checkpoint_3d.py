@@ -94,13 +94,13 @@ def _restored_state(world, step_dir: str, layout):
     """Everything a rank holds after restoring ``step_dir`` under ``layout``, as pieces of the global tensors."""
     from jobs.checkpointing import restore, state_pieces
     from jobs.optim import build_optimizer
-    from jobs.workloads import build_workload
+    from jobs.workloads import Workload
     from parallel.optimizer import distributed_optimizer
     from parallel.ring import make_transport
 
     spec = _spec("unused", "restored", layout, 20, step_dir)
     mesh = build_mesh(MeshShape(*layout), world.rank)
-    workload = build_workload(spec, mesh)
+    workload = Workload(spec, mesh)
     optimizer = distributed_optimizer(build_optimizer(spec.train, workload.model.parameters()),
                                       make_transport(spec.parallel.transport, mesh.group("dp")))
     assert restore(step_dir, world.rank, workload.model, optimizer, mesh) == 10

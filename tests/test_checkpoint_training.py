@@ -161,13 +161,12 @@ def _check_it_loads(step_dir: Path, spec_path: Path) -> None:
     from hpc.checkpoint import open_checkpoint, read_tensor, verify_checkpoint
     from hpc.config import load_spec
     from jobs.checkpointing import restore
-    from jobs.datasets import load_dataset
     from jobs.optim import build_optimizer
-    from jobs.train import build_model
+    from jobs.protocol import build_model
 
     assert verify_checkpoint(step_dir).ok
     spec = load_spec(spec_path)
-    model = build_model(spec, load_dataset("digits"))
+    model = build_model(spec)
     initial = model.state_dict()["0.weight"].clone()
     optimizer = build_optimizer(spec.train, model.parameters())
     assert restore(step_dir, 0, model, optimizer) == 2

@@ -39,12 +39,11 @@ def test_four_ranks_match_one_process_on_the_concatenated_batch(tmp_path, optimi
 def _train_zero_steps_reference(spec_data):
     import torch
 
-    from jobs.datasets import load_dataset
-    from jobs.train import build_model
+    from jobs.protocol import build_model
 
     spec = spec_from_dict(spec_data)
     with torch.no_grad():
-        return {k: v.numpy().copy() for k, v in build_model(spec, load_dataset("digits")).state_dict().items()}
+        return {k: v.numpy().copy() for k, v in build_model(spec).state_dict().items()}
 
 
 def test_global_batches_are_pure_in_the_step_and_cover_each_epoch() -> None:
@@ -79,7 +78,7 @@ def _demo_with_each_codec(world, base):
     losses = {}
     for codec, settings in CODEC_SETTINGS.items():
         spec = spec_from_dict({**base, "parallel": {**base["parallel"], "compression": codec, **settings}})
-        losses[codec] = train(spec, world, mesh)[0].train_loss
+        losses[codec] = train(spec, world, mesh)[0].evaluation["held_out_loss"]
     return losses
 
 

@@ -12,17 +12,18 @@ import torch
 
 from hpc.config import load_spec, spec_from_dict
 from hpc.errors import ConfigError, LayoutError
+from hpc.runtime.mesh import MeshShape
 from jobs.datasets import (
     LICENSES_DIR,
+    ByteWindows,
     byte_windows,
     dp_shard,
-    held_out_starts,
-    load_dataset,
     load_licenses,
     window_starts,
 )
 from jobs.gpt import build_gpt, lm_loss
-from jobs.parallelize import check_gpt_layout
+from jobs.layout import check_job_layout
+from jobs.workloads import fetch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "gpt.toml"
 TINY = spec_from_dict({"model": {"kind": "gpt", "n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 32}}).model
@@ -69,7 +70,7 @@ def test_the_tiny_gpt_learns_the_held_out_text() -> None:
     torch.manual_seed(0)
     model = build_gpt(TINY, seed=0)
     corpus = load_licenses()
-    held_out = byte_windows(corpus.test, held_out_starts(len(corpus.test), TINY.seq_len)[:200], TINY.seq_len)
+    held_out = fetch(ByteWindows(corpus.test, TINY.seq_len, stride=TINY.seq_len), range(200))
 
     def held_out_loss() -> float:
         with torch.no_grad():
@@ -99,7 +100,7 @@ def test_licenses_corpus_is_every_regular_file_in_name_order_with_each_tail_held
 
 
 def test_the_real_licenses_corpus() -> None:
-    corpus = load_dataset("licenses")
+    corpus = load_licenses()
     regular = [p for p in LICENSES_DIR.iterdir() if p.is_file() and not p.is_symlink()]
     assert len(corpus.train) + len(corpus.test) == sum(p.stat().st_size for p in regular)
     assert len(corpus.train) > 150_000 and len(corpus.test) > 15_000
@@ -131,8 +132,8 @@ def test_a_window_longer_than_the_text_is_a_config_error() -> None:
 
 
 def test_held_out_windows_predict_every_byte_once() -> None:
-    data = torch.arange(100, dtype=torch.uint8)
-    _, targets = byte_windows(data, held_out_starts(len(data), 16), 16)
+    held_out = ByteWindows(torch.arange(100, dtype=torch.uint8), 16, stride=16)
+    _, targets = fetch(held_out, range(len(held_out)))
     np.testing.assert_array_equal(targets.flatten().numpy(), np.arange(1, 1 + targets.numel()))
     assert 100 - 1 - targets.numel() < 16  # only a tail shorter than one window is left out
 
@@ -140,7 +141,7 @@ def test_held_out_windows_predict_every_byte_once() -> None:
 def test_example_spec_loads_and_fits_its_layout() -> None:
     spec = load_spec(EXAMPLE)
     assert (spec.model.kind, spec.data.name) == ("gpt", "licenses")
-    check_gpt_layout(spec.model, spec.parallel.tp, spec.parallel.pp)
+    check_job_layout(spec, MeshShape(dp=1, tp=spec.parallel.tp, pp=spec.parallel.pp))
 
 
 @pytest.mark.parametrize(
@@ -153,12 +154,16 @@ def test_example_spec_loads_and_fits_its_layout() -> None:
     ],
 )
 def test_a_layout_that_does_not_cut_the_gpt_is_refused(model, tp, pp, virtual, message) -> None:
-    cfg = spec_from_dict({"model": {"kind": "gpt", **model}}).model
+    spec = spec_from_dict({"model": {"kind": "gpt", **model}, "data": {"name": "licenses", "batch_size": 8},
+                           "parallel": {"virtual_stages": virtual}})
     with pytest.raises(LayoutError, match="^" + re.escape(message)):
-        check_gpt_layout(cfg, tp, pp, virtual)
+        check_job_layout(spec, MeshShape(dp=1, tp=tp, pp=pp))
 
 
 def test_layouts_that_cut_the_gpt_pass() -> None:
-    cfg = spec_from_dict({"model": {"kind": "gpt", "n_layers": 8, "n_heads": 8, "d_model": 64}}).model
     for tp, pp, virtual in [(1, 1, 1), (2, 2, 2), (8, 4, 2), (4, 8, 1)]:
-        check_gpt_layout(cfg, tp, pp, virtual)
+        spec = spec_from_dict({"model": {"kind": "gpt", "n_layers": 8, "n_heads": 8, "d_model": 64},
+                               "data": {"name": "licenses", "batch_size": 8 * pp},
+                               "parallel": {"virtual_stages": virtual, "microbatches": pp * 2, "schedule":
+                                            "interleaved" if virtual > 1 else "1f1b"}})
+        check_job_layout(spec, MeshShape(dp=1, tp=tp, pp=pp))

@@ -14,7 +14,7 @@ from hpc.rundir import METRICS_FILE, RESULT_FILE
 from hpc.runtime.abort import run_as_rank
 
 # The evaluation measures the summary shows (all of them go to result.json): a generalization figure per model.
-SUMMARY_MEASURES = {"test_accuracy": "test accuracy {:.1%}", "held_out_loss": "held-out loss {:.4f}"}
+SUMMARY_MEASURES = {"held_out_loss": "held-out loss {:.4f}", "held_out_accuracy": "held-out accuracy {:.1%}"}
 
 
 def summary_line(result, world, shape, metrics_path) -> str:
