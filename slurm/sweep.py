@@ -20,10 +20,18 @@ overrides in ``DIR/task-i`` (``job.run_dir`` and ``job.name`` are the sweep's), 
 ranks write ``metrics.jsonl`` and ``result.json``. ``DIR/sweep.json`` records the configs,
 the executor and the array's job id; ``hpc sweep status|results DIR`` read it, the result
 files and, for Slurm, sacct.
+
+The base may be your own training script instead (``base = "train.py"``, see hpc/script.py):
+then each key of ``[params]`` is one of the options the script declares with argparse
+(``"lr" = [0.1, 0.02]`` passes ``--lr 0.1``; a list value passes its items after the option,
+``true`` the bare flag, ``false`` nothing), read from its source (:func:`script_options`), and
+the file may hold the script's resources as ``[slurm]`` and ``[job]`` (``run_dir`` only) tables.
+Task i runs the script with ``HPC_RUN_PATH=DIR/task-i``.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import datetime
 import itertools
@@ -31,8 +39,8 @@ import json
 import math
 import os
 import random
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +62,8 @@ from slurm.job_registry import FAILED_STATES
 MANIFEST = "sweep.json"
 DISTRIBUTIONS = ("uniform", "log_uniform")
 RESERVED = ("job.name", "job.run_dir")  # each task's own run directory
+SCRIPT_TABLES = ("slurm", "job")  # a script's resources, in a sweep file whose base is a script
+MAX_SCRIPT_BYTES = 16 << 20  # a script read for its options
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,12 @@ class Sweep:
     settings: SweepConfig
     params: tuple[tuple[str, Any], ...]  # (dotted key, list of values or {distribution: [low, high]})
     source: Path  # the sweep file
+    resources: Mapping[str, Any] = field(default_factory=dict)  # a script base's [slurm] and [job] tables
+
+    @property
+    def script(self) -> bool:
+        """Whether the base is a training script (its options are swept) rather than a job spec."""
+        return self.settings.base.endswith(".py")
 
     @property
     def base(self) -> Path:
@@ -83,6 +99,7 @@ class Task:
     params: dict[str, Any]
     run_path: Path
     overrides: tuple[str, ...]  # every --set of the task, the sweep's own included
+    args: tuple[str, ...] = ()  # a script base's arguments for the task
 
 
 def load_sweep(path: str | Path) -> Sweep:
@@ -90,12 +107,13 @@ def load_sweep(path: str | Path) -> Sweep:
     source = Path(path)
     label = show_path(source)
     data = read_toml(source, "sweep file")
-    unknown = sorted(set(data) - {"sweep", "params"})
-    if unknown:
-        raise ConfigError(f"{label}: unknown table {show_text(unknown[0])} (valid: sweep, params)")
     settings = table_from_dict(SweepConfig, data.get("sweep", {}), "sweep", label)
+    valid = ("sweep", "params", *(SCRIPT_TABLES if settings.base.endswith(".py") else ()))
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        raise ConfigError(f"{label}: unknown table {show_text(unknown[0])} (valid: {', '.join(valid)})")
     if not settings.base:
-        raise ConfigError(f"{label}: sweep.base must name the job spec to start from")
+        raise ConfigError(f"{label}: sweep.base must name the job spec (or the script) to start from")
     if not isinstance(data.get("params", {}), dict):
         raise ConfigError(f"{label}: params must be a table of dotted keys, got {show_value(data['params'])}")
     params = tuple(_flatten(data.get("params", {})))
@@ -106,7 +124,7 @@ def load_sweep(path: str | Path) -> Sweep:
     if settings.method == "zip" and len({len(values) for _, values in params}) > 1:
         lengths = ", ".join(f"{key}: {len(values)}" for key, values in params)
         raise ConfigError(f"{label}: zip needs lists of one length, got {show_text(lengths, 200)}")
-    sweep = Sweep(settings, params, source)
+    sweep = Sweep(settings, params, source, {name: data[name] for name in SCRIPT_TABLES if name in data})
     count = config_count(sweep)
     if count > MAX_SWEEP_CONFIGS:
         raise ConfigError(f"{label}: {settings.method} makes {count} configs, more than the limit of "
@@ -221,6 +239,65 @@ def plan(sweep: Sweep, overrides: Sequence[str] = ()) -> tuple[Path, list[tuple[
     return directory, planned
 
 
+def plan_script(
+    sweep: Sweep, run_dir: str, options: Collection[str], args: Sequence[str] = ()
+) -> tuple[Path, list[Task]]:
+    """The sweep directory and every task of a script sweep: ``args`` (``hpc sweep ... -- ARGS``), then the
+    config as options; every key must be one of the script's ``options``."""
+    for key, _ in sweep.params:
+        if _option(key) not in options:
+            declared = ", ".join(sorted(options)) or "none: it declares no argparse options"
+            raise ConfigError(f"{sweep.label}: params.{show_text(key)}: {_option(key)} is not an option of "
+                              f"{show_path(sweep.base)} (its options: {show_text(declared, 200)})")
+    directory = Path(sweep.settings.dir or Path(run_dir) / sweep.name).absolute()
+    configs = expand(sweep)
+    width = max(3, len(str(len(configs) - 1)))
+    tasks = [Task(index, config, directory / f"task-{index:0{width}d}", (), (*args, *option_args(sweep, config)))
+             for index, config in enumerate(configs)]
+    return directory, tasks
+
+
+def _option(key: str) -> str:
+    return key if key.startswith("-") else f"--{key}"
+
+
+def option_args(sweep: Sweep, config: Mapping[str, Any]) -> list[str]:
+    """A config as a script's arguments: ``--key value``, a list's items after ``--key``, a bare flag for true."""
+    argv: list[str] = []
+    for key, value in config.items():
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(item, (dict, list)) for item in values):
+            raise ConfigError(f"{sweep.label}: params.{show_text(key)}: a script option takes numbers, strings, "
+                              f"booleans or a list of them, got {show_value(value)}")
+        if value is True or value is False:
+            argv += [_option(key)] if value else []
+        else:
+            argv += [_option(key), *(str(item) for item in values)]
+    return argv
+
+
+def script_options(path: Path) -> set[str]:
+    """The option strings a script declares with argparse (``add_argument("--lr", ...)``), read from its source
+    without running it."""
+    label = show_path(path)
+    try:
+        with open(path, "rb") as handle:
+            source = handle.read(MAX_SCRIPT_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"script {label}: cannot read it: {exc.strerror}") from None
+    if len(source) > MAX_SCRIPT_BYTES:
+        raise ConfigError(f"script {label}: larger than {MAX_SCRIPT_BYTES >> 20} MiB")
+    try:
+        tree = ast.parse(source, label)
+    except (SyntaxError, ValueError) as exc:
+        where = f" at line {exc.lineno}" if getattr(exc, "lineno", None) else ""
+        raise ConfigError(f"script {label}: not valid Python{where}") from None
+    return {arg.value for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"
+            for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+            and arg.value.startswith("-")}
+
+
 def _describe(config: Mapping[str, Any]) -> str:
     return ", ".join(as_overrides(config))
 
@@ -231,8 +308,8 @@ def write_manifest(directory: Path, sweep: Sweep, tasks: Sequence[Task], executo
     write_json(directory / MANIFEST, {
         "name": sweep.name, "source": str(sweep.source.resolve()), "base": str(sweep.base),
         "settings": dataclasses.asdict(sweep.settings), "executor": executor, "job_id": job_id, "ranks": ranks,
-        "tasks": [{"index": t.index, "params": t.params, "run_path": str(t.run_path), "overrides": list(t.overrides)}
-                  for t in tasks],
+        "tasks": [{"index": t.index, "params": t.params, "run_path": str(t.run_path), "overrides": list(t.overrides),
+                   "args": list(t.args)} for t in tasks],
     })
 
 

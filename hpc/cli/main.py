@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from hpc.config import show_text
 from hpc.errors import ConfigError, HpcError, LayoutError, RankFailedError
 
 
@@ -58,6 +59,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from hpc.cli.script import check_script
     from hpc.config import load_spec
     from hpc.runtime import launch
     from jobs.layout import check_layout
@@ -66,6 +68,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise LayoutError(f"-n must be at least 1, got {args.nprocs}")
     if args.spec.endswith(".py"):
         return run_script(args)
+    if args.script_args:
+        check_script(args.spec)  # options after -- and no script: that line
     spec = load_spec(args.spec, args.overrides)
     hosts = launch.parse_hosts(args.hosts) if args.hosts else []
     if hosts and sum(slots for _, slots in hosts) < args.nprocs:
@@ -84,27 +88,43 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def run_script(args: argparse.Namespace) -> int:
     """``hpc run -n 4 train.py --epochs 2``: every rank runs the script, as ``horovodrun`` or torchrun would."""
-    from hpc.config import show_path
+    from hpc.cli.script import check_script
     from hpc.runtime import launch
 
-    if not os.path.isfile(args.spec):
-        raise ConfigError(f"script {show_path(args.spec)}: no such file")
+    script = check_script(args.spec)
     if args.overrides:
         raise ConfigError("--set overrides job spec values; pass a script's options after the script")
     launcher = args.launcher or launch.default_launcher()
     hosts = launch.parse_hosts(args.hosts) if args.hosts else []
-    argv = (sys.executable, "-u", os.path.abspath(args.spec), *args.script_args)
+    argv = (sys.executable, "-u", str(script), *args.script_args)
     launch.launch_ranks(args.nprocs, argv, launcher, hosts, args.bind_to, "plain", args.dry_run)
     return 0
 
 
+SCRIPT_COMMANDS = ("run", "submit", "sweep")  # they pass what follows -- to a script
+
+
+def split_script_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(hpc's arguments, the script's): ``hpc submit train.py --nodes 2 -- --epochs 3`` splits at the first ``--``."""
+    argv = list(argv)
+    if argv and argv[0] in SCRIPT_COMMANDS and "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv, script_args = split_script_args(sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
-    if unknown and not (args.command == "run" and args.spec.endswith(".py")):
+    stray = unknown and not (args.command == "run" and args.spec.endswith(".py"))
+    if stray and args.command not in SCRIPT_COMMANDS:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.script_args = unknown  # a script's own options: hpc run -n 4 train.py --epochs 5
+    args.script_args = unknown + script_args  # a script's own options: hpc run -n 4 train.py --epochs 5
     try:
+        if stray:
+            raise ConfigError(f"unrecognized arguments: {show_text(' '.join(unknown))} (a script's own options go "
+                              "after --)")
         return args.handler(args)
     except RankFailedError as exc:
         print(f"hpc: error: {exc}", file=sys.stderr)

@@ -1,5 +1,8 @@
 """``hpc submit``, ``status``, ``logs``, ``cancel`` and ``sweep``: job specs on Slurm, sweeps also on local ranks.
 
+Your own training script goes the same way (``hpc submit train.py -- ARGS``, a sweep whose base is
+a script): hpc/cli/script.py gives its resources and what its srun tasks run.
+
 Nothing heavy at module level (``hpc --help`` stays instant): slurm.* and submitit are
 imported by the handlers. Every check that can fail (the spec, the resources, the layout,
 each config of a sweep) runs before anything is submitted.
@@ -14,6 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from hpc.cli import script
 from hpc.cli.rank import run_in_slurm_task
 from hpc.errors import ConfigError, RankFailedError
 from hpc.text import format_table
@@ -36,8 +40,13 @@ SWEEP_VIEWS = ("status", "results")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    submit = commands.add_parser("submit", help="submit a job spec to Slurm (sbatch via submitit, one task per rank)")
-    submit.add_argument("spec", help="job spec (TOML); resources come from its [slurm] section")
+    submit = commands.add_parser(
+        "submit", help="submit a job spec, or your own script, to Slurm (sbatch via submitit, one task per rank)",
+        usage="hpc submit SPEC.toml [options]\n       hpc submit SCRIPT.py [--resources FILE] [options] [-- ARGS]")
+    submit.add_argument("spec", help="job spec (TOML), whose [slurm] section gives the resources; or a Python "
+                                     "script followed by -- and its own arguments")
+    submit.add_argument("--resources", metavar="FILE",
+                        help="a script's resources: a TOML of only [slurm] and [job] (name, run_dir)")
     for name, kind, what in RESOURCES:
         submit.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"{what} (default: slurm.{name})")
     submit.add_argument("--setup", action="append", metavar="LINE",
@@ -62,7 +71,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
     sweep = commands.add_parser(
         "sweep", help="run a sweep as one Slurm job array or on local ranks; show its status or results",
-        usage="hpc sweep SWEEP.toml [--executor slurm|local] [--set KEY=VALUE] [--dry-run]\n"
+        usage="hpc sweep SWEEP.toml [--executor slurm|local] [--set KEY=VALUE] [--dry-run] [-- SCRIPT ARGS]\n"
               "       hpc sweep status DIR\n       hpc sweep results DIR [--plot [PATH]]")
     sweep.add_argument("target", metavar="SWEEP.toml|status|results", help="a sweep file to run, or a view")
     sweep.add_argument("dir", nargs="?", help="with status or results: the sweep directory")
@@ -103,23 +112,39 @@ def _ranks(spec) -> int:
     return spec.slurm.nodes * spec.slurm.ntasks_per_node
 
 
-def cmd_submit(args: argparse.Namespace) -> int:
+def _submission(args: argparse.Namespace):
+    """(resources, the srun task function, its argument, whether it is a job spec), every check passed but
+    Slurm's: a script (hpc/cli/script.py) or a job spec."""
     from hpc.config import load_spec
+
+    if script.is_script(args.spec) or args.script_args:
+        path, spec = script.submission(args.spec, args.resources, args.overrides)
+        spec = _with_resources(spec, args)
+        return spec, script.run_script_in_slurm_task, script.task_argv(spec.run_path, spec.slurm.max_requeues, path,
+                                                                        args.script_args), False
+    if args.resources is not None:
+        raise ConfigError("--resources gives a script's resources; a job spec has its own [slurm] section")
+    spec = _with_resources(load_spec(args.spec, args.overrides), args)
+    return spec, run_in_slurm_task, _rank_argv(args.spec, args.overrides), True
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
     from jobs.layout import check_layout
     from slurm import job_registry, submit
 
-    spec = _with_resources(load_spec(args.spec, args.overrides), args)
+    spec, entry, argv, is_spec = _submission(args)
     ranks = _ranks(spec)
     if not args.dry_run:  # what the cluster offers first: --nodes 3 on two nodes is that, not the batch split
         submit.check_resources(spec.slurm)
-    check_layout(spec, ranks)
+    if is_spec:
+        check_layout(spec, ranks)
     folder = spec.run_path.absolute() / "slurm"
     executor = submit.make_executor(folder, spec.slurm, spec.job.name)
     if args.dry_run:
         print(submit.sbatch_script(executor), end="")
         return 0
-    job_id = submit.submit(executor, run_in_slurm_task, _rank_argv(args.spec, args.overrides))
-    if not spec.checkpoint.every_steps:
+    job_id = submit.submit(executor, entry, argv)
+    if is_spec and not spec.checkpoint.every_steps:
         print("note: checkpoint.every_steps = 0: if Slurm stops this job early, it starts again from step 0",
               file=sys.stderr)
     job_registry.Registry.default().add(job_registry.JobRecord(job_id, spec.job.name, ranks, str(folder),
@@ -201,8 +226,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.target in SWEEP_VIEWS:
         if args.dir is None:
             raise ConfigError(f"hpc sweep {args.target} needs the sweep directory")
-        if args.executor or args.overrides or args.dry_run:
-            raise ConfigError("--executor, --set and --dry-run apply to running a sweep, not to viewing one")
+        if args.executor or args.overrides or args.dry_run or args.script_args:
+            raise ConfigError("--executor, --set, --dry-run and a script's options apply to running a sweep, not to "
+                              "viewing one")
         from hpc.observe.plots import check_png_path
 
         directory = Path(args.dir)
@@ -217,13 +243,40 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from jobs.layout import check_layout
     from slurm import sweep as sweeps
 
     sweep = sweeps.load_sweep(args.target)
-    directory, planned = sweeps.plan(sweep, args.overrides)
+    on_slurm = (args.executor or "slurm") == "slurm"
+    ask_slurm = on_slurm and not args.dry_run
+    if sweep.script:
+        directory, tasks, spec = _plan_script_sweep(sweep, args, ask_slurm)
+        entry = script.run_script_in_slurm_task
+        argvs = [script.task_argv(t.run_path, spec.slurm.max_requeues, sweep.base, t.args) for t in tasks]
+        local = [script.local_argv(t.run_path, sweep.base, t.args) for t in tasks]
+    else:
+        if args.script_args:
+            raise ConfigError(f"{sweep.label}: options after -- go to a script, and sweep.base "
+                              f"{sweep.settings.base} is a job spec")
+        directory, tasks, spec = _plan_spec_sweep(sweep, args.overrides, ask_slurm)
+        entry = run_in_slurm_task
+        argvs = [_rank_argv(str(sweep.base), task.overrides) for task in tasks]
+        local = [(sys.executable, "-m", "hpc.cli.rank", *argv) for argv in argvs]
+    if (directory / sweeps.MANIFEST).exists() and not args.dry_run:
+        raise ConfigError(f"{directory} already holds a sweep: remove it, or give this one another sweep.name or "
+                          "sweep.dir")
+    if on_slurm:
+        return _submit_sweep(sweep, directory, tasks, entry, argvs, spec, args.dry_run)
+    return _run_sweep_locally(sweep, directory, tasks, local, _ranks(spec), args.dry_run)
+
+
+def _plan_spec_sweep(sweep, overrides: list[str], ask_slurm: bool):
+    """(directory, tasks, the resources every task shares): each config checked against the spec and the layout."""
+    from jobs.layout import check_layout
+    from slurm import sweep as sweeps
+
+    directory, planned = sweeps.plan(sweep, overrides)
     ranks = _ranks(planned[0][1])  # slurm.* is never swept: every task has the same resources
-    if (args.executor or "slurm") == "slurm" and not args.dry_run:
+    if ask_slurm:
         from slurm import submit
 
         submit.check_resources(planned[0][1].slurm)
@@ -232,17 +285,28 @@ def run_sweep(args: argparse.Namespace) -> int:
             check_layout(spec, ranks)
         except ConfigError as exc:
             raise type(exc)(f"{sweep.label}: config {task.index}: {exc}") from None
-    if (directory / sweeps.MANIFEST).exists() and not args.dry_run:
-        raise ConfigError(f"{directory} already holds a sweep: remove it, or give this one another sweep.name or "
-                          "sweep.dir")
-    tasks = [task for task, _ in planned]
-    argvs = [_rank_argv(str(sweep.base), task.overrides) for task in tasks]
-    if (args.executor or "slurm") == "slurm":
-        return _submit_sweep(sweep, directory, tasks, argvs, planned[0][1], args.dry_run)
-    return _run_sweep_locally(sweep, directory, tasks, argvs, ranks, args.dry_run)
+    return directory, [task for task, _ in planned], planned[0][1]
 
 
-def _submit_sweep(sweep, directory: Path, tasks, argvs, spec, dry_run: bool) -> int:
+def _plan_script_sweep(sweep, args: argparse.Namespace, ask_slurm: bool):
+    """(directory, tasks, resources) of a sweep over a script's options: the script, its declared options,
+    the sweep file's [slurm] and [job] with --set on them."""
+    from slurm import sweep as sweeps
+
+    try:
+        path = script.check_script(str(sweep.base))
+    except ConfigError as exc:
+        raise ConfigError(f"{sweep.label}: sweep.base: {exc}") from None
+    spec = script.resources(sweep.resources, sweep.label, args.overrides, sweep.name, job_keys=("run_dir",))
+    directory, tasks = sweeps.plan_script(sweep, spec.job.run_dir, sweeps.script_options(path), args.script_args)
+    if ask_slurm:
+        from slurm import submit
+
+        submit.check_resources(spec.slurm)
+    return directory, tasks, spec
+
+
+def _submit_sweep(sweep, directory: Path, tasks, entry, argvs, spec, dry_run: bool) -> int:
     from slurm import job_registry, submit
     from slurm import sweep as sweeps
 
@@ -250,10 +314,11 @@ def _submit_sweep(sweep, directory: Path, tasks, argvs, spec, dry_run: bool) -> 
     executor = submit.make_executor(folder, spec.slurm, sweep.name, array_parallelism=sweep.settings.max_concurrent)
     if dry_run:
         print(submit.sbatch_script(executor, array_size=len(tasks)), end="")
-        print("\n# array tasks (hpc-rank arguments):")
+        print(f"\n# array tasks ({'run path, max requeues, script and its' if sweep.script else 'hpc-rank'} "
+              "arguments):")
         print("\n".join(f"# {task.index}: {shlex.join(argv)}" for task, argv in zip(tasks, argvs, strict=True)))
         return 0
-    job_id = submit.submit_array(executor, run_in_slurm_task, argvs)
+    job_id = submit.submit_array(executor, entry, argvs)
     ranks = _ranks(spec)
     sweeps.write_manifest(directory, sweep, tasks, "slurm", ranks, job_id)
     job_registry.Registry.default().add(job_registry.JobRecord(job_id, sweep.name, ranks, str(folder),
@@ -264,22 +329,22 @@ def _submit_sweep(sweep, directory: Path, tasks, argvs, spec, dry_run: bool) -> 
     return 0
 
 
-def _run_sweep_locally(sweep, directory: Path, tasks, argvs, ranks: int, dry_run: bool) -> int:
+def _run_sweep_locally(sweep, directory: Path, tasks, commands, ranks: int, dry_run: bool) -> int:
     """One config after the other, each on ``ranks`` local ranks exactly as ``hpc run --launcher local``."""
     from hpc.runtime.launch import launch_ranks
     from slurm import sweep as sweeps
 
     if dry_run:
-        for task, argv in zip(tasks, argvs, strict=True):
+        for task, argv in zip(tasks, commands, strict=True):
             print(f"# task {task.index}: {ranks} local rank{'s' * (ranks > 1)} of")
-            print(shlex.join([sys.executable, "-m", "hpc.cli.rank", *argv]))
+            print(shlex.join(argv))
         return 0
     sweeps.write_manifest(directory, sweep, tasks, "local", ranks)
-    for task, argv in zip(tasks, argvs, strict=True):
+    for task, argv in zip(tasks, commands, strict=True):
         print(f"sweep {sweep.name}: task {task.index + 1}/{len(tasks)}: "
-              f"{' '.join(sweeps.as_overrides(task.params))}", flush=True)
+              f"{' '.join(task.args or sweeps.as_overrides(task.params))}", flush=True)
         try:
-            launch_ranks(ranks, (sys.executable, "-m", "hpc.cli.rank", *argv), "local", [], None, "plain", False)
+            launch_ranks(ranks, argv, "local", [], None, "plain", False)
         except RankFailedError as exc:
             sweeps.record_outcome(directory, task.index, "FAILED", str(exc))
             print(f"sweep {sweep.name}: task {task.index} failed: {exc}", file=sys.stderr, flush=True)
