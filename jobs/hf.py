@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hpc.errors import ConfigError, LayoutError
+from hpc.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 ENTRY = "jobs.hf:causal_lm"
 # What "Llama-shaped" means: the modules the adapter runs, by their names in the model.
 LLAMA_SHAPED = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
-TIED = "model.args.tie_word_embeddings"
 CHECK_TOKENS = 5  # the forward compared with the transformers model's own at build time
 
 
@@ -167,20 +166,14 @@ class CausalLM(nn.Module):
         self.tp_divisors = {"model.args.num_attention_heads": heads,
                             "model.args.num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads}
 
-    def _parts(self) -> tuple[nn.Module, list[nn.Module], nn.Module]:
+    def pipeline_parts(self) -> tuple[nn.Module, list[nn.Module], nn.Module]:
+        """(embed_tokens, one ``DecoderBlock`` per layer, norm + lm_head), sharing the model's modules."""
         blocks = [DecoderBlock(layer, self.model.rotary_emb, self.config, attention_type(self.config, i))
                   for i, layer in enumerate(self.model.layers)]
         return self.model.embed_tokens, blocks, Head(self.model.norm, self.lm_head)
 
-    def pipeline_parts(self) -> tuple[nn.Module, list[nn.Module], nn.Module]:
-        """(embed_tokens, one ``DecoderBlock`` per layer, norm + lm_head), sharing the model's modules."""
-        if self.tied:
-            raise LayoutError(f"{TIED}=true: the head shares the embedding's weight, so the model cannot be cut "
-                              f"into pipeline stages or recomputed per block; set {TIED}=false")
-        return self._parts()
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        first, blocks, last = self._parts()
+        first, blocks, last = self.pipeline_parts()
         hidden = first(ids)
         for block in blocks:
             hidden = block(hidden)

@@ -17,9 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from hpc.config import spec_from_dict
+from hpc.config import load_spec, spec_from_dict
 from hpc.errors import ConfigError, LayoutError
+from hpc.runtime.mesh import MeshShape, build_mesh
 from tests.ranks import run_ranks
+from tests.test_3d import CLIP, LR, _metrics, assemble, pieces_as_numpy
+from tests.test_checkpoint_3d import _losses
 
 pytest.importorskip("transformers")
 
@@ -29,6 +32,11 @@ TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermedia
 # Llama look-alikes the adapter runs unchanged (mistral with a sliding window shorter than the batch)
 OTHERS = {"qwen2": {}, "qwen3": {}, "mistral": {"sliding_window": 4}}
 SEQ = 16
+# A hundredth of one Adam step. Adam divides each gradient by its running RMS, so where a gradient is
+# near zero the rounding of another summation order becomes part of a step: on this model 2 or 3 of
+# its 70,000 parameters end 1.3 to 2.6 thousandths of a step apart (the GPT's test_3d allows one
+# thousandth); a wrong shard or a missing reduction is off by whole steps.
+PARAM_ATOL = 1e-2 * LR
 
 
 def _ids(seed: int = 3, batch: int = 2) -> torch.Tensor:
@@ -106,14 +114,16 @@ def test_the_plan_names_real_modules_and_the_tp_checks_name_the_keys() -> None:
         check_pipeline(adapter, 3, "parallel.pp")
 
 
-def test_tied_embeddings_stay_whole_under_tp_and_refuse_pipeline_cuts() -> None:
+def test_tied_embeddings_stay_whole_under_tp_and_one_under_pp() -> None:
+    from jobs.parallelize import keep_stages
+
     adapter, reference = _both(tie_word_embeddings=True)
     assert adapter.lm_head.weight is adapter.model.embed_tokens.weight
     torch.testing.assert_close(adapter(_ids()), reference(input_ids=_ids()).logits, rtol=0, atol=1e-6)
     assert adapter.tp_plan["lm_head"] == adapter.tp_plan["model.embed_tokens"] == "replicate"
-    with pytest.raises(LayoutError) as error:
-        adapter.pipeline_parts()
-    assert str(error.value).startswith("model.args.tie_word_embeddings=true") and "\n" not in str(error.value)
+    assert len(keep_stages(adapter, 1, 0, 1, False, True)) == 1  # one stage (recomputed blocks): the weight stays one
+    with pytest.raises(LayoutError, match="share parameters"):
+        keep_stages(adapter, 2, 0, 1, False, False)
 
 
 def test_the_model_builds_on_the_meta_device_for_the_pre_launch_check() -> None:
@@ -218,3 +228,161 @@ def test_export_errors_are_one_line(tmp_path, capsys, args, message) -> None:
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("hpc: error: "), err
     assert message in err
     assert not Path(tmp_path / "out").exists()
+
+
+# --- through the trainer: every layout trains like one process; resume across layouts; export ---
+
+LLAMA_EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "llama.toml"
+
+
+def llama_spec(run_dir: str, name: str, layout, schedule: str = "1f1b", microbatches: int = 1, virtual: int = 1,
+               steps: int = 10, every: int = 0, resume: str = "never", model_type: str = "llama", tied: bool = False):
+    dp, tp, pp = layout
+    return spec_from_dict({
+        "job": {"run_dir": run_dir, "name": name, "seed": 5},
+        "model": {"entry": ENTRY, "args": {**TINY, "model_type": model_type, "tie_word_embeddings": tied},
+                  "seq_len": SEQ},
+        "data": {"name": "licenses", "batch_size": 8},
+        # constant learning rate: 10 steps are the first half of 20
+        "train": {"steps": steps, "lr": LR, "optimizer": "adam", "grad_clip": CLIP, "log_every": 100},
+        "parallel": {"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "microbatches": microbatches,
+                     "virtual_stages": virtual},
+        "checkpoint": {"every_steps": every, "keep": 5, "resume": resume},
+    })
+
+
+def _train_llama(world, run_dir: str, cases):
+    """Each case: (name, layout, llama_spec options); this rank's parameters after it, as pieces."""
+    from jobs.train import train
+
+    results = []
+    for name, layout, options in cases:
+        mesh = build_mesh(MeshShape(*layout), world.rank)
+        _, model = train(llama_spec(run_dir, name, layout, **options), world, mesh)
+        results.append(pieces_as_numpy(model, mesh))
+    return results
+
+
+def _model_tensors(step_dir: Path) -> dict[str, np.ndarray]:
+    from hpc.checkpoint import open_checkpoint, read_tensor
+
+    index = open_checkpoint(step_dir)
+    return {name: read_tensor(index, name).numpy() for name in index.tensors if name.startswith("model/")}
+
+
+def _step_dir(run_dir: Path, name: str, step: int) -> Path:
+    return run_dir / name / "checkpoints" / f"step-{step:08d}"
+
+
+# (name, (dp, tp, pp), llama_spec options); the (1, 2, 2) run saves at step 10 for the resume and export tests
+FOUR_RANKS = [("tp2-pp2", (1, 2, 2), {"microbatches": 2, "every": 10}),
+              ("qwen2-tp2-pp2", (1, 2, 2), {"microbatches": 2, "model_type": "qwen2"})]
+TWO_RANKS = [("dp2", (2, 1, 1), {}), ("tp2", (1, 2, 1), {}), ("pp2", (1, 1, 2), {"microbatches": 2}),
+             ("pp2-interleaved", (1, 1, 2), {"schedule": "interleaved", "microbatches": 2, "virtual": 2}),
+             ("tied-tp2", (1, 2, 1), {"tied": True})]
+SAVED = ("tp2-pp2", 10)  # resumed under (2, 1, 1): restored (0 steps), then trained to step 20
+RESUMED = [("restored", (2, 1, 1), {}), ("resumed", (2, 1, 1), {"steps": 20})]
+SINGLE = [("single", (1, 1, 1), {"steps": 20, "every": 10}), ("qwen2-single", (1, 1, 1), {"model_type": "qwen2"}),
+          ("tied-single", (1, 1, 1), {"tied": True})]
+# each single-process run, its model's options, and the runs that must train like it
+REFERENCES = [("single", {}, TWO_RANKS[:4] + FOUR_RANKS[:1]), ("qwen2-single", {"model_type": "qwen2"}, FOUR_RANKS[1:]),
+              ("tied-single", {"tied": True}, TWO_RANKS[4:])]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Every run of the slow tests: (run_dir, {name: assembled parameters})."""
+    run_dir = tmp_path_factory.mktemp("llama")
+    saved = str(_step_dir(run_dir, *SAVED))
+    resumed = [(name, layout, {**options, "resume": saved}) for name, layout, options in RESUMED]
+    runs = {}
+    for ranks, cases in ((1, SINGLE), (4, FOUR_RANKS), (2, TWO_RANKS + resumed)):
+        per_rank = run_ranks(ranks, _train_llama, str(run_dir), cases, timeout=300)
+        runs |= {name: assemble([results[number] for results in per_rank]) for number, (name, *_) in enumerate(cases)}
+    return run_dir, runs
+
+
+@pytest.mark.slow
+def test_every_layout_trains_like_one_process(trained) -> None:
+    from jobs.protocol import build_model
+
+    run_dir, runs = trained
+    for reference, options, cases in REFERENCES:
+        records = [json.loads(line) for line in (run_dir / reference / "metrics.jsonl").open()][:10]
+        losses, norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
+        assert losses[-1] < losses[0] - 0.5  # it learns
+        assert max(norms) > CLIP  # clipping is active, so its global norm across TP and PP ranks matters
+        expected = (_model_tensors(_step_dir(run_dir, reference, 10)) if reference == "single"
+                    else runs[reference])
+        initial = build_model(llama_spec("unused", "initial", (1, 1, 1), **options))
+        for name, *_ in cases:
+            assert _metrics(run_dir, name) == (pytest.approx(losses, rel=1e-5), pytest.approx(norms, rel=1e-5)), name
+            assert runs[name].keys() == expected.keys(), name
+            for key, value in expected.items():
+                np.testing.assert_allclose(runs[name][key], value, rtol=1e-5, atol=PARAM_ATOL, err_msg=f"{name}: {key}")
+                untrained = initial.state_dict()[key.removeprefix("model/")].numpy()
+                assert not np.array_equal(value, untrained), f"{key} did not train"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_under_1_2_2_resumes_under_2_1_1(trained) -> None:
+    run_dir, runs = trained
+    saved = _model_tensors(_step_dir(run_dir, *SAVED))
+    assert runs["restored"].keys() == saved.keys()
+    for key, value in saved.items():  # restored under another layout: every element as saved
+        assert np.array_equal(runs["restored"][key], value), key
+    resumed, reference = _losses(run_dir, "resumed"), _losses(run_dir, "single")
+    assert list(resumed) == list(range(11, 21))
+    assert list(resumed.values()) == pytest.approx([reference[step] for step in resumed], rel=1e-5)
+    for key, value in _model_tensors(_step_dir(run_dir, "single", 20)).items():
+        np.testing.assert_allclose(runs["resumed"][key], value, rtol=1e-5, atol=PARAM_ATOL, err_msg=key)
+
+
+@pytest.mark.slow
+def test_the_hf_export_of_a_tp_pp_checkpoint_gives_the_trained_models_logits(trained, tmp_path) -> None:
+    from transformers import LlamaForCausalLM
+
+    from hpc.cli.main import main
+    from jobs.hf import causal_lm
+
+    run_dir, runs = trained
+    out = tmp_path / "hf"
+    assert main(["ckpt", "export", str(_step_dir(run_dir, *SAVED)), "--to", str(out), "--format", "hf"]) == 0
+    loaded, info = LlamaForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    model = causal_lm(**TINY)  # the trained model: the (1, 2, 2) run's parameters, assembled
+    model.load_state_dict({key.removeprefix("model/"): torch.from_numpy(value)
+                           for key, value in runs["tp2-pp2"].items()})
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(input_ids=_ids()).logits, model.eval()(_ids()), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "parallel.tp=4", "--set", "parallel.pp=1"],
+         "model.args.num_key_value_heads=2 is not divisible by parallel.tp=4"),
+        (["--set", "model.args.model_type=nosuch"], "model.args.model_type='nosuch' is not a transformers model type"),
+        (["--set", "model.args.num_hidden_layers=3"], "the model's 3 blocks cannot be cut into parallel.pp"),
+        pytest.param(["--set", "model.args.tie_word_embeddings=true"], "model.args.tie_word_embeddings",
+                     marks=pytest.mark.xfail(strict=True, reason="the pre-launch pipeline check does not yet look for "
+                                                                 "parameters shared by the first and last parts")),
+    ],
+)
+def test_a_layout_the_llama_cannot_take_is_one_line_before_launch(capsys, args, message) -> None:
+    from hpc.cli.main import main
+
+    code = main(["run", "-n", "4", "--launcher", "local", "--dry-run", *args, str(LLAMA_EXAMPLE)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("hpc: error: "), err
+    assert message in err
+
+
+def test_the_llama_example_passes_the_checks_as_tp2_pp2(capsys) -> None:
+    from hpc.cli.main import main
+    from jobs.layout import check_layout
+
+    shape = check_layout(load_spec(LLAMA_EXAMPLE), 4)
+    assert (shape.dp, shape.tp, shape.pp) == (1, 2, 2)
+    assert main(["run", "-n", "4", "--launcher", "local", "--dry-run", str(LLAMA_EXAMPLE)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 4
