@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from hpc.errors import LayoutError
-from jobs.protocol import plan_targets
+from jobs.protocol import check_pipeline, plan_targets
 from parallel.pipeline import split_into_stages
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -87,10 +87,8 @@ def keep_stages(model: nn.Module, p: int, rank: int, v: int, bf16_autocast: bool
         layers = [*([first] if stage == 0 else []), *chunk, *([last] if stage == final else [])]
         chunks.append(Stage(layers, bf16_autocast, blocks if recompute else ()))
     held = {id(param) for stage in chunks for param in stage.parameters()}
-    shared = {id(param) for param in first.parameters()} & {id(param) for param in last.parameters()}
-    if p > 1 and shared:
-        raise LayoutError("the model's first and last pipeline parts share parameters (tied embeddings?): "
-                          "they cannot sit on different pipeline ranks; untie them or use parallel.pp=1")
+    if p * v > 1:
+        check_pipeline(model, p * v, f"parallel.pp * virtual_stages = {p}*{v}")
     _drop_unheld(model, held, "")
     return chunks
 

@@ -221,10 +221,21 @@ def check_pipeline(model: nn.Module, chunks: int, key_hint: str) -> None:
     if parts is None:
         raise LayoutError(f"{key_hint} = {chunks} pipeline chunks, but the model has no pipeline_parts(): "
                           "it cannot be cut into stages (docs/USER_MODELS.md)")
-    blocks = list(parts()[1])
+    first, blocks, last = parts()
     if len(blocks) < chunks or len(blocks) % chunks:
         raise LayoutError(f"the model's {len(blocks)} blocks cannot be cut into {key_hint} = {chunks} equal "
                           "pipeline chunks")
+    shared = shared_parameters(model, first, last)
+    if shared:
+        raise LayoutError(f"{key_hint} = {chunks} pipeline chunks, but the model's first and last pipeline parts "
+                          f"share {', '.join(shared)} (tied embeddings): they cannot sit on different pipeline ranks; "
+                          "untie them (a transformers model: model.args.tie_word_embeddings = false)")
+
+
+def shared_parameters(model: nn.Module, first: nn.Module, last: nn.Module) -> list[str]:
+    """Names of the parameters both ``first`` and ``last`` use."""
+    both = {id(param) for param in first.parameters()} & {id(param) for param in last.parameters()}
+    return [name for name, param in model.named_parameters() if id(param) in both]
 
 
 def check_model_layout(spec: JobSpec, tp: int, pp: int, virtual: int) -> None:

@@ -122,7 +122,7 @@ def test_tied_embeddings_stay_whole_under_tp_and_one_under_pp() -> None:
     torch.testing.assert_close(adapter(_ids()), reference(input_ids=_ids()).logits, rtol=0, atol=1e-6)
     assert adapter.tp_plan["lm_head"] == adapter.tp_plan["model.embed_tokens"] == "replicate"
     assert len(keep_stages(adapter, 1, 0, 1, False, True)) == 1  # one stage (recomputed blocks): the weight stays one
-    with pytest.raises(LayoutError, match="share parameters"):
+    with pytest.raises(LayoutError, match=r"share (lm_head|model\.embed_tokens)\.weight \(tied embeddings\)"):
         keep_stages(adapter, 2, 0, 1, False, False)
 
 
@@ -364,9 +364,7 @@ def test_the_hf_export_of_a_tp_pp_checkpoint_gives_the_trained_models_logits(tra
          "model.args.num_key_value_heads=2 is not divisible by parallel.tp=4"),
         (["--set", "model.args.model_type=nosuch"], "model.args.model_type='nosuch' is not a transformers model type"),
         (["--set", "model.args.num_hidden_layers=3"], "the model's 3 blocks cannot be cut into parallel.pp"),
-        pytest.param(["--set", "model.args.tie_word_embeddings=true"], "model.args.tie_word_embeddings",
-                     marks=pytest.mark.xfail(strict=True, reason="the pre-launch pipeline check does not yet look for "
-                                                                 "parameters shared by the first and last parts")),
+        (["--set", "model.args.tie_word_embeddings=true"], "model.args.tie_word_embeddings = false"),
     ],
 )
 def test_a_layout_the_llama_cannot_take_is_one_line_before_launch(capsys, args, message) -> None:
