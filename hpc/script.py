@@ -204,7 +204,8 @@ class Session:
         from hpc.observe.metrics import MetricsLog
         from hpc.rundir import METRICS_FILE
 
-        self._last = {"step": step, **values}
+        self._last = {"step": step, **{key: value.item() if hasattr(value, "item") else value  # a 0-d tensor too
+                                       for key, value in values.items()}}
         if self.rank != 0:
             return
         if self._metrics is None:
@@ -230,6 +231,9 @@ class Session:
         if self._state is not None:
             self.save(step)
         self._stop = preemption.Preempted(step, signum, checkpointed=self._state is not None)
+        if self._state is None:
+            self._stop.message = (f"{signum.name}: stopped after step {step} WITHOUT a checkpoint (resume(model, "
+                                  "optimizer) registered nothing to save: a restart begins again at step 0)")
         preemption.conclude(self._stop, self.rank, dist.group.WORLD, self._environ, self._max_requeues)
         return True
 
