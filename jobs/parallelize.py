@@ -13,9 +13,11 @@ every layout.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
@@ -27,12 +29,23 @@ from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, Vo
 
 
 def _tp_layer(module: nn.Module, style: str, group: ProcessGroup) -> nn.Module:
+    if style == "replicated_with_grad_allreduce":
+        for param in module.parameters():
+            param.register_hook(functools.partial(_sum_over_tp, group=group))
+        return module
     if style == "rowwise":
         return RowParallelLinear.from_full(module, group)
     if isinstance(module, nn.Embedding):  # vocab, embedding_rowwise
         return VocabParallelEmbedding.from_full(module, group)
     gather = style in ("colwise_gather_output", "colwise_rep")
     return ColumnParallelLinear.from_full(module, group, gather_output=gather)
+
+
+def _sum_over_tp(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """A whole weight used on each rank's share of the heads: its gradient is the sum of the shares'."""
+    grad = grad.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def parallelize_tp(model: nn.Module, plan: Mapping[str, str], group: ProcessGroup) -> bool:

@@ -56,9 +56,12 @@ TP_STYLES = {
              "the loss gets tp_group",
     "embedding_rowwise": "Embedding: as vocab (transformers spelling)",
     "replicate": "left whole on every rank",
+    "replicated_with_grad_allreduce": "whole on every rank, but applied to split activations (per-head norms): "
+                                      "its gradients are summed over the TP group",
 }
 
 STYLE_MODULES = {"vocab": "Linear or Embedding", "embedding_rowwise": "Embedding", "replicate": "",
+                 "replicated_with_grad_allreduce": "",
                  **dict.fromkeys(("colwise", "rowwise", "colwise_gather_output", "colwise_rep"), "Linear")}
 
 BUILTIN_MODELS = {"mlp": "jobs.models:mlp", "gpt": "jobs.gpt:gpt"}
@@ -207,6 +210,8 @@ def check_tp(model: nn.Module, spec: JobSpec, tp: int) -> None:
         raise LayoutError(f"parallel.tp={tp}, but the model has no tp_plan: give one in [model.tp_plan] "
                           f"(module-name patterns to {', '.join(TP_STYLES)})")
     for name_pattern, style, module, name in plan_targets(model, plan):
+        if style == "replicated_with_grad_allreduce":
+            continue  # nothing split
         size, what = split_size(module, style)
         if size % tp:
             raise LayoutError(f"model.tp_plan.{name_pattern!r} ({style}): {name} has {size} {what}, "

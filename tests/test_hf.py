@@ -30,7 +30,9 @@ ENTRY = "jobs.hf:causal_lm"
 TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
 # Llama look-alikes the adapter runs unchanged (mistral with a sliding window shorter than the batch)
-OTHERS = {"qwen2": {}, "qwen3": {}, "mistral": {"sliding_window": 4}}
+# (qwen3's head_dim defaults to 128, four times hidden_size here: rounding differences between layouts then grow
+# past 1e-5 in the gradient norm of a spiking step, so give it the usual hidden_size / heads)
+OTHERS = {"qwen2": {}, "qwen3": {"head_dim": 8}, "mistral": {"sliding_window": 4}}
 SEQ = 16
 # A hundredth of one Adam step. Adam divides each gradient by its running RMS, so where a gradient is
 # near zero the rounding of another summation order becomes part of a step: on this model 2 or 3 of
@@ -240,7 +242,8 @@ def llama_spec(run_dir: str, name: str, layout, schedule: str = "1f1b", microbat
     dp, tp, pp = layout
     return spec_from_dict({
         "job": {"run_dir": run_dir, "name": name, "seed": 5},
-        "model": {"entry": ENTRY, "args": {**TINY, "model_type": model_type, "tie_word_embeddings": tied},
+        "model": {"entry": ENTRY, "args": {**TINY, **OTHERS.get(model_type, {}), "model_type": model_type,
+                                           "tie_word_embeddings": tied},
                   "seq_len": SEQ},
         "data": {"name": "licenses", "batch_size": 8},
         # constant learning rate: 10 steps are the first half of 20
@@ -279,14 +282,15 @@ FOUR_RANKS = [("tp2-pp2", (1, 2, 2), {"microbatches": 2, "every": 10}),
               ("qwen2-tp2-pp2", (1, 2, 2), {"microbatches": 2, "model_type": "qwen2"})]
 TWO_RANKS = [("dp2", (2, 1, 1), {}), ("tp2", (1, 2, 1), {}), ("pp2", (1, 1, 2), {"microbatches": 2}),
              ("pp2-interleaved", (1, 1, 2), {"schedule": "interleaved", "microbatches": 2, "virtual": 2}),
-             ("tied-tp2", (1, 2, 1), {"tied": True})]
+             ("tied-tp2", (1, 2, 1), {"tied": True}),
+             ("qwen3-tp2", (1, 2, 1), {"model_type": "qwen3"})]  # per-head q/k norms: replicated_with_grad_allreduce
 SAVED = ("tp2-pp2", 10)  # resumed under (2, 1, 1): restored (0 steps), then trained to step 20
 RESUMED = [("restored", (2, 1, 1), {}), ("resumed", (2, 1, 1), {"steps": 20})]
 SINGLE = [("single", (1, 1, 1), {"steps": 20, "every": 10}), ("qwen2-single", (1, 1, 1), {"model_type": "qwen2"}),
-          ("tied-single", (1, 1, 1), {"tied": True})]
+          ("tied-single", (1, 1, 1), {"tied": True}), ("qwen3-single", (1, 1, 1), {"model_type": "qwen3"})]
 # each single-process run, its model's options, and the runs that must train like it
 REFERENCES = [("single", {}, TWO_RANKS[:4] + FOUR_RANKS[:1]), ("qwen2-single", {"model_type": "qwen2"}, FOUR_RANKS[1:]),
-              ("tied-single", {"tied": True}, TWO_RANKS[4:])]
+              ("tied-single", {"tied": True}, TWO_RANKS[4:5]), ("qwen3-single", {"model_type": "qwen3"}, TWO_RANKS[5:])]
 
 
 @pytest.fixture(scope="module")
