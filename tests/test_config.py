@@ -28,6 +28,9 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "mlp.toml"
 FULL = {
     "job": {"name": "mlp-digits.v2", "seed": 7, "run_dir": "/scratch/runs"},
     "model": {
+        "entry": "mynet.models:build",
+        "args": {"width": 512, "layers": [2, 2], "norm": {"eps": 1e-6}},
+        "tp_plan": {"layers.*.fc1": "colwise", "layers.*.fc2": "rowwise"},
         "kind": "gpt",
         "hidden_sizes": [256, 256, 128],
         "dropout": 0.1,
@@ -36,7 +39,7 @@ FULL = {
         "d_model": 256,
         "seq_len": 128,
     },
-    "data": {"name": "digits", "batch_size": 32},
+    "data": {"entry": "mynet.data:windows", "args": {"path": "/scratch/text"}, "name": "digits", "batch_size": 32},
     "train": {
         "steps": 2000,
         "lr": 3e-4,
