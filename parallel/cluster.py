@@ -1,0 +1,77 @@
+"""A cluster as the planner sees it (``hpc plan --cluster``): devices per node, their peak FLOP/s and memory,
+and the alpha-beta cost of the intra-node and inter-node links. Standard library only.
+
+A cluster file is TOML with one ``[cluster]`` table; it is read with the job spec's machinery
+(``hpc.config.table_from_dict``), so a bad value is one line naming ``cluster.<key>``. Built-in files live in
+``parallel/clusters/`` and are found by name (``--cluster a100-superpod``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from hpc.config import _field, read_toml, show_path, table_from_dict
+from hpc.errors import ConfigError
+
+BUILTIN = Path(__file__).resolve().parent / "clusters"
+Dtype = Literal["fp32", "tf32", "bf16", "fp16"]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices, their rates and their links; the alpha-beta model: a message of n bytes takes alpha + n / beta."""
+
+    name: str = _field("cluster", "what the cluster is called in the plan's output")
+    source: str = _field("", "where the figures come from (a paper, a data sheet, hpc plan --calibrate)")
+    devices_per_node: int = _field(8, "GPUs (or CPU ranks) per node", min=1)
+    memory_gib: float = _field(80.0, "memory per device, GiB", gt=0)
+    usable_memory: float = _field(0.9, "the share of memory_gib a rank may fill (allocator, workspace, CUDA context "
+                                        "take the rest)", gt=0, max=1)
+    peak_tflops_fp32: float = _field(19.5, "peak dense teraFLOP/s per device, fp32", gt=0)
+    peak_tflops_tf32: float = _field(156.0, "peak dense teraFLOP/s per device, tf32 tensor cores", gt=0)
+    peak_tflops_bf16: float = _field(312.0, "peak dense teraFLOP/s per device, bf16", gt=0)
+    peak_tflops_fp16: float = _field(312.0, "peak dense teraFLOP/s per device, fp16", gt=0)
+    matmul_efficiency: float = _field(0.7, "the share of peak that a transformer's large matrix products sustain",
+                                      gt=0, max=1)
+    memory_gbps: float = _field(2039.0, "device memory bandwidth, GB/s (what elementwise work is bound by)", gt=0)
+    intra_alpha_us: float = _field(5.0, "intra-node link: latency of one message, microseconds", min=0)
+    intra_gbps: float = _field(230.0, "intra-node link: bandwidth per device and direction, GB/s", gt=0)
+    inter_alpha_us: float = _field(10.0, "inter-node link: latency of one message, microseconds", min=0)
+    inter_gbps: float = _field(25.0, "inter-node link: bandwidth per device and direction, GB/s", gt=0)
+
+    def peak_flops(self, dtype: Dtype) -> float:
+        """Peak dense FLOP/s of one device in ``dtype``."""
+        return getattr(self, f"peak_tflops_{dtype}") * 1e12
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(alpha seconds, beta bytes/s) of a group whose ranks span ``span`` consecutive devices: inside one node
+        when the span fits in a node, else the inter-node link (the slowest hop sets a ring's pace)."""
+        if span <= self.devices_per_node:
+            return self.intra_alpha_us * 1e-6, self.intra_gbps * 1e9
+        return self.inter_alpha_us * 1e-6, self.inter_gbps * 1e9
+
+
+def builtin_clusters() -> list[str]:
+    """The names of the cluster files shipped in parallel/clusters/."""
+    return sorted(path.stem for path in BUILTIN.glob("*.toml"))
+
+
+def load_cluster(name_or_path: str | os.PathLike[str]) -> Cluster:
+    """A cluster file by path, or a built-in one by name; errors name the file and ``cluster.<key>``."""
+    path = Path(name_or_path)
+    if not path.exists() and str(name_or_path) in builtin_clusters():
+        path = BUILTIN / f"{name_or_path}.toml"
+    elif not path.exists():
+        names = ", ".join(builtin_clusters())
+        raise ConfigError(f"no such cluster file: {show_path(name_or_path)} (built-in: {names})")
+    data = read_toml(path, "cluster file")
+    source = show_path(path)
+    unknown = sorted(set(data) - {"cluster"})
+    if unknown:
+        raise ConfigError(f"{source}: unknown table {unknown[0]!r} (a cluster file holds one [cluster] table)")
+    if "cluster" not in data:
+        raise ConfigError(f"{source}: no [cluster] table")
+    return table_from_dict(Cluster, data["cluster"], "cluster", source)

@@ -1,0 +1,268 @@
+"""The planner's model of one training step (``hpc plan``): time and memory of a (dp, tp, pp) layout, on paper.
+
+Pure functions of frozen dataclasses, standard library only: no processes, no torch. Every equation is written out,
+with its source, in docs/PLANNER.md; the names below follow it:
+
+- compute from FLOPs: a transformer layer's forward is 24 b s h^2 + 4 b s^2 h (Narayanan et al. SC21, section
+  5.1), the logits 2 b s h V; backward twice the forward; activation checkpointing recomputes the layers' forward.
+  Matrix products run at ``matmul_efficiency`` of the device's peak; the elementwise work (layer norms, softmax,
+  dropout, GeLU) is bound by memory bandwidth, moving the bytes of the layer's activations (Korthikanti et al.,
+  MLSys 2023, eq. 1: s b h (10 + 24/t + 5 a s / (h t))).
+- tensor parallelism: two all-reduces of b s h activations per layer in forward, two in backward, two more when
+  recomputing (Shoeybi et al. 2019, figure 4); a ring all-reduce of n bytes over k ranks takes
+  2 (k-1) alpha + 2 (k-1)/k n / beta (Thakur et al. 2005; Patarasuk and Yuan 2009).
+- pipeline parallelism: (m + (p-1)/v) microbatch slots, of which (p-1)/v are the bubble (GPipe and 1F1B: v = 1;
+  Narayanan et al. SC21 section 2.2), and a point-to-point send of b s h / t bytes forward and backward per
+  microbatch and model chunk (the scatter/gather optimization, ibid. section 4.1).
+- data parallelism: a ring all-reduce of the stage's gradients (ZeRO-3: 1.5 times that volume, Rajbhandari et
+  al. SC20), times the codec's wire ratio; with overlap it hides behind the last microbatch's backward.
+- memory per rank: parameters, gradients and optimizer state per parameter (ZeRO's 2 + 2 + 12 bytes for mixed
+  precision Adam, each sharded over dp from stage 3, 2 and 1), and activations of the microbatches in flight
+  (GPipe m, 1F1B min(m, p), interleaved p + (p-1)/v).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from parallel.cluster import Cluster, Dtype
+
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A GPT: layers of attention (heads split over tp) and a 4h MLP, token and position embeddings, logits."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    vocab: int
+
+    @property
+    def params(self) -> int:
+        """12 l h^2 + 13 l h + (V + s) h (Narayanan et al. SC21, section 5.1)."""
+        h = self.hidden
+        return 12 * self.layers * h * h + 13 * self.layers * h + (self.vocab + self.seq_len) * h
+
+    def layer_flops(self, tokens: int) -> float:
+        """One layer's forward over ``tokens`` = b s tokens: 24 b s h^2 + 4 b s^2 h."""
+        return 24.0 * tokens * self.hidden**2 + 4.0 * tokens * self.seq_len * self.hidden
+
+    def logit_flops(self, tokens: int) -> float:
+        """The logits' forward: 2 b s h V."""
+        return 2.0 * tokens * self.hidden * self.vocab
+
+    def activation_bytes(self, tokens: int, tp: int, act_bytes: int) -> float:
+        """Bytes one layer keeps for backward: s b h (10 + 24/t + 5 a s / (h t)) with 16-bit activations
+        (Korthikanti et al., eq. 1 and section 4.1), scaled for 4-byte ones."""
+        h, a, s = self.hidden, self.heads, self.seq_len
+        return tokens * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * act_bytes / 2
+
+
+@dataclass(frozen=True)
+class Training:
+    """What the step does besides the model: the global batch, the arithmetic and the bytes per parameter."""
+
+    batch: int  # sequences per step, all replicas together
+    dtype: Dtype = "bf16"  # of the matrix products
+    act_bytes: int = 2  # per activation element (sent by TP and PP, kept for backward)
+    param_bytes: int = 2  # the weights the matrix products use
+    grad_bytes: int = 2  # per gradient element (what the DP all-reduce sends before the codec)
+    optimizer_bytes: int = 12  # fp32 master weights and Adam's two moments
+    wire_ratio: float = 1.0  # the codec's bytes on the wire over grad_bytes
+    dp_overlap: bool = True  # DP communication runs behind backward (parallel/optimizer.py)
+
+
+MIXED_ADAM = Training(batch=1)  # Megatron-LM and ZeRO: fp16/bf16 weights and gradients, fp32 Adam state
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    microbatches: int  # per step and replica
+    schedule: Schedule = "1f1b"
+    virtual_stages: int = 1
+    checkpointing: bool = False
+    zero: int = 0
+
+    def label(self) -> str:
+        sched = f"interleaved/{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
+        zero = f" z{self.zero}" if self.zero else ""
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} m={self.microbatches} {sched}"
+                f"{' ckpt' if self.checkpointing else ''}{zero}")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One layout's predicted step: seconds by part (they sum to step_s), memory, rates."""
+
+    layout: Layout
+    step_s: float
+    compute_s: float
+    tp_s: float
+    pp_s: float  # the bubble and the point-to-point sends
+    dp_s: float  # exposed (not hidden behind backward)
+    optimizer_s: float
+    memory_bytes: float
+    tokens_per_s: float
+    tflops_per_gpu: float  # FLOPs executed (recomputation included), per GPU and second
+    mfu: float  # model FLOPs (no recomputation) over the peak of every GPU
+
+    def shares(self) -> dict[str, float]:
+        parts = {"compute": self.compute_s, "tp": self.tp_s, "pp": self.pp_s, "dp": self.dp_s,
+                 "optimizer": self.optimizer_s}
+        return {name: value / self.step_s for name, value in parts.items()}
+
+
+def ring_allreduce_s(nbytes: float, ranks: int, link: tuple[float, float]) -> float:
+    """2 (k-1) alpha + 2 (k-1)/k n / beta: a ring's reduce-scatter then all-gather."""
+    alpha, beta = link
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * nbytes / beta
+
+
+def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> tuple[float, float, float]:
+    """(compute, TP, point-to-point) seconds of one microbatch on the slowest (last) stage, all its chunks."""
+    tokens = train.batch // (lay.dp * lay.microbatches) * model.seq_len
+    passes = 4 if lay.checkpointing else 3  # forward, backward = 2 forwards, recomputed forward
+    layers = model.layers / lay.pp
+    rate = cluster.peak_flops(train.dtype) * cluster.matmul_efficiency
+    matmul = (passes * layers * model.layer_flops(tokens) + 3 * model.logit_flops(tokens)) / lay.tp / rate
+    # Elementwise work: forward writes the kept activations, backward reads them and writes as much again.
+    moved = (passes - 1) * layers * model.activation_bytes(tokens, lay.tp, train.act_bytes)
+    compute = matmul + moved / (cluster.memory_gbps * 1e9)
+    message = tokens * model.hidden * train.act_bytes
+    allreduces = layers * (6 if lay.checkpointing else 4)
+    tp = allreduces * ring_allreduce_s(message, lay.tp, cluster.link(lay.tp))
+    p2p = 0.0
+    if lay.pp > 1:
+        alpha, beta = cluster.link(lay.dp * lay.tp * lay.pp)
+        p2p = 2 * lay.virtual_stages * (alpha + message / lay.tp / beta)
+    return compute, tp, p2p
+
+
+def stage_params(model: Transformer, lay: Layout) -> float:
+    """Parameters on the rank holding the most: a stage's layers over tp, and the embedding (first stage; the last
+    holds the tied copy for the logits)."""
+    h = model.hidden
+    layers = model.layers / lay.pp * (12 * h * h + 13 * h) / lay.tp
+    return layers + model.vocab * h / lay.tp + (model.seq_len * h if lay.pp == 1 else 2 * h)
+
+
+def memory_bytes(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> float:
+    """Peak bytes of one rank: model states (ZeRO-sharded by stage) and the activations in flight."""
+    params = stage_params(model, lay)
+    states = params * (train.param_bytes / (lay.dp if lay.zero >= 3 else 1)
+                       + train.grad_bytes / (lay.dp if lay.zero >= 2 else 1)
+                       + train.optimizer_bytes / (lay.dp if lay.zero >= 1 else 1))
+    tokens = train.batch // (lay.dp * lay.microbatches) * model.seq_len
+    layer = model.activation_bytes(tokens, lay.tp, train.act_bytes)
+    kept = tokens * model.hidden * train.act_bytes if lay.checkpointing else layer  # per layer and microbatch
+    p, m, v = lay.pp, lay.microbatches, lay.virtual_stages
+    in_flight = {"gpipe": m, "1f1b": min(m, p), "interleaved": min(m, p + (p - 1) / v)}[lay.schedule]
+    activations = model.layers / p * in_flight * kept + (layer if lay.checkpointing else 0.0)
+    logits = 4.0 * tokens * model.vocab / lay.tp  # fp32 logits of the microbatch for the loss
+    return states + activations + logits
+
+
+def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> Estimate:
+    """The predicted step of ``lay``: pipeline slots, exposed DP communication and the optimizer's update."""
+    compute, tp, p2p = microbatch_parts(model, train, cluster, lay)
+    slot = compute + tp + p2p
+    bubble = (lay.pp - 1) / lay.virtual_stages * slot
+    grads = stage_params(model, lay) * train.grad_bytes * train.wire_ratio * (1.5 if lay.zero >= 3 else 1.0)
+    dp = ring_allreduce_s(grads, lay.dp, cluster.link(lay.dp * lay.tp))
+    if train.dp_overlap:
+        dp = max(0.0, dp - compute * (0.5 if lay.checkpointing else 2 / 3))  # behind the last backward
+    shard = lay.dp if lay.zero >= 1 else 1
+    optimizer = stage_params(model, lay) / shard * 2 * (train.param_bytes + train.grad_bytes + train.optimizer_bytes)
+    optimizer /= cluster.memory_gbps * 1e9
+    m = lay.microbatches
+    step = m * slot + bubble + dp + optimizer
+    gpus = lay.dp * lay.tp * lay.pp
+    tokens = train.batch * model.seq_len
+    model_flops = 3 * (model.layers * model.layer_flops(tokens) + model.logit_flops(tokens))
+    executed = model_flops + (model.layers * model.layer_flops(tokens) if lay.checkpointing else 0.0)
+    return Estimate(
+        layout=lay, step_s=step, compute_s=m * compute, tp_s=m * tp, pp_s=m * p2p + bubble, dp_s=dp,
+        optimizer_s=optimizer, memory_bytes=memory_bytes(model, train, cluster, lay), tokens_per_s=tokens / step,
+        tflops_per_gpu=executed / step / gpus / 1e12, mfu=model_flops / step / gpus / cluster.peak_flops(train.dtype),
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def layouts(model: Transformer, train: Training, gpus: int, zero_stages: tuple[int, ...] = (0,)) -> Iterator[Layout]:
+    """Every layout of ``gpus`` ranks that divides the model: tp divides the heads, pp the layers, dp the batch,
+    the microbatches the replica's batch; interleaved needs m a multiple of pp and v dividing a stage's layers."""
+    for tp in _divisors(gpus):
+        if model.heads % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if model.layers % pp or train.batch % dp:
+                continue
+            yield from _schedules(model, train.batch // dp, dp, tp, pp, zero_stages)
+
+
+def _schedules(model: Transformer, replica_batch: int, dp: int, tp: int, pp: int,
+               zero_stages: tuple[int, ...]) -> Iterator[Layout]:
+    chunks = [v for v in _divisors(model.layers // pp) if v > 1] if pp > 1 else []
+    for m in _divisors(replica_batch):
+        for ckpt in (False, True):
+            for zero in zero_stages if dp > 1 else (0,):
+                base = Layout(dp, tp, pp, m, "1f1b", 1, ckpt, zero)
+                yield base
+                if pp > 1:
+                    yield replace(base, schedule="gpipe")
+                    if m % pp == 0:
+                        yield from (replace(base, schedule="interleaved", virtual_stages=v) for v in chunks)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every layout that fits, fastest first; when none fits, how far the leanest one misses."""
+
+    fitting: tuple[Estimate, ...]
+    considered: int
+    leanest: Estimate | None  # the layout needing the least memory
+    capacity_bytes: float
+
+    @property
+    def shortfall_bytes(self) -> float:
+        return 0.0 if self.fitting or self.leanest is None else self.leanest.memory_bytes - self.capacity_bytes
+
+
+def plan(model: Transformer, train: Training, cluster: Cluster, gpus: int,
+         zero_stages: tuple[int, ...] = (0,)) -> Plan:
+    """Estimate every layout of ``gpus`` ranks; keep those whose memory fits a device, fastest first."""
+    capacity = cluster.memory_gib * GIB * cluster.usable_memory
+    fitting: list[Estimate] = []
+    leanest: Estimate | None = None
+    considered = 0
+    for lay in layouts(model, train, gpus, zero_stages):
+        considered += 1
+        need = memory_bytes(model, train, cluster, lay)
+        if need <= capacity:
+            fitting.append(estimate(model, train, cluster, lay))
+        elif not fitting and (leanest is None or need < leanest.memory_bytes):
+            leanest = estimate(model, train, cluster, lay)
+    fitting.sort(key=lambda e: (e.step_s, e.memory_bytes))
+    return Plan(tuple(fitting), considered, leanest, capacity)
+
+
+def best_of(estimates: tuple[Estimate, ...], dp: int, tp: int, pp: int) -> Estimate | None:
+    """The fastest fitting estimate with this (dp, tp, pp), whatever its microbatches, schedule and checkpointing."""
+    return next((e for e in estimates if (e.layout.dp, e.layout.tp, e.layout.pp) == (dp, tp, pp)), None)
