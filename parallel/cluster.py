@@ -48,8 +48,9 @@ class Cluster:
 
     def link(self, span: int) -> tuple[float, float]:
         """(alpha seconds, beta bytes/s) of a group whose ranks span ``span`` consecutive devices: inside one node
-        when the span fits in a node, else the inter-node link (the slowest hop sets a ring's pace)."""
-        if span <= self.devices_per_node:
+        when the span fits a node evenly (no group straddles two), else the inter-node link (the slowest hop sets
+        a ring's pace)."""
+        if span <= self.devices_per_node and self.devices_per_node % span == 0:
             return self.intra_alpha_us * 1e-6, self.intra_gbps * 1e9
         return self.inter_alpha_us * 1e-6, self.inter_gbps * 1e9
 

@@ -1,0 +1,167 @@
+"""``hpc plan`` (parallel/plan.py): the step model's arithmetic, the cluster files, the command, and the published
+validation: Narayanan et al. SC21, Table 1 (docs/data/megatron_sc21_table1.csv), as docs/PLANNER.md reports it.
+
+``python -m tests.test_plan`` prints the validation table of docs/PLANNER.md.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from hpc.cli.main import main
+from hpc.errors import ConfigError
+from parallel.cluster import builtin_clusters, load_cluster
+from parallel.plan import MIXED_ADAM, Layout, Transformer, best_of, estimate, memory_bytes, plan, ring_allreduce_s
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE1 = REPO / "docs" / "data" / "megatron_sc21_table1.csv"
+GPT = REPO / "jobs" / "examples" / "gpt.toml"
+# Rows whose recommended (dp, tp, pp) is neither the published one nor within 5% of it, with the gap the planner
+# predicts (docs/PLANNER.md says why); every other row must meet 5%.
+RECOMMENDATION_MISSES = {"18.4": 0.15, "39.1": 0.15}
+
+
+@cache
+def validation() -> tuple[dict, ...]:
+    """Per Table 1 row: the published figures, the planner's prediction for the published (dp, tp, pp) and its own
+    recommendation, both with activation recomputation and the DP all-reduce after backward, as Megatron-LM ran."""
+    cluster = load_cluster("a100-superpod")
+    lines = [line for line in TABLE1.read_text().splitlines() if not line.startswith("#")]
+    out = []
+    for row in csv.DictReader(lines):
+        model = Transformer(int(row["layers"]), int(row["hidden"]), int(row["heads"]), 2048, 51200)
+        train = replace(MIXED_ADAM, batch=int(row["batch"]), dp_overlap=False)
+        tp, pp, gpus = int(row["tp"]), int(row["pp"]), int(row["gpus"])
+        result = plan(model, train, cluster, gpus)
+        with_recompute = tuple(e for e in result.fitting if e.layout.checkpointing)
+        published = best_of(with_recompute, gpus // (tp * pp), tp, pp)
+        out.append({"row": row, "model": model, "published": published, "recommended": with_recompute[0],
+                    "overall": result.fitting[0]})
+    return tuple(out)
+
+
+def test_the_parameter_count_matches_table_1() -> None:
+    for case in validation():
+        assert case["model"].params / 1e9 == pytest.approx(float(case["row"]["params_billion"]), abs=0.05)
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_predicted_throughput_per_gpu_is_within_15_percent_of_table_1(index: int) -> None:
+    case = validation()[index]
+    assert case["published"] is not None, "the published layout must fit in memory"
+    published = float(case["row"]["tflops_per_gpu"])
+    assert case["published"].tflops_per_gpu == pytest.approx(published, rel=0.15)
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_the_recommended_layout_is_the_published_one_or_within_5_percent(index: int) -> None:
+    case = validation()[index]
+    gap = case["published"].step_s / case["recommended"].step_s - 1
+    assert gap <= RECOMMENDATION_MISSES.get(case["row"]["params_billion"], 0.05)
+    if case["row"]["params_billion"] in RECOMMENDATION_MISSES:
+        assert gap > 0.05  # still a miss: when it no longer is, move the row out of RECOMMENDATION_MISSES
+
+
+def test_ring_allreduce_is_alpha_beta_with_the_rings_volume() -> None:
+    link = (1e-5, 1e9)
+    assert ring_allreduce_s(1e9, 1, link) == 0
+    assert ring_allreduce_s(1e9, 4, link) == pytest.approx(6 * 1e-5 + 1.5)
+
+
+def test_the_bubble_is_p_minus_1_over_m_plus_p_minus_1_divided_by_v() -> None:
+    model = Transformer(16, 1024, 16, 1024, 51200)
+    fast = dict(intra_alpha_us=0, inter_alpha_us=0, intra_gbps=1e9, inter_gbps=1e9, memory_gbps=1e12)
+    cluster = replace(load_cluster("a100-superpod"), **fast)  # links and the optimizer's update cost ~nothing
+    train = replace(MIXED_ADAM, batch=64)
+    for m, schedule, v in ((4, "1f1b", 1), (16, "gpipe", 1), (16, "interleaved", 2), (16, "interleaved", 4)):
+        e = estimate(model, train, cluster, Layout(1, 1, 4, m, schedule, v))
+        assert e.shares()["pp"] == pytest.approx(3 / v / (m + 3 / v), rel=1e-3)
+        assert sum(e.shares().values()) == pytest.approx(1)
+
+
+def test_memory_follows_the_schedule_checkpointing_and_zero() -> None:
+    model = Transformer(32, 4096, 32, 2048, 51200)
+    cluster = load_cluster("a100-superpod")
+    train = replace(MIXED_ADAM, batch=256)
+    mem = {}
+    for schedule in ("gpipe", "1f1b"):
+        for ckpt in (False, True):
+            mem[schedule, ckpt] = memory_bytes(model, train, cluster, Layout(2, 2, 4, 32, schedule, 1, ckpt))
+    assert mem["gpipe", False] > mem["1f1b", False] > mem["1f1b", True]
+    assert mem["gpipe", False] > mem["gpipe", True]
+    zero = [memory_bytes(model, train, cluster, Layout(8, 2, 2, 4, zero=z)) for z in range(4)]
+    assert zero == sorted(zero, reverse=True) and len(set(zero)) == 4
+
+
+def test_built_in_clusters_load_and_a_bad_value_names_its_key(tmp_path: Path) -> None:
+    assert {"a100-superpod", "h100-dgx"} <= set(builtin_clusters())
+    assert load_cluster("h100-dgx").peak_flops("bf16") > load_cluster("a100-superpod").peak_flops("bf16")
+    bad = tmp_path / "c.toml"
+    bad.write_text("[cluster]\nmemory_gib = -1\n")
+    with pytest.raises(ConfigError, match=r"cluster\.memory_gib must be > 0"):
+        load_cluster(bad)
+    bad.write_text("[cluster]\nmemory_gb = 80\n")
+    with pytest.raises(ConfigError, match=r"did you mean cluster\.memory_gib"):
+        load_cluster(bad)
+    with pytest.raises(ConfigError, match="no such cluster file"):
+        load_cluster(tmp_path / "missing.toml")
+
+
+def test_hpc_plan_ranks_the_gpt_of_a_spec_and_recommends_one(capsys) -> None:
+    assert main(["plan", str(GPT), "--cluster", "a100-superpod", "--gpus", "8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: dp=" in out and "tokens/s" in out
+    assert main(["plan", str(GPT), "--cluster", "a100-superpod", "--gpus", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommended"]["layout"] == data["layouts"][0]["layout"] and data["fitting"] >= len(data["layouts"])
+
+
+def test_a_model_that_fits_nowhere_says_by_how_much(capsys) -> None:
+    model = "layers=128,hidden=25600,heads=160,seq=2048,vocab=51200"
+    assert main(["plan", "--model", model, "--batch", "8", "--cluster", "a100-superpod", "--gpus", "8"]) == 1
+    out = capsys.readouterr().out
+    assert "no layout fits: the leanest" in out and "more than the usable" in out
+
+
+def test_bad_input_is_one_line(capsys, tmp_path: Path) -> None:
+    spec = tmp_path / "mlp.toml"
+    spec.write_text('[model]\nkind = "mlp"\n')
+    assert main(["plan", str(spec), "--cluster", "a100-superpod", "--gpus", "8"]) == 2
+    assert "hpc plan models the built-in GPT" in capsys.readouterr().err
+    assert main(["plan", "--model", "layers=2,hidden=64", "--batch", "8", "--cluster", "h100-dgx", "--gpus", "2"]) == 2
+    assert "--model is missing heads, seq, vocab" in capsys.readouterr().err
+
+
+def test_the_planner_imports_no_torch() -> None:
+    code = ("import sys, parallel.plan, parallel.cluster, hpc.cli.plan\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'h5py') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def markdown() -> str:
+    """The validation table of docs/PLANNER.md."""
+    lines = ["| params (B) | GPUs | published (dp, tp, pp) | published TFLOP/s/GPU | predicted | error | "
+             "recommended (with recomputation) | its gain | without recomputation |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for case in validation():
+        row, pub, rec, overall = case["row"], case["published"], case["recommended"], case["overall"]
+        lay = pub.layout
+        lines.append(
+            f"| {row['params_billion']} | {row['gpus']} | ({lay.dp}, {lay.tp}, {lay.pp}) | {row['tflops_per_gpu']} | "
+            f"{pub.tflops_per_gpu:.1f} | {pub.tflops_per_gpu / float(row['tflops_per_gpu']) - 1:+.1%} | "
+            f"{rec.layout.label()} | {pub.step_s / rec.step_s - 1:+.1%} | "
+            f"{overall.layout.label()} ({pub.step_s / overall.step_s - 1:+.1%}) |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown())
