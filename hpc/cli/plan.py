@@ -133,7 +133,8 @@ def _row(e) -> list[str]:
 def _as_text(model, cluster, gpus: int, result, top: int) -> str:
     from hpc.text import format_table, human_bytes
 
-    head = (f"{model.params / 1e9:.3g}B-parameter GPT ({model.layers} layers, hidden {model.hidden}, {model.heads} "
+    count = f"{model.params / 1e9:.4g}B" if model.params >= 1e9 else f"{model.params / 1e6:.3g}M"
+    head = (f"{count}-parameter GPT ({model.layers} layers, hidden {model.hidden}, {model.heads} "
             f"heads, seq {model.seq_len}) on {gpus} x {cluster.name}: {result.considered} layouts, "
             f"{len(result.fitting)} fit in {human_bytes(result.capacity_bytes)} per rank")
     if not result.fitting:
