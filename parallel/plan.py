@@ -266,3 +266,24 @@ def plan(model: Transformer, train: Training, cluster: Cluster, gpus: int,
 def best_of(estimates: tuple[Estimate, ...], dp: int, tp: int, pp: int) -> Estimate | None:
     """The fastest fitting estimate with this (dp, tp, pp), whatever its microbatches, schedule and checkpointing."""
     return next((e for e in estimates if (e.layout.dp, e.layout.tp, e.layout.pp) == (dp, tp, pp)), None)
+
+
+def fit_alpha_beta(samples: list[tuple[float, int, float]]) -> tuple[float, float]:
+    """(alpha seconds, beta bytes/s) of the ring all-reduce model fitted to (bytes, ranks, seconds) measurements by
+    least squares: seconds = 2 (k-1) alpha + 2 (k-1)/k bytes / beta (``hpc plan --calibrate``)."""
+    rows = [(2.0 * (k - 1), 2.0 * (k - 1) / k * n, t) for n, k, t in samples if k > 1]
+    if len(rows) < 2:
+        raise ValueError("fitting alpha and beta needs two measurements on at least two ranks")
+    sxx = sum(x * x for x, _, _ in rows)
+    sxy = sum(x * y for x, y, _ in rows)
+    syy = sum(y * y for _, y, _ in rows)
+    sxt = sum(x * t for x, _, t in rows)
+    syt = sum(y * t for _, y, t in rows)
+    det = sxx * syy - sxy * sxy
+    if det <= 0:
+        raise ValueError("fitting alpha and beta needs measurements of at least two message sizes")
+    alpha = (sxt * syy - syt * sxy) / det
+    inverse_beta = (sxx * syt - sxy * sxt) / det
+    if alpha < 0:  # latency below what the fit can resolve: bandwidth alone, through the origin
+        alpha, inverse_beta = 0.0, syt / syy
+    return alpha, 1.0 / max(inverse_beta, 1e-15)

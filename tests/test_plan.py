@@ -17,9 +17,20 @@ from pathlib import Path
 import pytest
 
 from hpc.cli.main import main
+from hpc.cli.plan import cluster_toml
 from hpc.errors import ConfigError
 from parallel.cluster import builtin_clusters, load_cluster
-from parallel.plan import MIXED_ADAM, Layout, Transformer, best_of, estimate, memory_bytes, plan, ring_allreduce_s
+from parallel.plan import (
+    MIXED_ADAM,
+    Layout,
+    Transformer,
+    best_of,
+    estimate,
+    fit_alpha_beta,
+    memory_bytes,
+    plan,
+    ring_allreduce_s,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE1 = REPO / "docs" / "data" / "megatron_sc21_table1.csv"
@@ -145,6 +156,31 @@ def test_the_planner_imports_no_torch() -> None:
             "print(sorted(m for m in ('torch', 'numpy', 'h5py') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_alpha_and_beta_are_fitted_to_ring_measurements() -> None:
+    alpha, beta = 2e-5, 3e9
+    samples = [(n, k, ring_allreduce_s(n, k, (alpha, beta))) for n in (4e3, 1e6, 16e6) for k in (2, 4)]
+    assert fit_alpha_beta(samples) == pytest.approx((alpha, beta), rel=1e-6)
+    with pytest.raises(ValueError, match="two message sizes"):
+        fit_alpha_beta([(1e6, 2, 1e-3), (1e6, 2, 1e-3)])
+
+
+def test_a_written_cluster_file_reads_back(tmp_path: Path) -> None:
+    cluster = replace(load_cluster("h100-dgx"), name="here", intra_alpha_us=1361.5)
+    path = tmp_path / "here.toml"
+    path.write_text(cluster_toml(cluster))
+    assert load_cluster(path) == cluster
+
+
+@pytest.mark.slow
+def test_calibrate_measures_this_machine_and_writes_a_cluster_file(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "local.toml"
+    assert main(["plan", "--calibrate", "-n", "2", "--launcher", "local", "--out", str(out)]) == 0
+    cluster = load_cluster(out)
+    assert cluster.devices_per_node == 2 and cluster.intra_gbps > 0 and cluster.peak_tflops_fp32 > 0
+    assert main(["plan", str(GPT), "--cluster", str(out), "--gpus", "2"]) == 0
+    assert "recommended: dp=" in capsys.readouterr().out
 
 
 def markdown() -> str:

@@ -18,9 +18,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser("plan", help="predict step time and memory of every layout on a cluster, and "
                                             "recommend one (no ranks started)")
     plan.add_argument("spec", nargs="?", help="job spec (TOML) with model.kind = \"gpt\"; or give --model and --batch")
-    plan.add_argument("--cluster", required=True,
+    plan.add_argument("--cluster",
                       help="cluster file (TOML), or a built-in one: a100-superpod, h100-dgx (parallel/clusters/)")
-    plan.add_argument("--gpus", type=int, required=True, help="ranks to lay out")
+    plan.add_argument("--gpus", type=int, help="ranks to lay out")
     plan.add_argument("--model", metavar="K=V,...",
                       help="a GPT without a spec: layers=,hidden=,heads=,seq=,vocab= (mixed-precision Adam)")
     plan.add_argument("--batch", type=int, help="global batch in sequences (default: the spec's data.batch_size)")
@@ -32,6 +32,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                       help="activation checkpointing: consider both (default), or only on, or only off")
     plan.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     plan.add_argument("--json", action="store_true", help="the plan as one JSON object")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="measure this machine (all-reduce alpha and beta with hpc bench allreduce's ring, a rank's "
+                           "FLOP rate and memory bandwidth) and write a cluster file")
+    plan.add_argument("-n", "--nprocs", type=int, default=2, help="--calibrate: ranks of this node (default 2)")
+    plan.add_argument("--out", default="runs/cluster-local.toml", help="--calibrate: the cluster file written "
+                                                                       "(default %(default)s)")
+    plan.add_argument("--launcher", choices=("local", "mpirun"), help="--calibrate: default mpirun when installed")
     plan.set_defaults(handler=cmd_plan)
 
 
@@ -39,6 +46,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from parallel.cluster import load_cluster
     from parallel.plan import plan
 
+    if args.calibrate:
+        return cmd_calibrate(args)
+    if args.cluster is None or args.gpus is None:
+        raise ConfigError("hpc plan needs --cluster and --gpus (or --calibrate to write a cluster file)")
     if args.gpus < 1 or args.top < 1:
         raise ConfigError(f"--gpus and --top must be at least 1, got {args.gpus} and {args.top}")
     model, train = _workload(args)
@@ -125,7 +136,7 @@ def _row(e) -> list[str]:
 
     shares = e.shares()
     step = f"{e.step_s:.3g} s" if e.step_s >= 1 else f"{e.step_s * 1e3:.3g} ms"
-    return [e.layout.label(), step, f"{e.tokens_per_s:,.0f}", f"{e.tflops_per_gpu:.1f}",
+    return [e.layout.label(), step, f"{e.tokens_per_s:,.0f}", f"{e.tflops_per_gpu:.3g}",
             f"{e.mfu:.1%}", human_bytes(e.memory_bytes),
             *(f"{shares[part]:.0%}" for part in ("compute", "tp", "pp", "dp"))]
 
@@ -155,3 +166,45 @@ def _as_json(model, train, cluster, gpus: int, result, top: int) -> dict:
             "gpus": gpus, "considered": result.considered, "fitting": len(result.fitting),
             "capacity_bytes": result.capacity_bytes, "shortfall_bytes": result.shortfall_bytes,
             "recommended": rows[0] if rows else None, "layouts": rows}
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure this node and write a cluster file: the ring's alpha and beta fitted to ``hpc bench allreduce``
+    rows, one rank's fp32 FLOP rate and copy bandwidth with the cores shared as the ranks would share them."""
+    import os
+
+    from hpc.cli.bench import _bench_rank_argv
+    from hpc.runtime import launch
+    from jobs.bench.compute import measure_compute
+    from parallel.cluster import Cluster
+    from parallel.plan import fit_alpha_beta
+
+    if args.nprocs < 2:
+        raise ConfigError(f"--calibrate needs -n of at least 2 ranks (a ring), got {args.nprocs}")
+    options = ["--sizes", "4K,64K,1M,4M,16M", "--codecs", "none", "--transports", "torch", "--iters", "5"]
+    rows = launch.launch_for_rows(args.nprocs, args.launcher or launch.default_launcher(),
+                                  _bench_rank_argv("allreduce", options))
+    alpha, beta = fit_alpha_beta([(r["bytes"], r["ranks"], r["time_s"]) for r in rows if r["impl"] == "ring"])
+    cores = os.cpu_count() or 1
+    rank = measure_compute(threads=max(1, cores // args.nprocs))
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30) / args.nprocs
+    flops = rank["tflops_fp32"]
+    cluster = Cluster(
+        name=f"{os.uname().nodename} ({args.nprocs} CPU ranks)", source="hpc plan --calibrate",
+        devices_per_node=args.nprocs, memory_gib=round(memory_gib, 2), peak_tflops_fp32=flops, peak_tflops_tf32=flops,
+        peak_tflops_bf16=flops, peak_tflops_fp16=flops, matmul_efficiency=1.0, memory_gbps=rank["memory_gbps"],
+        intra_alpha_us=alpha * 1e6, intra_gbps=beta / 1e9, inter_alpha_us=alpha * 1e6, inter_gbps=beta / 1e9)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as handle:
+        handle.write(cluster_toml(cluster))
+    print(f"alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s (ring over {args.nprocs} ranks), "
+          f"{flops * 1e3:.1f} GFLOP/s fp32 and {rank['memory_gbps']:.1f} GB/s per rank\nwrote {args.out}")
+    return 0
+
+
+def cluster_toml(cluster) -> str:
+    """A cluster as the TOML ``--cluster`` reads back."""
+    lines = ["# Written by hpc plan --calibrate: measured, not data-sheet figures.", "[cluster]"]
+    for key, value in asdict(cluster).items():
+        lines.append(f"{key} = {json.dumps(value if not isinstance(value, float) else round(value, 6))}")
+    return "\n".join(lines) + "\n"
