@@ -130,6 +130,7 @@ def test_hpc_plan_ranks_the_gpt_of_a_spec_and_recommends_one(capsys) -> None:
     assert main(["plan", str(GPT), "--cluster", "a100-superpod", "--gpus", "8", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "recommended: dp=" in out and "tokens/s" in out
+    assert "the spec's layout, dp=2 tp=2 pp=2 m=4 1f1b: number " in out  # gpt.toml's [parallel], dp auto
     assert main(["plan", str(GPT), "--cluster", "a100-superpod", "--gpus", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["recommended"]["layout"] == data["layouts"][0]["layout"] and data["fitting"] >= len(data["layouts"])

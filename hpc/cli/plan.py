@@ -62,6 +62,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(_as_json(model, train, cluster, args.gpus, result, args.top)))
     else:
         print(_as_text(model, cluster, args.gpus, result, args.top))
+        if args.spec and result.fitting:
+            print(_spec_layout_line(args, result))
     return 0 if result.fitting else 1
 
 
@@ -139,6 +141,23 @@ def _row(e) -> list[str]:
     return [e.layout.label(), step, f"{e.tokens_per_s:,.0f}", f"{e.tflops_per_gpu:.3g}",
             f"{e.mfu:.1%}", human_bytes(e.memory_bytes),
             *(f"{shares[part]:.0%}" for part in ("compute", "tp", "pp", "dp"))]
+
+
+def _spec_layout_line(args: argparse.Namespace, result) -> str:
+    """Where the spec's own [parallel] layout ranks among the fitting ones, and how much slower it is predicted."""
+    from hpc.config import load_spec
+
+    par, train = (spec := load_spec(args.spec, args.overrides)).parallel, spec.train
+    dp = args.gpus // (par.tp * par.pp) if par.dp == "auto" else par.dp
+    key = (dp, par.tp, par.pp, par.microbatches, par.schedule, par.virtual_stages if par.schedule == "interleaved"
+           else 1, train.activation_checkpointing)
+    for place, e in enumerate(result.fitting, start=1):
+        lay = e.layout
+        if (lay.dp, lay.tp, lay.pp, lay.microbatches, lay.schedule, lay.virtual_stages, lay.checkpointing) == key:
+            return (f"the spec's layout, {lay.label()}: number {place} of {len(result.fitting)}, predicted "
+                    f"{e.step_s / result.fitting[0].step_s - 1:+.0%} against the recommended")
+    return f"the spec's layout (dp={dp} tp={par.tp} pp={par.pp} m={par.microbatches} {par.schedule}) is not among " \
+           f"the fitting layouts of {args.gpus} ranks"
 
 
 def _as_text(model, cluster, gpus: int, result, top: int) -> str:
