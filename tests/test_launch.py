@@ -181,7 +181,8 @@ def test_run_trains_and_prefixes_output(tmp_path, launcher, wire) -> None:
     done = _run("run", "-n", "2", "--launcher", launcher, str(EXAMPLE), "--set", "train.steps=40",
                 "--set", f"job.run_dir={tmp_path}", *wire)
     assert done.returncode == 0, done.stderr
-    summary = re.search(r"^\[0\] summary: 40 steps .* final loss (\S+) \| held-out loss \S+ \| held-out accuracy", done.stdout, re.M)
+    summary = re.search(r"^\[0\] summary: 40 steps .* final loss (\S+) \| held-out loss \S+ \| held-out accuracy",
+                        done.stdout, re.M)
     assert summary, done.stdout
     assert float(summary[1]) < 2.0
     assert re.search(r"^\[0\] step 20/40 loss", done.stdout, re.M)
