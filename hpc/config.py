@@ -137,9 +137,13 @@ class TrainConfig:
 
     steps: int = _field(100, "optimizer steps of the run", min=1)
     lr: float = _field(0.1, "peak learning rate (after warmup_steps, before lr_schedule's decay)", gt=0)
-    optimizer: Literal["sgd", "adam", "adamw"] = _field("sgd", "the torch optimizer every rank steps")
-    momentum: float = _field(0.0, "sgd: momentum (top-k compression applies it to the sparsified velocity)",
-                             min=0, max_excl=1)
+    optimizer: Literal["sgd", "adam", "adamw", "lamb", "lars"] = _field(
+        "sgd", "the optimizer every rank steps: torch's sgd, adam, adamw, or lamb and lars, layer-wise trust ratios "
+               "for large batches (parallel/large_batch.py)")
+    momentum: float = _field(0.0, "sgd and lars: momentum (top-k compression applies sgd's to the sparsified "
+                                  "velocity)", min=0, max_excl=1)
+    trust_coefficient: float = _field(0.001, "lars: eta, the layer-wise learning rate is eta * ||w|| / "
+                                             "(||g|| + weight_decay * ||w||)", gt=0)
     weight_decay: float = _field(0.0, "weight decay (decoupled for adamw)", min=0)
     grad_clip: float = _field(0.0, "clip the global gradient norm, across TP and PP ranks, to this; 0 = off", min=0)
     warmup_steps: int = _field(0, "linear learning-rate warm-up from lr/warmup_steps to lr", min=0)

@@ -6,6 +6,9 @@ import math
 from collections.abc import Iterable
 
 import torch
+from torch.distributed import ProcessGroup
+
+from parallel.large_batch import LAMB, LARS
 
 
 def learning_rate(base_lr: float, step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
@@ -18,8 +21,18 @@ def learning_rate(base_lr: float, step: int, total_steps: int, warmup_steps: int
     return base_lr
 
 
-def build_optimizer(train_cfg, parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(
+    train_cfg, parameters: Iterable[torch.nn.Parameter], tp_group: ProcessGroup | None = None,
+    tp_split: Iterable[torch.nn.Parameter] = (),
+) -> torch.optim.Optimizer:
+    """``train.optimizer`` over ``parameters``; lamb and lars take their layer norms whole over ``tp_group``
+    for the parameters in ``tp_split`` (those split across it)."""
     params = list(parameters)
+    if train_cfg.optimizer == "lamb":
+        return LAMB(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, group=tp_group, split=tp_split)
+    if train_cfg.optimizer == "lars":
+        return LARS(params, lr=train_cfg.lr, momentum=train_cfg.momentum, weight_decay=train_cfg.weight_decay,
+                    eta=train_cfg.trust_coefficient, group=tp_group, split=tp_split)
     if train_cfg.optimizer == "sgd":
         return torch.optim.SGD(
             params, lr=train_cfg.lr, momentum=train_cfg.momentum, weight_decay=train_cfg.weight_decay

@@ -159,8 +159,10 @@ def _train(
 def build_data_parallel_optimizer(spec: JobSpec, model: torch.nn.Module, mesh: Mesh, probe: Probe):
     """The spec's optimizer, its gradients averaged over the DP group through the ring and the codec."""
     par = spec.parallel
+    split = tp_split_dims(model)
+    tp_split = [p for name, p in model.named_parameters() if name in split]
     return distributed_optimizer(
-        build_optimizer(spec.train, model.parameters()),
+        build_optimizer(spec.train, model.parameters(), mesh.group("tp"), tp_split),
         make_transport(par.transport, mesh.group("dp")),
         named_parameters=model.named_parameters(),
         reducer=make_reducer(par.compression, par.topk_fraction, par.powersgd_rank),

@@ -27,10 +27,10 @@ def test_bad_toml_is_one_line_naming_the_file(tmp_path, capsys) -> None:
 
 def test_bad_value_names_the_dotted_path_and_choices(tmp_path, capsys) -> None:
     spec = tmp_path / "job.toml"
-    spec.write_text('[train]\noptimizer = "lamb"\n')
+    spec.write_text('[train]\noptimizer = "lion"\n')
     code, err = _error_of(capsys, "run", str(spec))
     assert code == 2
-    assert "train.optimizer must be one of sgd, adam, adamw; got 'lamb'" in err
+    assert "train.optimizer must be one of sgd, adam, adamw, lamb, lars; got 'lion'" in err
 
 
 def test_bad_override_is_named(capsys) -> None:
