@@ -190,6 +190,9 @@ class ParallelConfig:
         "torch", "the ring's point-to-point messages: torch (Gloo/NCCL) or mpi (mpi4py; needs mpirun or srun)")
     bucket_mb: float = _field(25.0, "gradient fusion: MiB per bucket reduced as one message", gt=0)
     overlap: bool = _field(True, "reduce buckets while backward still runs")
+    zero: int = _field(
+        0, "ZeRO stage over each data-parallel group: 0 = every replica keeps the whole optimizer state; 1 = each "
+           "keeps its share, whole parameters assigned greedily by size (parallel/zero.py)", min=0, max=1)
     init_timeout_s: float = _field(60.0, "a rank that cannot join the rendezvous in this time fails, naming itself",
                                    gt=0)
     timeout_s: float = _field(300.0, "the backend's timeout for one collective", gt=0)

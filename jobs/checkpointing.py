@@ -10,7 +10,9 @@ communication carries into the next step: the reducer's error-feedback residuals
 (``comm/residual/...``) and PowerSGD's warm starts (``comm/q/...``), top-k's momentum
 velocity (``comm/velocity/...``, Deep Gradient Compression keeps SGD's momentum there
 instead of in the optimizer) and ``comm/steps_synchronized``, which decides when
-``compression_warmup_steps`` end; and the attributes ``layout_dp``, ``layout_tp``,
+``compression_warmup_steps`` end. Under ZeRO stage 1 a rank holds, and so writes, only the
+optimizer state of the parameters it owns; the index still shows each state tensor whole.
+And the attributes ``layout_dp``, ``layout_tp``,
 ``layout_pp`` and ``job_spec`` (JSON).
 
 The data position is the step itself: a batch is a pure function of (seed, step)
@@ -70,11 +72,13 @@ def restore(
     ``mesh`` places this rank's share (its TP shards; its stages are what ``model``
     holds) and decides whether rank-private state applies; None is one process holding
     the whole model, which takes rank ``rank``'s private state whatever the saved layout.
-    A distributed optimizer (``parallel.optimizer``) gets its communication state back.
+    A distributed optimizer (``parallel.optimizer``) gets its communication state back, and under
+    ZeRO (``parallel.zero``) reads only the optimizer state of the parameters this rank owns.
     """
     index = open_checkpoint(step_dir)
     tp_rank, tp_size = (mesh.index("tp"), mesh.size("tp")) if mesh else (0, 1)
-    state.load_state(index, model, optimizer, tp_split_dims(model), tp_rank, tp_size)
+    holds = optimizer.holds_state if isinstance(optimizer, DistributedOptimizerMixin) else None
+    state.load_state(index, model, optimizer, tp_split_dims(model), tp_rank, tp_size, holds)
     saved_layout = tuple(index.attrs.get(f"layout_{axis}") for axis in ("dp", "tp", "pp"))
     same_layout = mesh is None or saved_layout == (mesh.shape.dp, mesh.shape.tp, mesh.shape.pp)
     private = load_rank_state(index, rank) if same_layout else load_rank_state(index, 0, only=(SHARED_COMM,))

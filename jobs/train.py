@@ -171,6 +171,7 @@ def build_data_parallel_optimizer(spec: JobSpec, model: torch.nn.Module, mesh: M
         overlap=par.overlap,
         warmup_steps=par.compression_warmup_steps,
         probe=probe,
+        zero=par.zero,
     )
 
 

@@ -29,6 +29,7 @@ from hpc.observe.probe import Probe
 from parallel.compression.base import Reducer
 from parallel.compression.registry import make_reducer
 from parallel.ring import Transport
+from parallel.zero import ZeroShards
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 
@@ -87,6 +88,7 @@ class DistributedOptimizerMixin:
         overlap: bool,
         warmup_steps: int,
         probe: Probe,
+        zero: int = 0,
     ) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -106,6 +108,7 @@ class DistributedOptimizerMixin:
         self._pending_stats = CommStats()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         self._momentum = reducer.momentum_correction(self)  # top-k applies SGD's momentum before reducing
+        self.zero = ZeroShards(params, transport.group) if zero else None  # stage 1: see parallel/zero.py
 
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
         self._passes[param] += 1
@@ -193,7 +196,17 @@ class DistributedOptimizerMixin:
     def step(self, closure=None):
         if not self._skip_sync:
             self.synchronize()
-        return super().step(closure)
+        if self.zero is None:
+            return super().step(closure)
+        with self.zero.owned_gradients_only():
+            loss = super().step(closure)
+        with self.probe.collective("parameter all-gather", "zero", self._peers):
+            self.zero.gather_parameters()
+        return loss
+
+    def holds_state(self, param: torch.Tensor) -> bool:
+        """Whether this rank keeps ``param``'s optimizer state: always, except under ZeRO for others' parameters."""
+        return self.zero is None or self.zero.owns(param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._futures or any(self._passes.values()):
@@ -223,13 +236,15 @@ def distributed_optimizer(
     overlap: bool = True,
     warmup_steps: int = 0,
     probe: Probe | None = None,
+    zero: int = 0,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so its gradients are reduced over ``transport``'s group (the DP group).
 
     ``warmup_steps`` reduce exactly before compression starts: early gradients change
     fastest and compression errors there cost the most (torch's PowerSGD hook does the
     same with ``start_powerSGD_iter``; Deep Gradient Compression ramps its sparsity).
-    ``probe`` sees each bucket's reduction (timeline span, stall inspector).
+    ``probe`` sees each bucket's reduction (timeline span, stall inspector). ``zero=1`` shards the
+    optimizer state over the group (ZeRO stage 1, ``parallel/zero.py``).
     """
     if named_parameters is not None:
         params = [p for _, p in named_parameters if p.requires_grad]
@@ -249,5 +264,6 @@ def distributed_optimizer(
         overlap,
         warmup_steps,
         probe or Probe(),
+        zero,
     )
     return wrapped

@@ -75,6 +75,7 @@ FULL = {
         "transport": "mpi",
         "bucket_mb": 4.0,
         "overlap": False,
+        "zero": 1,
         "init_timeout_s": 120.0,
         "timeout_s": 600.0,
     },

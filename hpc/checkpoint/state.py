@@ -18,7 +18,7 @@ Nothing here knows about tensor-parallel layers (``parallel/``) or a job spec (`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -79,15 +79,19 @@ def load_state(
     split_dims: Mapping[str, int] = NO_SPLIT,
     tp_rank: int = 0,
     tp_size: int = 1,
+    holds: Callable[[torch.Tensor], bool] | None = None,
 ) -> None:
     """Load a checkpoint's model and optimizer tensors into a freshly built ``model`` and ``optimizer``,
-    each rank reading the blocks its own (tp_rank, tp_size) holds, whatever layout saved them."""
+    each rank reading the blocks its own (tp_rank, tp_size) holds, whatever layout saved them; the optimizer
+    state only of the parameters ``holds`` accepts (a rank owning a share of it, ZeRO), all when None."""
     load_into(index, model_pieces(model, split_dims, tp_rank, tp_size))
     names = {id(p): name for name, p in model.named_parameters()}
     ordered = [p for group in optimizer.param_groups for p in group["params"]]
     state: dict[int, dict[str, torch.Tensor]] = {}
     pieces = []
     for position, param in enumerate(ordered):
+        if holds is not None and not holds(param):
+            continue
         name = names[id(param)]
         param_shape = placed(name, param, split_dims.get(name), tp_rank, tp_size).global_shape
         prefix = f"optim/{name}/"
