@@ -125,6 +125,7 @@ GPT_OPTIONS = {
 def _spec(run_dir: str, name: str, layout, resume: str = "never"):
     raw = spec_to_dict(gpt_spec(run_dir, name, layout, **GPT_OPTIONS[name.split("-")[0]]))
     raw["checkpoint"] = {"every_steps": 5, "resume": resume, "keep": 3}
+    raw["parallel"]["zero"] = int(name.endswith("-zero1"))
     return spec_from_dict(raw)
 
 
@@ -153,6 +154,14 @@ def test_under_tp2_the_trainer_equals_one_process_and_a_tp2_checkpoint_resumes_o
         for key, value in expected.items():
             np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5, err_msg=f"{name}: {key}")
             assert not np.array_equal(value, initial[key]), f"{name}: {key} did not train"
+    # with ZeRO-1 over dp=2 as well: TP peers own the same layers, so their norm all-reduces pair up
+    sharded = run_ranks(4, _train, str(tmp_path / "zero"), [f"{n}-zero1" for n in names], (2, 2, 1), timeout=240)
+    for number, name in enumerate(names):
+        losses, _ = _metrics(tmp_path / "one", name)
+        assert _metrics(tmp_path / "zero", f"{name}-zero1")[0] == pytest.approx(losses, rel=1e-5), name
+        got = assemble([r[number] for r in sharded])
+        for key, value in assemble([single[number]]).items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5, err_msg=f"{name} zero1: {key}")
     step5 = Path(tmp_path / "tp2" / "lamb" / "checkpoints" / "step-00000005")
     assert step5.is_dir(), sorted(p.name for p in step5.parent.iterdir())
     (resumed,) = run_ranks(1, _train, str(tmp_path / "resumed"), ["lamb"], (1, 1, 1), str(step5), timeout=120)[0]
