@@ -68,22 +68,23 @@ class ZeroShards:
 
     @torch.no_grad()
     def gather_parameters(self) -> int:
-        """Collective over the group: every owner broadcasts its parameters, flattened. Returns the bytes received."""
+        """Collective over the group: each owner broadcasts its parameters, flattened per dtype, in owner order.
+        Returns the bytes this rank received."""
         received = 0
         if self.size == 1:
             return received
         for owner, params in enumerate(self.by_owner):
-            if not params:
-                continue
-            if owner == self.rank:
-                flat = torch.cat([p.reshape(-1) for p in params])
-            else:
-                flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-            dist.broadcast(flat, group=self.group, group_src=owner)
-            if owner != self.rank:
-                received += flat.nbytes
-                offset = 0
-                for p in params:
-                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+            for dtype in sorted({p.dtype for p in params}, key=str):
+                same = [p for p in params if p.dtype == dtype]
+                if owner == self.rank:
+                    flat = torch.cat([p.reshape(-1) for p in same])
+                else:
+                    flat = torch.empty(sum(p.numel() for p in same), dtype=dtype, device=same[0].device)
+                dist.broadcast(flat, group=self.group, group_src=owner)
+                if owner != self.rank:
+                    received += flat.nbytes
+                    offset = 0
+                    for p in same:
+                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
         return received

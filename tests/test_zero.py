@@ -136,3 +136,28 @@ def test_owners_are_assigned_largest_first_to_the_least_loaded(sizes, ranks, own
     from parallel.zero import assign_owners
 
     assert assign_owners(sizes, ranks) == owners
+
+
+def _gather(world):
+    import torch
+    import torch.distributed as dist
+
+    from parallel.zero import ZeroShards
+
+    shapes = [((3,), torch.float32), ((5,), torch.float64), ((2, 2), torch.float32), ((4,), torch.float32)]
+    params = [torch.full(shape, float(10 * world.rank + i), dtype=dtype) for i, (shape, dtype) in enumerate(shapes)]
+    shards = ZeroShards(params, dist.group.WORLD)
+    received = shards.gather_parameters()
+    owners = [next(r for r, owned in enumerate(shards.by_owner) if any(p is q for q in owned)) for p in params]
+    return [p.tolist() for p in params], owners, received
+
+
+def test_each_owner_broadcasts_its_parameters_whatever_their_dtypes() -> None:
+    results = run_ranks(2, _gather, timeout=60)
+    owners = results[0][1]
+    assert owners == [0, 0, 1, 1] and results[1][1] == owners  # 5 -> 0, 4 -> 1, 4 -> 1 (4 < 5), 3 -> 0 (5 < 8)
+    expected = [np.full(shape, 10 * owner + i).tolist()
+                for i, (shape, owner) in enumerate(zip([(3,), (5,), (2, 2), (4,)], owners, strict=True))]
+    for rank, (values, _, received) in enumerate(results):
+        assert values == expected, rank
+        assert received == sum(4 * n if i != 1 else 8 * n for i, n in enumerate([3, 5, 4, 4]) if owners[i] != rank)
