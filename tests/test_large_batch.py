@@ -9,8 +9,8 @@ sqrt(2) and the run would leave the single-process one at the first step.
 
 from __future__ import annotations
 
+import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,7 +135,7 @@ def _train(world, run_dir: str, names, layout, resume: str = "never"):
     results = []
     for name in names:
         mesh = build_mesh(MeshShape(*layout), world.rank)
-        _, model = train(_spec(run_dir, name, layout, resume), world, mesh)
+        _, model = train(_spec(run_dir, name, layout, resume.format(name=name)), world, mesh)
         results.append(pieces_as_numpy(model, mesh))
     return results
 
@@ -162,8 +162,12 @@ def test_under_tp2_the_trainer_equals_one_process_and_a_tp2_checkpoint_resumes_o
         got = assemble([r[number] for r in sharded])
         for key, value in assemble([single[number]]).items():
             np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5, err_msg=f"{name} zero1: {key}")
-    step5 = Path(tmp_path / "tp2" / "lamb" / "checkpoints" / "step-00000005")
-    assert step5.is_dir(), sorted(p.name for p in step5.parent.iterdir())
-    (resumed,) = run_ranks(1, _train, str(tmp_path / "resumed"), ["lamb"], (1, 1, 1), str(step5), timeout=120)[0]
-    for key, value in assemble([single[0]]).items():
-        np.testing.assert_allclose(assemble([resumed])[key], value, rtol=1e-5, atol=1e-5, err_msg=f"resumed {key}")
+    step5 = str(tmp_path / "tp2" / "{name}" / "checkpoints" / "step-00000005")
+    resumed = run_ranks(1, _train, str(tmp_path / "resumed"), names, (1, 1, 1), step5, timeout=120)[0]
+    for number, name in enumerate(names):  # the tp=2 state, placed like the parameters, continues on one process
+        records = [json.loads(line) for line in (tmp_path / "resumed" / name / "metrics.jsonl").open()]
+        assert [r["step"] for r in records] == list(range(6, 11)), name
+        assert [r["loss"] for r in records] == pytest.approx(_metrics(tmp_path / "one", name)[0][5:], rel=1e-5), name
+        for key, value in assemble([single[number]]).items():
+            np.testing.assert_allclose(assemble([resumed[number]])[key], value, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name} resumed: {key}")
