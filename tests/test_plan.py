@@ -136,6 +136,13 @@ def test_hpc_plan_ranks_the_gpt_of_a_spec_and_recommends_one(capsys) -> None:
     assert data["recommended"]["layout"] == data["layouts"][0]["layout"] and data["fitting"] >= len(data["layouts"])
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw", "lamb", "lars"])
+def test_every_optimizer_of_the_spec_is_planned(capsys, optimizer) -> None:
+    args = ["plan", str(GPT), "--set", f"train.optimizer={optimizer}", "--cluster", "a100-superpod", "--gpus", "8"]
+    assert main(args) == 0, capsys.readouterr().err
+    assert "recommended: dp=" in capsys.readouterr().out
+
+
 def test_a_model_that_fits_nowhere_says_by_how_much(capsys) -> None:
     model = "layers=128,hidden=25600,heads=160,seq=2048,vocab=51200"
     assert main(["plan", "--model", model, "--batch", "8", "--cluster", "a100-superpod", "--gpus", "8"]) == 1

@@ -96,7 +96,8 @@ def _training(spec, args: argparse.Namespace):
     from parallel.plan import Training
 
     half = spec.train.bf16_autocast
-    state = {"adam": 8, "adamw": 8, "sgd": 4 if spec.train.momentum else 0}[spec.train.optimizer]
+    state = {"adam": 8, "adamw": 8, "lamb": 8, "lars": 4,  # bytes per parameter: moments, momentum
+             "sgd": 4 if spec.train.momentum else 0}[spec.train.optimizer]
     codec = spec.parallel.compression
     ratio = {"fp16": 0.5, "bf16": 0.5, "int8": 0.25}.get(codec, 1.0)
     if codec == "topk":
