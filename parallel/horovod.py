@@ -21,9 +21,12 @@ than the global one are created with ``add_process_set`` and map to torch groups
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,12 +38,17 @@ from hpc.runtime import bootstrap
 from hpc.runtime.env import detect_rank_info
 from parallel.compression.casts import WIRE_DTYPES
 from parallel.compression.registry import make_reducer
-from parallel.optimizer import distributed_optimizer
+from parallel.optimizer import DistributedOptimizerMixin, distributed_optimizer
 from parallel.ring import TorchTransport
 
 Average, Sum, Adasum, Min, Max, Product = "Average", "Sum", "Adasum", "Min", "Max", "Product"
+_GLOO_WIDER = {torch.int16: torch.int32}  # what Gloo cannot reduce, sent as the next wider type
 _TORCH_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
               Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
+
+
+class HorovodInternalError(RuntimeError):
+    """Horovod's error for a collective that failed on some rank (elastic training catches it)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,10 +59,14 @@ class ProcessSet:
     group: Any = field(default=None, repr=False)
 
     def size(self) -> int:
-        return dist.get_world_size(self.group)
+        """The set's size, on every rank (also outside the set)."""
+        return dist.get_world_size() if self.ranks is None else len(self.ranks)
 
     def rank(self) -> int:
-        return dist.get_rank(self.group)
+        """This rank's place in the set; -1 outside it."""
+        if self.ranks is None:
+            return dist.get_rank()
+        return self.ranks.index(dist.get_rank()) if dist.get_rank() in self.ranks else -1
 
     def included(self) -> bool:
         return self.ranks is None or dist.get_rank() in self.ranks
@@ -222,6 +234,10 @@ class Handle:
     def done(self) -> bool:
         return self.work is None or self.work.is_completed()
 
+    def __call__(self):
+        """Horovod's ``sparse_allreduce_async`` hands back a callable: calling it synchronizes."""
+        return synchronize(self)
+
 
 def poll(handle: Handle) -> bool:
     return handle.done()
@@ -251,16 +267,70 @@ def _group(process_set: ProcessSet):
     return process_set.group
 
 
+_KINDS = ("allreduce", "allgather", "broadcast", "alltoall")
+_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+           torch.float32, torch.float64, torch.bool, torch.complex64, torch.complex128)
+_FIELDS = ("operation", "data type", "number of dimensions", "root rank", "reduction op")
+_MAX_DIMS = 8
+
+
+def _negotiate(kind: str, tensor: torch.Tensor, process_set: ProcessSet, root: int = -1, op: str = "") -> list[int]:
+    """Check that the ranks of the set issue the same operation (one small all-gather, like Horovod's
+    coordinator): a mismatch raises HorovodInternalError on every rank instead of a hang or garbage.
+    Returns every rank's first dimension (allgather and alltoall may differ there)."""
+    shape = list(tensor.shape) or [1]
+    dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
+    ops = (Average, Sum, Min, Max, Product)
+    header = [_KINDS.index(kind), dtype, tensor.dim(), root, ops.index(op) if op in ops else -1]
+    mine = torch.tensor(header + (shape + [-1] * _MAX_DIMS)[:_MAX_DIMS], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(process_set.size())]
+    dist.all_gather(every, mine, group=_group(process_set))
+    rows = torch.stack(every)
+    first = len(header)
+    for col in range(rows.shape[1]):
+        if (col != first or kind in ("allreduce", "broadcast")) and bool((rows[:, col] != rows[0, col]).any()):
+            what = _FIELDS[col] if col < first else f"dimension {col - first} of the shape"
+            raise HorovodInternalError(f"{kind}: the ranks disagree on the {what}: "
+                                       f"{[_describe(col, int(v)) for v in rows[:, col]]}")
+    return rows[:, first].tolist()
+
+
+def _describe(col: int, value: int):
+    if col == 0:
+        return _KINDS[value]
+    if col == 1:
+        return str(_DTYPES[value]) if value < len(_DTYPES) else "other"
+    return value
+
+
+def _scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """In place; integers are scaled in float64 and cast back (truncated), as Horovod does."""
+    if factor == 1.0:
+        return tensor
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        return tensor.mul_(factor)
+    return tensor.copy_((tensor.to(torch.float64) * factor).to(tensor.dtype))
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor Gloo sends: types it lacks (int16) travel as a wider one."""
+    wider = _GLOO_WIDER.get(tensor.dtype)
+    return tensor if wider is None else tensor.to(wider)
+
+
 def _allreduce_async_into(tensor, output, op, prescale_factor, postscale_factor, process_set) -> Handle:
+    _negotiate("allreduce", tensor, process_set, op=op)
     if output is not tensor:
         output.copy_(tensor)
-    if prescale_factor != 1.0:
-        output.mul_(prescale_factor)
-    work = dist.all_reduce(output, op=_TORCH_OPS[op], group=_group(process_set), async_op=True)
+    _scale_(output, prescale_factor)
+    wire = _wire(output)
+    work = dist.all_reduce(wire, op=_TORCH_OPS[op], group=_group(process_set), async_op=True)
     scale = postscale_factor / (process_set.size() if op == Average else 1)
 
     def finish(result):
-        return result.mul_(scale) if scale != 1.0 else result
+        if wire is not result:
+            result.copy_(wire)
+        return _scale_(result, scale)
 
     return Handle(output, work, finish)
 
@@ -343,30 +413,30 @@ def _gather_first_dims(tensor, process_set) -> list[int]:
 def _allgather(tensor, process_set) -> torch.Tensor:
     """Concatenation along dim 0; the first dimension may differ between ranks (padded on the wire)."""
     tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
-    firsts = _gather_first_dims(tensor, process_set)
+    firsts = _negotiate("allgather", tensor, process_set)
     longest = max(firsts)
-    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded = _wire(tensor).new_zeros((longest, *tensor.shape[1:]))
     padded[: tensor.shape[0]] = tensor
     parts = [torch.empty_like(padded) for _ in firsts]
     dist.all_gather(parts, padded, group=_group(process_set))
-    return torch.cat([part[:first] for part, first in zip(parts, firsts, strict=True)])
+    return torch.cat([part[:first] for part, first in zip(parts, firsts, strict=True)]).to(tensor.dtype)
 
 
 class _Allgather(torch.autograd.Function):
-    """forward: all-gather along dim 0; backward: sum the gradient over ranks, keep this rank's rows."""
+    """forward: all-gather along dim 0; backward (as Horovod): average the gradient, keep this rank's rows."""
 
     @staticmethod
     def forward(ctx, tensor, process_set):
         ctx.process_set = process_set
-        ctx.firsts = _gather_first_dims(tensor, process_set)
+        ctx.first = tensor.shape[0] if tensor.dim() else 1
         return _allgather(tensor.detach(), process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = grad_output.contiguous().clone()
-        dist.all_reduce(grad, group=_group(ctx.process_set))
-        start = sum(ctx.firsts[: ctx.process_set.rank()])
-        return grad[start : start + ctx.firsts[ctx.process_set.rank()]], None
+        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average, process_set=ctx.process_set))
+        firsts = _gather_first_dims(torch.empty(ctx.first), ctx.process_set)
+        start = sum(firsts[: ctx.process_set.rank()])
+        return grad[start : start + ctx.first], None
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -382,12 +452,17 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 
 def _root(root_rank: int, process_set: ProcessSet) -> int:
-    return root_rank if process_set.group is None else dist.get_global_rank(process_set.group, root_rank)
+    """Horovod's ``root_rank`` is a global rank, also within a process set."""
+    if process_set.ranks is not None and root_rank not in process_set.ranks:
+        raise ValueError(f"root_rank {root_rank} is not in the process set {process_set.ranks}")
+    return root_rank
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
-    work = dist.broadcast(tensor, src=_root(root_rank, process_set), group=_group(process_set), async_op=True)
-    return Handle(tensor, work)
+    _negotiate("broadcast", tensor, process_set, root=root_rank)
+    wire = _wire(tensor)
+    work = dist.broadcast(wire, src=_root(root_rank, process_set), group=_group(process_set), async_op=True)
+    return Handle(tensor, work, None if wire is tensor else lambda out: out.copy_(wire))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
@@ -399,7 +474,7 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 class _Broadcast(torch.autograd.Function):
-    """forward: broadcast from the root; backward: gradients summed onto the root, zero elsewhere."""
+    """forward: broadcast from the root; backward (as Horovod): the averaged gradient on the root, zero elsewhere."""
 
     @staticmethod
     def forward(ctx, tensor, root_rank, process_set):
@@ -408,15 +483,43 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = grad_output.contiguous().clone()
-        dist.all_reduce(grad, group=_group(ctx.process_set))
-        if ctx.process_set.rank() != ctx.root_rank:
+        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average, process_set=ctx.process_set))
+        if dist.get_rank() != ctx.root_rank:
             grad.zero_()
         return grad, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     return _Broadcast.apply(tensor, root_rank, process_set)
+
+
+def _alltoall(tensor, send_splits: list[int], process_set) -> tuple[torch.Tensor, torch.Tensor]:
+    tensor = tensor[: sum(send_splits)]  # rows past the splits stay home, as in Horovod
+    _negotiate("alltoall", tensor, process_set)
+    sent = torch.tensor(send_splits, dtype=torch.int64)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=_group(process_set))
+    recv_splits = received.tolist()
+    wire = _wire(tensor.contiguous())
+    output = wire.new_empty((sum(recv_splits), *tensor.shape[1:]))
+    dist.all_to_all_single(output, wire, recv_splits, send_splits, group=_group(process_set))
+    return output.to(tensor.dtype), received.to(torch.int32)
+
+
+class _Alltoall(torch.autograd.Function):
+    """forward: rows ``splits[i]`` to rank i; backward: the gradient's rows sent back where they came from."""
+
+    @staticmethod
+    def forward(ctx, tensor, send_splits, process_set):
+        output, received = _alltoall(tensor.detach(), send_splits, process_set)
+        ctx.received, ctx.process_set = received.tolist(), process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, _grad_splits):
+        grad, _ = _alltoall(grad_output, ctx.received, ctx.process_set)
+        return grad, None, None
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -427,26 +530,79 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
             raise ValueError(f"alltoall: first dimension {tensor.shape[0]} is not divisible by {n} ranks")
         send_splits = [tensor.shape[0] // n] * n
     else:
-        send_splits = [int(s) for s in torch.as_tensor(splits).tolist()]
-    sent = torch.tensor(send_splits, dtype=torch.int64)
-    received = torch.empty_like(sent)
-    dist.all_to_all_single(received, sent, group=_group(process_set))
-    recv_splits = received.tolist()
-    output = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
-    dist.all_to_all_single(output, tensor.contiguous(), recv_splits, send_splits, group=_group(process_set))
-    if splits is None:
-        return output
-    return output, received.to(torch.int32)
+        splits = torch.as_tensor(splits)
+        if splits.dtype.is_floating_point or splits.dim() != 1 or len(splits) != n:
+            raise ValueError(f"alltoall: splits must be {n} integers, not {splits.dtype} of shape {list(splits.shape)}")
+        send_splits = [int(s) for s in splits.tolist()]
+        if sum(send_splits) > tensor.shape[0]:
+            raise ValueError(f"alltoall: the splits add up to {sum(send_splits)}, more than the {tensor.shape[0]} rows")
+    output, received = _Alltoall.apply(tensor, send_splits, process_set)
+    return output if splits is None else (output, received)
+
+
+def _my_rows(first: int, process_set: ProcessSet) -> tuple[int, int]:
+    """This rank's rows of a reducescatter: as in Horovod, the first ranks get one row more when uneven."""
+    n, me = process_set.size(), process_set.rank()
+    base, extra = divmod(first, n)
+    return me * base + min(me, extra), base + (1 if me < extra else 0)
+
+
+class _Reducescatter(torch.autograd.Function):
+    """forward: reduce, keep this rank's rows; backward (as Horovod): the gathered gradient, times size for Sum."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, prescale_factor, postscale_factor, process_set):
+        ctx.args = (op, prescale_factor * postscale_factor, process_set)
+        reduced = synchronize(allreduce_async(tensor.detach(), None, None, op, prescale_factor, postscale_factor,
+                                              process_set))
+        start, rows = _my_rows(tensor.shape[0], process_set)
+        return reduced[start : start + rows].clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, scale, process_set = ctx.args
+        grad = _allgather(grad_output, process_set)
+        return _scale_(grad, scale * (process_set.size() if op == Sum else 1)), None, None, None, None
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
                   prescale_factor=1.0, postscale_factor=1.0):
-    """Reduce, then keep this rank's rows; as in Horovod, the first ranks get one row more when uneven."""
-    reduced = allreduce(tensor, None, name, compression, op, prescale_factor, postscale_factor, process_set)
-    n, me = process_set.size(), process_set.rank()
-    base, extra = divmod(tensor.shape[0], n)
-    start = me * base + min(me, extra)
-    return reduced[start : start + base + (1 if me < extra else 0)].clone()
+    """Reduce, then keep this rank's rows (see ``_my_rows``)."""
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor of at least one dimension")
+    op = _op(op, None)
+    if op not in (Average, Sum):
+        raise ValueError(f"reducescatter supports op=Average or op=Sum, not {op}")
+    compressed, ctx = compression.compress(tensor)
+    reduced = _Reducescatter.apply(compressed, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(reduced, ctx)
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0) -> Handle:
+    return Handle(reducescatter(tensor, name, Compression.none, op, process_set, prescale_factor, postscale_factor))
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    return [reducescatter(t, name, compression, op, process_set, prescale_factor, postscale_factor)
+            for t in tensors]
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+    return Handle(grouped_reducescatter(tensors, name, Compression.none, op, process_set, prescale_factor,
+                                        postscale_factor))
+
+
+def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
+    """As Horovod: gather every rank's indices and values; duplicates add up when the result is coalesced."""
+    sparse = tensor.coalesce()
+    indices = _allgather(sparse.indices().transpose(0, 1).contiguous(), process_set)
+    values = _allgather(sparse.values(), process_set)
+    if op == Average:
+        values = values / process_set.size()
+    return Handle(torch.sparse_coo_tensor(indices.transpose(0, 1), values, sparse.size()))
 
 
 def barrier(process_set=global_process_set) -> None:
@@ -461,6 +617,60 @@ def join(device=-1) -> int:
     last = torch.tensor([rank() if arrival == size() else -1])
     dist.all_reduce(last, op=dist.ReduceOp.MAX)
     return int(last)
+
+
+# ---- timeline, SyncBatchNorm --------------------------------------------------------------------------
+
+_timeline: dict[str, Any] = {}
+
+
+def start_timeline(file_path, mark_cycles=False) -> None:
+    """Horovod's dynamic timeline: a Chrome trace file (here it records the start and the stop only)."""
+    stop_timeline()
+    _timeline["file"] = open(file_path, "w")  # closed by stop_timeline
+    _timeline["file"].write("[\n" + json.dumps({"name": "start_timeline", "ph": "i", "ts": 0, "pid": rank()}) + ",\n")
+
+
+def stop_timeline() -> None:
+    handle = _timeline.pop("file", None)
+    if handle is not None:
+        handle.write(json.dumps({"name": "stop_timeline", "ph": "i", "ts": 0, "pid": rank()}) + "\n]\n")
+        handle.close()
+
+
+class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
+    """Batch normalization with the batch statistics of every rank of ``process_set`` (differentiable)."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
+                 process_set=global_process_set):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        self.process_set = process_set
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input):
+        if not self.training or size() == 1:
+            return super().forward(input)
+        dims = [0, *range(2, input.dim())]
+        count = torch.tensor([input.numel() / input.shape[1]], dtype=input.dtype)
+        stats = torch.cat([input.sum(dims), (input * input).sum(dims), count])
+        total = allreduce(stats, op=Sum, process_set=self.process_set)
+        n = total[-1]
+        mean = total[: self.num_features] / n
+        var = total[self.num_features : 2 * self.num_features] / n - mean * mean
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
+                self.running_var.mul_(1 - m).add_(var.detach() * n / max(float(n) - 1, 1.0), alpha=m)
+        shape = [1, self.num_features] + [1] * (input.dim() - 2)
+        out = (input - mean.view(shape)) / torch.sqrt(var.view(shape) + self.eps)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out
 
 
 # ---- objects, parameters, optimizer state --------------------------------------------------------------
@@ -490,7 +700,9 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set) -> N
 
 def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_set) -> None:
     """Root's optimizer state (tensors broadcast, the rest pickled once) loaded on every rank."""
-    state = optimizer.state_dict() if process_set.rank() == root_rank else None
+    if not optimizer.state_dict()["state"]:
+        _initialize_state(optimizer)
+    state = optimizer.state_dict() if dist.get_rank() == root_rank else None
     tensors: list[torch.Tensor] = []
 
     def strip(value):
@@ -519,8 +731,20 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
         state = rebuild(skeleton)
     for tensor in tensors:
         broadcast_(tensor, root_rank, process_set=process_set)
-    if process_set.rank() != root_rank:
+    if dist.get_rank() != root_rank:
         optimizer.load_state_dict(state)
+
+
+def _initialize_state(optimizer) -> None:
+    """As Horovod: one step of the wrapped optimizer on zero gradients creates the state to broadcast."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    base = super(DistributedOptimizerMixin, optimizer) if isinstance(optimizer, DistributedOptimizerMixin) \
+        else optimizer
+    with torch.no_grad():
+        base.step()
 
 
 # ---- the optimizer -------------------------------------------------------------------------------------
@@ -534,12 +758,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     op = _op(op, None)
     if op not in (Average, Sum):
         raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, not {op}")
-    named = list(named_parameters) if named_parameters is not None else None
+    named = _check_names(optimizer, named_parameters)
+    if not process_set.included():  # as in Horovod: outside the set, the optimizer steps on local gradients
+        optimizer.synchronize, optimizer.skip_synchronize = lambda: None, contextlib.nullcontext
+        optimizer._parameter_names = _parameter_names(optimizer, named)
+        return optimizer
     bucket_bytes = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 64 << 20))
     if num_groups:
         params = [p for _, p in named] if named else [p for g in optimizer.param_groups for p in g["params"]]
         bucket_bytes = math.ceil(sum(p.numel() * p.element_size() for p in params) / num_groups)
-    return distributed_optimizer(
+    wrapped = distributed_optimizer(
         optimizer,
         TorchTransport(_group(process_set)),
         named_parameters=named,
@@ -548,3 +776,50 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         backward_passes_per_step=backward_passes_per_step,
         average=op == Average,
     )
+    wrapped._parameter_names = _parameter_names(optimizer, named)  # Horovod's attribute, read by its tests
+    _warn_step_after_synchronize(wrapped)
+    return wrapped
+
+
+def _warn_step_after_synchronize(optimizer) -> None:
+    """Horovod warns when ``step()`` follows ``synchronize()`` outside ``skip_synchronize()`` (it reduces twice)."""
+    synchronize, step = optimizer.synchronize, optimizer.step
+    synchronized = [False]
+
+    def explicit_synchronize():
+        synchronize()
+        synchronized[0] = True
+
+    def checked_step(closure=None):
+        if synchronized[0] and not optimizer._skip_sync:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(). This can cause training slowdown.", stacklevel=2)
+        try:
+            return step(closure)
+        finally:
+            synchronized[0] = False
+
+    optimizer.synchronize, optimizer.step = explicit_synchronize, checked_step
+
+
+def _check_names(optimizer, named_parameters) -> list | None:
+    """Horovod's checks: names unique, and every parameter of the optimizer named."""
+    if named_parameters is None:
+        return None
+    named = list(named_parameters)
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"named_parameters contains duplicate names: {twice}")
+    covered = {id(p) for _, p in named}
+    missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in covered]
+    if missing:
+        raise ValueError(f"named_parameters was given but {len(missing)} parameter(s) of the optimizer are not in it")
+    return named
+
+
+def _parameter_names(optimizer, named) -> dict:
+    if named is not None:
+        return {p: name for name, p in named}
+    return {p: f"allreduce.noname.{i}.{j}" for i, g in enumerate(optimizer.param_groups)
+            for j, p in enumerate(g["params"])}
