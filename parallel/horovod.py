@@ -22,12 +22,13 @@ small signature (operation, dtype, shape, root, op) so that ranks that disagree 
 HorovodInternalError instead of a hang (one tiny all-gather per call, like Horovod's
 coordinator; ``DistributedOptimizer``'s ring does not pay it).
 
-Differences, stated rather than hidden: Adasum is not implemented; ``join`` is a
-barrier that returns the last rank to arrive (ranks must issue the same collectives
-before joining, Horovod lets joined ranks contribute zeros); ``*_async`` calls other than
-allreduce and broadcast complete before they return; operations are matched in program
-order, not by name; sparse gradients do not go through ``DistributedOptimizer``; process
-sets other than the global one are created with ``add_process_set`` and map to torch groups.
+``join`` works as Horovod's: joined ranks answer the others' allreduces with zeros until
+all have joined (the join rounds ride on the same signature all-gather).
+
+Differences, stated rather than hidden: Adasum is not implemented; operations are matched
+in program order, not by name (a named operation issued on one rank only is an error);
+sparse gradients do not go through ``DistributedOptimizer``; process sets other than the
+global one are created with ``add_process_set`` and map to torch groups.
 """
 
 from __future__ import annotations
@@ -278,32 +279,53 @@ def _group(process_set: ProcessSet):
     return process_set.group
 
 
-_KINDS = ("allreduce", "allgather", "broadcast", "alltoall")
+_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "join", "barrier")
 _DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
            torch.float32, torch.float64, torch.bool, torch.complex64, torch.complex128)
+_OPS = (Average, Sum, Min, Max, Product)
 _FIELDS = ("operation", "data type", "number of dimensions", "root rank", "reduction op")
+_SHAPE = len(_FIELDS)  # the column where the shape starts
 _MAX_DIMS = 8
+_JOIN = _KINDS.index("join")
 
 
-def _negotiate(kind: str, tensor: torch.Tensor, process_set: ProcessSet, root: int = -1, op: str = "") -> list[int]:
-    """Check that the ranks of the set issue the same operation (one small all-gather, like Horovod's
-    coordinator): a mismatch raises HorovodInternalError on every rank instead of a hang or garbage.
-    Returns every rank's first dimension (allgather and alltoall may differ there)."""
+def _exchange(kind: str, tensor: torch.Tensor, process_set: ProcessSet, root: int = -1, op: str = ""):
+    """Every rank's signature of the operation it issues: one row each (one small all-gather)."""
     shape = list(tensor.shape) or [1]
     dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
-    ops = (Average, Sum, Min, Max, Product)
-    header = [_KINDS.index(kind), dtype, tensor.dim(), root, ops.index(op) if op in ops else -1]
+    header = [_KINDS.index(kind), dtype, tensor.dim(), root, _OPS.index(op) if op in _OPS else -1]
     mine = torch.tensor(header + (shape + [-1] * _MAX_DIMS)[:_MAX_DIMS], dtype=torch.int64)
     every = [torch.empty_like(mine) for _ in range(process_set.size())]
     dist.all_gather(every, mine, group=_group(process_set))
-    rows = torch.stack(every)
-    first = len(header)
+    return torch.stack(every)
+
+
+def _disagreement(rows: torch.Tensor) -> str | None:
+    """What the ranks' signatures disagree on, if anything (allgather and alltoall may differ in dim 0)."""
+    kind = _KINDS[int(rows[0, 0])]
     for col in range(rows.shape[1]):
-        if (col != first or kind in ("allreduce", "broadcast")) and bool((rows[:, col] != rows[0, col]).any()):
-            what = _FIELDS[col] if col < first else f"dimension {col - first} of the shape"
-            raise HorovodInternalError(f"{kind}: the ranks disagree on the {what}: "
-                                       f"{[_describe(col, int(v)) for v in rows[:, col]]}")
-    return rows[:, first].tolist()
+        if (col != _SHAPE or kind in ("allreduce", "broadcast")) and bool((rows[:, col] != rows[0, col]).any()):
+            what = _FIELDS[col] if col < _SHAPE else f"dimension {col - _SHAPE} of the shape"
+            return f"{kind}: the ranks disagree on the {what}: {[_describe(col, int(v)) for v in rows[:, col]]}"
+    return None
+
+
+def _negotiate(kind: str, tensor: torch.Tensor, process_set: ProcessSet, root: int = -1, op: str = "") -> list[int]:
+    """Check that the ranks of the set issue the same operation (like Horovod's coordinator): a mismatch
+    raises HorovodInternalError on every rank instead of a hang or garbage. Ranks that have joined
+    (``join``) take part in allreduce with zeros; other operations fail while a rank has joined.
+    Returns every rank's first dimension (allgather and alltoall may differ there)."""
+    rows = _exchange(kind, tensor, process_set, root, op)
+    joined = rows[:, 0] == _JOIN
+    if bool(joined.any()):
+        if kind != "allreduce":
+            raise HorovodInternalError(f"{kind} while rank(s) {joined.nonzero().flatten().tolist()} have joined: "
+                                       "only allreduce goes on after hvd.join(), as in Horovod")
+        rows = rows[~joined]
+    problem = _disagreement(rows)
+    if problem:
+        raise HorovodInternalError(problem)
+    return rows[:, _SHAPE].tolist()
 
 
 def _describe(col: int, value: int):
@@ -421,16 +443,24 @@ def _gather_first_dims(tensor, process_set) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def _allgather(tensor, process_set) -> torch.Tensor:
-    """Concatenation along dim 0; the first dimension may differ between ranks (padded on the wire)."""
+def _allgather_async(tensor, process_set) -> Handle:
+    """Concatenation along dim 0; the first dimension may differ between ranks (padded on the wire).
+    The shapes are negotiated before it returns, the rows travel in the background."""
     tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
     firsts = _negotiate("allgather", tensor, process_set)
-    longest = max(firsts)
-    padded = _wire(tensor).new_zeros((longest, *tensor.shape[1:]))
+    padded = _wire(tensor).new_zeros((max(firsts), *tensor.shape[1:]))
     padded[: tensor.shape[0]] = tensor
     parts = [torch.empty_like(padded) for _ in firsts]
-    dist.all_gather(parts, padded, group=_group(process_set))
-    return torch.cat([part[:first] for part, first in zip(parts, firsts, strict=True)]).to(tensor.dtype)
+    work = dist.all_gather(parts, padded, group=_group(process_set), async_op=True)
+
+    def finish(gathered):
+        return torch.cat([part[:first] for part, first in zip(gathered, firsts, strict=True)]).to(tensor.dtype)
+
+    return Handle(parts, work, finish)
+
+
+def _allgather(tensor, process_set) -> torch.Tensor:
+    return synchronize(_allgather_async(tensor, process_set))
 
 
 class _Allgather(torch.autograd.Function):
@@ -455,7 +485,12 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
-    return Handle(_allgather(tensor, process_set))
+    return _allgather_async(tensor, process_set)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
+    handles = [allgather_async(t, name, process_set) for t in tensors]
+    return Handle(handles, None, lambda hs: [synchronize(h) for h in hs])
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
@@ -579,19 +614,30 @@ class _Reducescatter(torch.autograd.Function):
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
                   prescale_factor=1.0, postscale_factor=1.0):
     """Reduce, then keep this rank's rows (see ``_my_rows``)."""
-    if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor of at least one dimension")
-    op = _op(op, None)
-    if op not in (Average, Sum):
-        raise ValueError(f"reducescatter supports op=Average or op=Sum, not {op}")
+    op = _reducescatter_op(tensor, op)
     compressed, ctx = compression.compress(tensor)
     reduced = _Reducescatter.apply(compressed, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)
 
 
+def _reducescatter_op(tensor, op) -> str:
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor of at least one dimension")
+    op = _op(op, None)
+    if op not in (Average, Sum):
+        raise ValueError(f"reducescatter supports op=Average or op=Sum, not {op}")
+    return op
+
+
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0) -> Handle:
-    return Handle(reducescatter(tensor, name, Compression.none, op, process_set, prescale_factor, postscale_factor))
+    """The reduction runs in the background; ``synchronize`` keeps this rank's rows."""
+    handle = allreduce_async(tensor, None, name, _reducescatter_op(tensor, op), prescale_factor, postscale_factor,
+                             process_set)
+    start, rows = _my_rows(tensor.shape[0], process_set)
+    reduce_finish = handle.finish
+    handle.finish = lambda out: reduce_finish(out)[start : start + rows].clone()
+    return handle
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
@@ -602,8 +648,8 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> Handle:
-    return Handle(grouped_reducescatter(tensors, name, Compression.none, op, process_set, prescale_factor,
-                                        postscale_factor))
+    handles = [reducescatter_async(t, name, op, process_set, prescale_factor, postscale_factor) for t in tensors]
+    return Handle(handles, None, lambda hs: [synchronize(h) for h in hs])
 
 
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
@@ -617,17 +663,34 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
 
 
 def barrier(process_set=global_process_set) -> None:
-    dist.barrier(group=_group(process_set))
+    """The negotiation's all-gather is the barrier: a rank that issues something else meets an error, not a hang."""
+    _negotiate("barrier", torch.empty(0), process_set)
 
 
 def join(device=-1) -> int:
-    """A barrier that returns the rank that reached it last (see the module docstring)."""
-    store = dist.distributed_c10d._get_default_store()
-    call = store.add(f"hvd/join/calls/{rank()}", 1)
-    arrival = store.add(f"hvd/join/{call}", 1)
-    last = torch.tensor([rank() if arrival == size() else -1])
-    dist.all_reduce(last, op=dist.ReduceOp.MAX)
-    return int(last)
+    """Horovod's join: until every rank has joined, this rank takes part in the others' allreduces with
+    zeros (averages still divide by the full size); returns the rank that joined last."""
+    rounds = 0
+    while True:
+        rows = _exchange("join", torch.empty(0), global_process_set, root=rounds)
+        joined = rows[:, 0] == _JOIN
+        if bool(joined.all()):
+            waited = rows[:, 3].tolist()  # the rounds each rank spent joined: the last one spent fewest
+            return max(r for r, w in enumerate(waited) if w == min(waited))
+        others = rows[~joined]
+        if int(others[0, 0]) == _KINDS.index("allreduce") and _disagreement(others) is None:
+            _zeros_into_allreduce(others[0])
+        rounds += 1
+
+
+def _zeros_into_allreduce(row: torch.Tensor) -> None:
+    """A joined rank's part in an allreduce the others issue: zeros of their dtype and shape."""
+    dims = int(row[2])
+    if dims > _MAX_DIMS:
+        raise HorovodInternalError(f"allreduce of {dims} dimensions while a rank has joined (at most {_MAX_DIMS})")
+    shape = [int(d) for d in row[_SHAPE : _SHAPE + dims]]
+    zeros = _wire(torch.zeros(shape, dtype=_DTYPES[int(row[1])]))
+    dist.all_reduce(zeros, op=_TORCH_OPS[_OPS[int(row[4])]])
 
 
 # ---- timeline, SyncBatchNorm --------------------------------------------------------------------------

@@ -44,20 +44,13 @@ POSTDATING_OPTIMIZERS = ("Adafactor", "Muon")
 
 # test name -> why it fails today. Exact: every other non-GPU test must pass on both ranks.
 _COORDINATOR = ("a named operation issued on one rank only while the other is at a barrier: Horovod's "
-                "coordinator matches operations by name in the background; ours are matched in program order "
-                "(hangs, ended by the harness)")
-_ASYNC = "the *_async call completes before it returns (poll() is never False): no background thread yet"
-_JOIN = "join() is a barrier: the ranks that joined do not contribute zeros to the others' collectives (hangs)"
+                "coordinator matches operations by name in the background; ours are matched in program order, "
+                "so both ranks get HorovodInternalError (operations differ) instead")
 EXPECTED_FAILURES: dict[str, str] = {
     "test_horovod_allreduce_duplicate_name_error": _COORDINATOR,
     "test_horovod_allgather_duplicate_name_error": _COORDINATOR,
     "test_horovod_broadcast_duplicate_name_error": _COORDINATOR,
     "test_horovod_reducescatter_duplicate_name_error": _COORDINATOR,
-    "test_horovod_allgather_async_fused": _ASYNC,
-    "test_horovod_reducescatter_async_fused": _ASYNC,
-    "test_horovod_join_allreduce": _JOIN,
-    "test_horovod_join_allgather": _JOIN,
-    "test_horovod_join_broadcast": _JOIN,
     "test_sparse_embeddings": "sparse gradients (nn.Embedding(sparse=True)) through DistributedOptimizer: the "
                               "bucketed ring in parallel/optimizer.py packs dense tensors only",
 }
