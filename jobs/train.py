@@ -64,12 +64,17 @@ def base_learning_rate(cfg: TrainConfig, global_batch: int) -> float:
     return cfg.lr * global_batch / cfg.lr_reference_batch if cfg.lr_reference_batch else cfg.lr
 
 
-def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float) -> float:
+def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float, optimizer=None) -> float:
     """Clip to the single-device model's global norm: TP shards counted on every TP rank, tensors
-    replicated over TP on TP rank 0 only, summed over TP and PP. Returns the norm before clipping."""
+    replicated over TP on TP rank 0 only, summed over TP and PP. Under ZeRO-2 (``optimizer.zero_stage``)
+    each DP rank holds only its owners' gradients: it counts those, and the sum goes over DP too.
+    Returns the norm before clipping."""
     split = tp_split_dims(model)
-    counted = [p for name, p in model.named_parameters() if name in split or mesh.index("tp") == 0]
-    return clip_grad_norm_(model.parameters(), max_norm, counted=counted, groups=(mesh.group("tp"), mesh.group("pp")))
+    sharded = optimizer is not None and getattr(optimizer, "zero_stage", 0) >= 2
+    counted = [p for name, p in model.named_parameters() if (name in split or mesh.index("tp") == 0)
+               and (not sharded or optimizer.holds_gradient(p))]
+    groups = (mesh.group("tp"), mesh.group("pp"), *((mesh.group("dp"),) if sharded else ()))
+    return clip_grad_norm_(model.parameters(), max_norm, counted=counted, groups=groups)
 
 
 def forward_backward(
@@ -192,7 +197,8 @@ class StepRunner:
         self.base_lr = base_learning_rate(spec.train, spec.data.batch_size)
         schedule = build_schedule(self.par.schedule, mesh.size("pp"), self.par.microbatches, self.par.virtual_stages)
         self.actions = schedule[mesh.index("pp")] if uses_pipeline(self.par) else None
-        self.grad_norm_peers = sorted({*mesh.members["tp"], *mesh.members["pp"]})
+        dp = mesh.members["dp"] if self.par.zero >= 2 else ()
+        self.grad_norm_peers = sorted({*mesh.members["tp"], *mesh.members["pp"], *dp})
         self.everyone = range(mesh.shape.size)
 
     def run(self, step: int) -> StepOutcome:
@@ -208,7 +214,7 @@ class StepRunner:
                                                self.par.microbatches, probe)
         optimizer.synchronize()
         with probe.collective("gradient norm", "grad-norm", self.grad_norm_peers):
-            grad_norm = clip_gradients(self.workload.model, self.mesh, cfg.grad_clip or math.inf)
+            grad_norm = clip_gradients(self.workload.model, self.mesh, cfg.grad_clip or math.inf, optimizer)
         with probe.span("optimizer step"), optimizer.skip_synchronize():
             optimizer.step()
         with probe.collective("loss all-reduce", "world", self.everyone):

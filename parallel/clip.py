@@ -4,7 +4,9 @@ The norm must be the single-device model's. Each rank adds up the squares of the
 gradients only it holds: its TP shards, and the tensors replicated over the TP group
 (LayerNorms, row-parallel biases) on one of their holders only. The sum is all-reduced
 over the groups whose ranks hold different parts of the model, TP and PP; DP replicas
-hold identical gradients once reduced, so they are left out. Every rank then scales by
+hold identical gradients once reduced, so they are left out, except under ZeRO stage 2,
+where each DP replica holds only its own parameters' gradients: the caller then counts
+those and passes the DP group too (``jobs/train.py``). Every rank then scales by
 the same factor. The local arithmetic is torch's own (``get_total_norm``,
 ``clip_grads_with_norm_``), so a single process clips exactly as ``clip_grad_norm_``.
 """

@@ -108,7 +108,10 @@ class DistributedOptimizerMixin:
         self._pending_stats = CommStats()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         self._momentum = reducer.momentum_correction(self)  # top-k applies SGD's momentum before reducing
-        self.zero = ZeroShards(params, transport.group) if zero else None  # stage 1: see parallel/zero.py
+        # ZeRO (parallel/zero.py): stage 2 assigns owners per bucket, so each bucket reduce-scatters to them
+        buckets = [bucket.params for bucket in self.buckets] if zero >= 2 else ()
+        self.zero = ZeroShards(params, transport.group, buckets) if zero else None
+        self.zero_stage = zero
 
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
         self._passes[param] += 1
@@ -144,14 +147,32 @@ class DistributedOptimizerMixin:
             return
         reducer = self.reducer if self.steps_synchronized >= self.warmup_steps else self.exact_reducer
         size = sum(grad.nbytes for grad in grads)
-        with self.probe.collective(f"allreduce {bucket.key}", "grad-reduce", self._peers, codec=reducer.name,
-                                   bytes=size):
-            sent = reducer.reduce(bucket.key, grads, self.transport, self.average)
+        scatter = self.zero_stage >= 2
+        with self.probe.collective(f"{'reduce-scatter' if scatter else 'allreduce'} {bucket.key}", "grad-reduce",
+                                   self._peers, codec=reducer.name, bytes=size):
+            sent = self._scatter(bucket, reducer) if scatter else reducer.reduce(bucket.key, grads, self.transport,
+                                                                                   self.average)
         self._pending_stats.collectives += 1
         self._pending_stats.bytes_sent += sent
         n = len(self._peers)
         self._pending_stats.raw_bytes += 2 * (n - 1) * size // n
         self._pending_stats.reduce_seconds += time.perf_counter() - started
+
+    def _scatter(self, bucket: Bucket, reducer: Reducer) -> int:
+        """ZeRO stage 2: the bucket reduce-scattered to its owners, who keep their reduced gradients; the
+        others' are dropped. top-k and PowerSGD all-reduce as ever, then drop (parallel/zero.py says why)."""
+        if not reducer.supports_reduce_scatter:
+            sent = reducer.reduce(bucket.key, [p.grad for p in bucket.params], self.transport, self.average)
+            self.zero.keep_owned(bucket.params, None)
+            return sent
+        flat = self.zero.flatten_by_owner(bucket.params)
+        owned, sent = reducer.reduce_scatter(bucket.key, flat, self.transport, self.average)
+        self.zero.keep_owned(bucket.params, owned)
+        return sent
+
+    def holds_gradient(self, param: torch.Tensor) -> bool:
+        """Whether this rank keeps ``param``'s reduced gradient: always, except under ZeRO-2 for others' parameters."""
+        return self.zero_stage < 2 or self.zero.owns(param)
 
     def synchronize(self) -> None:
         """Launch what backward left (unused parameters) and wait for every reduction."""
@@ -244,7 +265,8 @@ def distributed_optimizer(
     fastest and compression errors there cost the most (torch's PowerSGD hook does the
     same with ``start_powerSGD_iter``; Deep Gradient Compression ramps its sparsity).
     ``probe`` sees each bucket's reduction (timeline span, stall inspector). ``zero=1`` shards the
-    optimizer state over the group (ZeRO stage 1, ``parallel/zero.py``).
+    optimizer state over the group (ZeRO stage 1, ``parallel/zero.py``); ``zero=2`` the gradients too,
+    each bucket reduce-scattered to its owners.
     """
     if named_parameters is not None:
         params = [p for _, p in named_parameters if p.requires_grad]

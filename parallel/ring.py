@@ -9,6 +9,8 @@ Algorithm: the flat buffer is cut into n chunks. Reduce-scatter: n-1 steps, each
 rank sends one chunk to its right neighbour and adds the chunk from its left; after
 it, rank r holds the full sum of chunk r+1. All-gather: n-1 steps forwarding the
 finished chunks. Each rank sends 2(n-1)/n of the buffer, the bandwidth optimum.
+ZeRO stage 2 runs the reduce-scatter phase alone (``ring_reduce_scatter``): each rank
+wants the sum of its own chunk only, for (n-1)/n of the buffer.
 The receive of step s+1 is posted before step s's chunk is reduced, so the network
 works while the CPU adds.
 
@@ -141,6 +143,28 @@ def ring_allreduce(
     return flat
 
 
+def ring_reduce_scatter(flat: torch.Tensor, transport: Transport, *, codec: Codec = IDENTITY, average: bool = False,
+                        error: torch.Tensor | None = None, segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
+    """The all-reduce's first phase alone (ZeRO stage 2): returns chunk (rank + 1) % n of
+    ``flat.tensor_split(n)``, a view holding the group's full sum (or mean) of it.
+
+    The rest of ``flat`` is left as partial sums. The owner keeps the last hop's sum as
+    added, never re-encoded; ``error`` as in ``ring_allreduce``: summed over ranks with
+    the owned chunks, it gives back the sum of the inputs.
+    """
+    n, rank = dist.get_world_size(transport.group), dist.get_rank(transport.group)
+    owned = flat.tensor_split(n)[(rank + 1) % n]
+    if n == 1 or flat.numel() == 0:
+        return owned
+    ring = _Ring(flat, transport, codec, error, segment_bytes)
+    scatter_order = [(rank - t - 1) % n for t in range(n - 1)]
+    _wait(ring.reduce_scatter(n, rank, ring._receives((rank - 1) % n, scatter_order, in_place=False), False))
+    _wait(ring.sends)
+    if average:
+        owned.div_(n)
+    return owned
+
+
 class _Ring:
     """One all-reduce's state: chunks cut into segments that move through the ring one by one.
 
@@ -176,19 +200,7 @@ class _Ring:
         # posted while the reduce-scatter runs: the left neighbour's early segments then
         # find a receive waiting rather than a notice queued behind data on the return link.
         receives = self._receives(left, scatter_order + gather_order if early_gather else scatter_order, in_place=False)
-        for k in range(len(self.segments[rank])):
-            self._send(self._encode(rank, k), right)
-        reduce_scatter_sends: list[Pending] = []
-        for t in range(n - 1):
-            index = (rank - t - 1) % n
-            last = t == n - 2
-            if last:
-                reduce_scatter_sends, self.sends = self.sends, []
-            for k, segment in enumerate(self.segments[index]):
-                self.codec.add_decoded(next(receives), segment)
-                if not last or early_gather:
-                    self._send(self._encode(index, k, final=last), right)
-        _wait(reduce_scatter_sends)  # they read chunks that the all-gather's receives overwrite
+        _wait(self.reduce_scatter(n, rank, receives, early_gather))  # they read chunks the all-gather overwrites
         # All-gather: finished segments are forwarded unchanged, so every rank decodes the
         # same bytes. Uncompressed ones are received straight into place, now that no send reads them.
         if not early_gather:
@@ -203,6 +215,24 @@ class _Ring:
                 if early_gather:
                     self.codec.decode_into(payload, segment)
         _wait(self.sends)
+
+    def reduce_scatter(self, n: int, rank: int, receives: Iterator[torch.Tensor], send_final: bool) -> list[Pending]:
+        """The n-1 reduce-scatter transfers; ``send_final`` also sends the owned chunk on as it is finished
+        (encoded once more). Returns the sends of the phase proper, still in flight."""
+        right = (rank + 1) % n
+        for k in range(len(self.segments[rank])):
+            self._send(self._encode(rank, k), right)
+        reduce_scatter_sends: list[Pending] = []
+        for t in range(n - 1):
+            index = (rank - t - 1) % n
+            last = t == n - 2
+            if last:
+                reduce_scatter_sends, self.sends = self.sends, []
+            for k, segment in enumerate(self.segments[index]):
+                self.codec.add_decoded(next(receives), segment)
+                if not last or send_final:
+                    self._send(self._encode(index, k, final=last), right)
+        return reduce_scatter_sends
 
     def _receives(self, left: int, chunk_order: list[int], in_place: bool) -> Iterator[torch.Tensor]:
         """Post the first ``RECV_WINDOW`` receives now (before this rank spends time encoding, so the

@@ -1,4 +1,5 @@
-"""ZeRO stage 1 over a data-parallel group: each replica keeps optimizer state for its share of the parameters.
+"""ZeRO stages 1 and 2 over a data-parallel group: each replica keeps optimizer state (and, at 2, gradients)
+for its share of the parameters.
 
 Why: every DP replica holding Adam's two moments for every parameter is 8 of the 16 bytes
 per parameter of fp32 training; sharding them over the dp replicas of a (tp, pp)
@@ -18,6 +19,21 @@ dp and stage), and LAMB's and LARS's layer norms need no reduction over DP. The 
 is balance: a rank's share exceeds 1/dp by at most the largest parameter. The
 assignment depends only on the sizes, which are the same on every TP rank of a stage,
 so TP peers own the same layers.
+
+Stage 2 (P_os+g) also shards the gradients: each bucket of ``parallel/optimizer.py`` goes
+through the ring's reduce-scatter phase alone (``parallel/ring.py``, with the codec and
+its error feedback) instead of the whole all-reduce, and each rank keeps only the
+gradients of what it owns. The ring's chunk c ends whole on rank (c - 1) % n, so the
+bucket is laid out by owner: chunk c holds rank (c - 1) % n's parameters, zero-padded to
+the largest share. Owners are therefore assigned per bucket (the same greedy rule), which
+keeps every chunk near 1/n of its bucket; a bucket of one parameter (one larger than
+``bucket_mb``) is all one rank's and its reduce-scatter sends (n - 1) times its size, as
+much as the all-reduce at dp = 2 and more beyond: the price of whole-parameter shards.
+Slicing parameters at ring-chunk boundaries would remove it but split optimizer state
+and LAMB's layer norms across ranks. top-k and PowerSGD reduce in ways of their own
+(all-gather, power iteration): under stage 2 they all-reduce as before and then drop the
+gradients other ranks own, so their memory is stage 2's after the reduction but their
+traffic is stage 1's.
 """
 
 from __future__ import annotations
@@ -43,12 +59,18 @@ def assign_owners(sizes: Sequence[int], ranks: int) -> list[int]:
 class ZeroShards:
     """Who owns which parameters in ``group`` (the DP group), the owned-only step, the gather after it."""
 
-    def __init__(self, params: Sequence[torch.Tensor], group: ProcessGroup) -> None:
+    def __init__(
+        self, params: Sequence[torch.Tensor], group: ProcessGroup, buckets: Sequence[Sequence[torch.Tensor]] = (),
+    ) -> None:
+        """``buckets`` (stage 2): assign owners within each bucket rather than over all ``params``."""
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        owners = assign_owners([p.numel() for p in params], self.size)
         self.params = list(params)
-        self.by_owner = [[p for p, o in zip(params, owners, strict=True) if o == r] for r in range(self.size)]
-        self._owned = {id(p) for p in self.by_owner[self.rank]}
+        owner_of: dict[int, int] = {}
+        for part in buckets or [self.params]:
+            owners = assign_owners([p.numel() for p in part], self.size)
+            owner_of.update(zip((id(p) for p in part), owners, strict=True))
+        self.by_owner = [[p for p in self.params if owner_of[id(p)] == r] for r in range(self.size)]
+        self._owned, self._owner_of = {id(p) for p in self.by_owner[self.rank]}, owner_of
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._owned
@@ -88,3 +110,26 @@ class ZeroShards:
                         p.copy_(flat[offset:offset + p.numel()].view_as(p))
                         offset += p.numel()
         return received
+
+    def flatten_by_owner(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Stage 2: one bucket's gradients as the ring's reduce-scatter wants them: n equal chunks, chunk c
+        holding (in bucket order) those of the parameters rank (c - 1) % n owns, zero-padded to the largest."""
+        shares = [[p for p in params if self._owner_of[id(p)] == (c - 1) % self.size] for c in range(self.size)]
+        length = max(sum(p.numel() for p in share) for share in shares)
+        flat = params[0].grad.new_zeros(self.size * length)
+        for c, share in enumerate(shares):
+            offset = c * length
+            for p in share:
+                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                offset += p.numel()
+        return flat
+
+    def keep_owned(self, params: Sequence[torch.Tensor], reduced: torch.Tensor | None) -> None:
+        """Stage 2: this rank's gradients from its ``reduced`` chunk (None: already in place); the others' dropped."""
+        offset = 0
+        for p in params:
+            if not self.owns(p):
+                p.grad = None
+            elif reduced is not None:
+                p.grad.copy_(reduced[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()

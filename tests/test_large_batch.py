@@ -125,7 +125,7 @@ GPT_OPTIONS = {
 def _spec(run_dir: str, name: str, layout, resume: str = "never"):
     raw = spec_to_dict(gpt_spec(run_dir, name, layout, **GPT_OPTIONS[name.split("-")[0]]))
     raw["checkpoint"] = {"every_steps": 5, "resume": resume, "keep": 3}
-    raw["parallel"]["zero"] = int(name.endswith("-zero1"))
+    raw["parallel"]["zero"] = int(name.rsplit("-zero", 1)[1]) if "-zero" in name else 0
     return spec_from_dict(raw)
 
 
@@ -154,14 +154,16 @@ def test_under_tp2_the_trainer_equals_one_process_and_a_tp2_checkpoint_resumes_o
         for key, value in expected.items():
             np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5, err_msg=f"{name}: {key}")
             assert not np.array_equal(value, initial[key]), f"{name}: {key} did not train"
-    # with ZeRO-1 over dp=2 as well: TP peers own the same layers, so their norm all-reduces pair up
-    sharded = run_ranks(4, _train, str(tmp_path / "zero"), [f"{n}-zero1" for n in names], (2, 2, 1), timeout=240)
+    # with ZeRO over dp=2 as well (lamb at stage 1, lars at stage 2): TP peers own the same layers, so their
+    # norm all-reduces pair up
+    stages = {"lamb": "lamb-zero1", "lars": "lars-zero2"}
+    sharded = run_ranks(4, _train, str(tmp_path / "zero"), list(stages.values()), (2, 2, 1), timeout=240)
     for number, name in enumerate(names):
         losses, _ = _metrics(tmp_path / "one", name)
-        assert _metrics(tmp_path / "zero", f"{name}-zero1")[0] == pytest.approx(losses, rel=1e-5), name
+        assert _metrics(tmp_path / "zero", stages[name])[0] == pytest.approx(losses, rel=1e-5), name
         got = assemble([r[number] for r in sharded])
         for key, value in assemble([single[number]]).items():
-            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5, err_msg=f"{name} zero1: {key}")
+            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5, err_msg=f"{stages[name]}: {key}")
     step5 = str(tmp_path / "tp2" / "{name}" / "checkpoints" / "step-00000005")
     resumed = run_ranks(1, _train, str(tmp_path / "resumed"), names, (1, 1, 1), step5, timeout=120)[0]
     for number, name in enumerate(names):  # the tp=2 state, placed like the parameters, continues on one process

@@ -1,11 +1,13 @@
-"""ZeRO stage 1: sharded optimizer state trains like one process, and its checkpoints cross dp and stage.
+"""ZeRO stages 1 and 2: sharded optimizer state (and gradients) train like one process; checkpoints cross dp and stage.
 
 The reference is tests/test_3d.py's single-process run (10 steps of Adam, clipping active);
 each sharded run must match its losses and parameters as every unsharded layout does there.
-Each rank must also really hold only its share of Adam's state. A checkpoint saved by
-(dp=2, zero=1) loads under (dp=1, zero=0) with every state tensor exactly as saved, and
-the other way round each rank takes exactly its own parameters' state; runs resumed
-either way end where the uninterrupted run ends.
+Each rank must also really hold only its share of Adam's state and, at stage 2, after the
+step's reduction only its own parameters' gradients. A checkpoint saved by (dp=2, zero=1 or
+2) loads under (dp=1, zero=0) with every state tensor exactly as saved, and the other way
+round each rank takes exactly its own parameters' state; runs resumed either way end where
+the uninterrupted run ends. The ring's reduce-scatter keeps the all-reduce's bookkeeping:
+summed over ranks, what the owners hold plus the residuals is what was put in.
 """
 
 from __future__ import annotations
@@ -40,15 +42,19 @@ def _train(world, run_dir: str, cases):
     for name, layout, microbatches, zero, every, resume in cases:
         mesh = build_mesh(MeshShape(*layout), world.rank)
         _, model = jobs.train.train(_spec(run_dir, name, layout, microbatches, zero, every, resume), world, mesh)
-        state = sum(v.numel() for s in built[-1].state.values() for v in s.values() if v.dim() > 0)
+        optimizer = built[-1]
+        state = sum(v.numel() for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
         coordinate = (mesh.index("tp"), mesh.index("pp"))
-        results.append((pieces_as_numpy(model, mesh), state, sum(p.numel() for p in model.parameters()), coordinate))
+        grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)  # as the last step left them
+        only_owned = all((p.grad is not None) == optimizer.holds_gradient(p) for p in model.parameters())
+        results.append((pieces_as_numpy(model, mesh), state, sum(p.numel() for p in model.parameters()), coordinate,
+                        grads, only_owned))
     return results
 
 
 def _check_sharded(single_process, run_dir: Path, cases, results) -> None:
     _check_matches(single_process, run_dir, [c[:1] for c in cases], [[c[0] for c in r] for r in results])
-    for number, (name, *_) in enumerate(cases):
+    for number, (name, _, _, zero, *_) in enumerate(cases):
         groups: dict[tuple[int, int], list] = {}  # the DP group of each (tp, pp) coordinate
         for per_rank in results:
             groups.setdefault(per_rank[number][3], []).append(per_rank[number])
@@ -58,12 +64,20 @@ def _check_sharded(single_process, run_dir: Path, cases, results) -> None:
             shares = [case[1] for case in group]
             assert sum(shares) == 2 * params, (name, shares, params)  # Adam's two moments, each held once
             assert max(shares) <= 0.6 * 2 * params, (name, shares)  # and about half on each replica
+            grads = [case[4] for case in group]
+            assert all(case[5] for case in group), name  # a gradient exactly where this rank holds state
+            if zero >= 2:  # each gradient held by one replica only after the reduction, about half on each
+                assert sum(grads) == params and max(grads) <= 0.6 * params, (name, grads, params)
+            else:
+                assert grads == [params, params], (name, grads)
 
 
-def test_zero1_alone_and_with_tp_and_pp_trains_like_one_process(single_process, tmp_path) -> None:
-    two = [("zero1-dp2", (2, 1, 1), 1, 1, 0, "never")]
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_alone_and_with_tp_and_pp_trains_like_one_process(single_process, tmp_path, zero) -> None:
+    two = [(f"zero{zero}-dp2", (2, 1, 1), 1, zero, 0, "never")]
     _check_sharded(single_process, tmp_path, two, run_ranks(2, _train, str(tmp_path), two, timeout=240))
-    four = [("zero1-dp2-tp2", (2, 2, 1), 1, 1, 0, "never"), ("zero1-dp2-pp2", (2, 1, 2), 2, 1, 0, "never")]
+    four = [(f"zero{zero}-dp2-tp2", (2, 2, 1), 1, zero, 0, "never"),
+            (f"zero{zero}-dp2-pp2", (2, 1, 2), 2, zero, 0, "never")]  # two microbatches: accumulation
     _check_sharded(single_process, tmp_path, four, run_ranks(4, _train, str(tmp_path), four, timeout=240))
 
 
@@ -99,20 +113,21 @@ def _saved_state(step_dir: Path) -> dict[str, np.ndarray]:
     return {key: read_tensor(index, name).numpy() for key, name in optim.items()}
 
 
-def test_a_zero1_checkpoint_resumes_without_zero_and_back(tmp_path) -> None:
-    sharded = [("sharded", (2, 1, 1), 1, 1, 5, "never")]
+@pytest.mark.parametrize("zero", [1, 2])
+def test_a_sharded_checkpoint_resumes_without_zero_and_back(tmp_path, zero) -> None:
+    sharded = [("sharded", (2, 1, 1), 1, zero, 5, "never")]
     run_ranks(2, _train, str(tmp_path), sharded, timeout=240)
     plain = [("plain", (1, 1, 1), 1, 0, 5, "never")]
     run_ranks(1, _train, str(tmp_path), plain, timeout=240)
-    for source, dp, zero in (("sharded", 1, 0), ("plain", 2, 1)):
+    for source, dp, stage in (("sharded", 1, 0), ("plain", 2, zero)):
         step5 = tmp_path / source / "checkpoints" / "step-00000005"
-        saved, held = _saved_state(step5), run_ranks(dp, _restored_state, str(step5), dp, zero, timeout=120)
+        saved, held = _saved_state(step5), run_ranks(dp, _restored_state, str(step5), dp, stage, timeout=120)
         assert sorted(k for h in held for k in h) == sorted(saved), source  # every tensor, held exactly once
         for key, value in ((k, v) for h in held for k, v in h.items()):
             np.testing.assert_array_equal(value, saved[key], err_msg=f"{source}: {key}")
     resumed = [("resumed-plain", (1, 1, 1), 1, 0, 0, str(tmp_path / "sharded" / "checkpoints" / "step-00000005"))]
     (one,) = run_ranks(1, _train, str(tmp_path), resumed, timeout=240)[0]
-    resumed2 = [("resumed-sharded", (2, 1, 1), 1, 1, 0, str(tmp_path / "plain" / "checkpoints" / "step-00000005"))]
+    resumed2 = [("resumed-sharded", (2, 1, 1), 1, zero, 0, str(tmp_path / "plain" / "checkpoints" / "step-00000005"))]
     two = run_ranks(2, _train, str(tmp_path), resumed2, timeout=240)
     for got, source in ((assemble([one[0]]), "sharded"), (assemble([r[0][0] for r in two]), "plain")):
         expected = _final_params(tmp_path / source / "checkpoints" / "step-00000010")
@@ -161,3 +176,79 @@ def test_each_owner_broadcasts_its_parameters_whatever_their_dtypes() -> None:
     for rank, (values, _, received) in enumerate(results):
         assert values == expected, rank
         assert received == sum(4 * n if i != 1 else 8 * n for i, n in enumerate([3, 5, 4, 4]) if owners[i] != rank)
+
+
+def _reduce_scatter_twice(world, name: str, numel: int):
+    """Two steps of a ring codec's reduce-scatter with error feedback, through the reducer ZeRO-2 uses."""
+    import torch
+
+    from parallel.compression.registry import make_reducer
+    from parallel.ring import TorchTransport
+    from tests.test_ring import _inputs
+
+    reducer, results, inputs = make_reducer(name), [], []
+    for step in range(2):
+        x = _inputs(world.rank + 10 * step, numel, torch.float32, integer=False) * 3
+        owned, sent = reducer.reduce_scatter("bucket0", x.clone(), TorchTransport(), average=False)
+        inputs.append(x.numpy())
+        results.append(owned.numpy().copy())
+    residual = reducer.state_dict().get("residual/bucket0/scatter", torch.zeros(numel)).numpy()
+    return inputs, results, residual, sent
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "int8"])
+def test_the_reduce_scatter_keeps_the_rings_residual_bookkeeping(name) -> None:
+    """Each rank ends with the full sum of chunk (rank + 1) % n; over two steps with error feedback, the owned
+    results plus the residuals left add up to the inputs (sum of inputs = sum of results + residuals)."""
+    import torch
+
+    n, numel = 3, 5000
+    outputs = run_ranks(n, _reduce_scatter_twice, name, numel)
+    chunks = [c.numpy() for c in torch.arange(numel).tensor_split(n)]
+    results = np.zeros(numel)
+    for rank, (_, owned, _, sent) in enumerate(outputs):
+        for step_result in owned:
+            results[chunks[(rank + 1) % n]] += step_result
+        assert sent < numel * 4 * (n - 1) / n * 1.01, (rank, sent)  # one phase: (n - 1)/n of the buffer at most
+    inputs = sum(np.sum(o[0], axis=0, dtype=np.float64) for o in outputs)
+    residuals = np.sum([o[2] for o in outputs], axis=0, dtype=np.float64)
+    np.testing.assert_allclose(results + residuals, inputs, atol=1e-4)
+    if name == "none":
+        assert not residuals.any()
+    else:  # the codec did lose something, and feedback carried it
+        assert np.abs(residuals).max() > 0
+        assert np.abs(results - inputs).max() < 0.1 * np.abs(inputs).max()
+
+
+def _tiny_steps(world, name: str):
+    """Three SGD steps of a small model at zero=2 with ``name`` compressing after one exact warm-up step."""
+    import torch
+    import torch.distributed as dist
+
+    from parallel.optimizer import distributed_optimizer
+    from parallel.ring import TorchTransport
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    optimizer = distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), TorchTransport(dist.group.WORLD),
+                                      reducer=name, warmup_steps=1, zero=2, bucket_bytes=600)
+    held = []
+    for step in range(3):
+        generator = torch.Generator().manual_seed(10 * step + world.rank)
+        optimizer.zero_grad()
+        model(torch.randn(8, 16, generator=generator)).square().mean().backward()
+        optimizer.step()
+        held.append(all((p.grad is not None) == optimizer.holds_gradient(p) for p in model.parameters()))
+    optimizer.close()
+    return [p.detach().numpy().copy() for p in model.parameters()], held, len(optimizer.buckets)
+
+
+@pytest.mark.parametrize("name", ["int8", "topk"])  # powersgd takes the path top-k takes
+def test_zero2_steps_after_the_compression_warm_up_with_every_kind_of_reducer(name) -> None:
+    """Ring codecs reduce-scatter; top-k and PowerSGD all-reduce and drop others' gradients: either way,
+    past the exact warm-up step, each rank keeps only its own gradients and the replicas stay identical."""
+    (params0, held0, buckets), (params1, held1, _) = run_ranks(2, _tiny_steps, name, timeout=60)
+    assert buckets > 1  # owners are assigned per bucket
+    assert all(held0) and all(held1)
+    for a, b in zip(params0, params1, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -100,6 +100,7 @@ class Reducer(ABC):
     """How a bucket of gradients is summed across the data-parallel group, and the state that takes."""
 
     name: str
+    supports_reduce_scatter = False  # ring codecs: ``reduce_scatter(key, flat, transport, average)`` (ZeRO stage 2)
 
     @abstractmethod
     def reduce(self, key: str, tensors: Sequence[torch.Tensor], transport: Transport, average: bool) -> int:

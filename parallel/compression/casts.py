@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.compression.base import Codec, WithErrorFeedback, flatten, ring_bytes, unflatten_into
-from parallel.ring import Transport, ring_allreduce
+from parallel.ring import Transport, ring_allreduce, ring_reduce_scatter
 
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -66,15 +66,37 @@ class RingReducer(WithErrorFeedback):
         self.name = codec.name
         self.error_feedback = error_feedback and codec.lossy
 
+    supports_reduce_scatter = True
+
     def reduce(self, key: str, tensors: Sequence[torch.Tensor], transport: Transport, average: bool) -> int:
         flat = flatten(tensors)
-        error = None
-        if self.error_feedback:
-            self.feedback.compensate(key, flat)
-            error = self.feedback.reusable(key, flat)
+        error = self._compensate(key, flat)
         ring_allreduce(flat, transport, codec=self.codec, average=average, error=error)
-        if error is not None:
-            self.feedback.store(key, error)
+        self._store(key, error)
         unflatten_into(flat, tensors)
         n = dist.get_world_size(transport.group)
         return ring_bytes(flat.numel() * flat.element_size() * self.codec.wire_ratio(flat.dtype), n)
+
+    def reduce_scatter(
+        self, key: str, flat: torch.Tensor, transport: Transport, average: bool
+    ) -> tuple[torch.Tensor, int]:
+        """ZeRO stage 2: the ring's reduce-scatter of ``flat`` with this codec and its error feedback (residuals
+        kept apart from the all-reduce's, as the buffers differ); returns this rank's reduced chunk and the
+        bytes it sent, (n - 1)/n of ``flat`` on the wire."""
+        key = f"{key}/scatter"
+        error = self._compensate(key, flat)
+        owned = ring_reduce_scatter(flat, transport, codec=self.codec, average=average, error=error)
+        self._store(key, error)
+        n = dist.get_world_size(transport.group)
+        return owned, ring_bytes(flat.numel() * flat.element_size() * self.codec.wire_ratio(flat.dtype), n) // 2
+
+    def _compensate(self, key: str, flat: torch.Tensor) -> torch.Tensor | None:
+        """Add last step's residual to ``flat``; a zeroed buffer for this step's error (None without feedback)."""
+        if not self.error_feedback:
+            return None
+        self.feedback.compensate(key, flat)
+        return self.feedback.reusable(key, flat)
+
+    def _store(self, key: str, error: torch.Tensor | None) -> None:
+        if error is not None:
+            self.feedback.store(key, error)
