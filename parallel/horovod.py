@@ -27,8 +27,8 @@ all have joined (the join rounds ride on the same signature all-gather).
 
 Differences, stated rather than hidden: Adasum is not implemented; operations are matched
 in program order, not by name (a named operation issued on one rank only is an error);
-sparse gradients do not go through ``DistributedOptimizer``; process sets other than the
-global one are created with ``add_process_set`` and map to torch groups.
+sparse gradients cross ``DistributedOptimizer``'s ring dense (and come back sparse); process
+sets other than the global one are created with ``add_process_set`` and map to torch groups.
 """
 
 from __future__ import annotations
@@ -837,9 +837,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         optimizer.synchronize, optimizer.skip_synchronize = lambda: None, contextlib.nullcontext
         optimizer._parameter_names = _parameter_names(optimizer, named)
         return optimizer
+    params = [p for _, p in named] if named else [p for g in optimizer.param_groups for p in g["params"]]
+    arrived_sparse = _densify_sparse_grads(params)  # before the ring's hooks: they run in this order
     bucket_bytes = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 64 << 20))
     if num_groups:
-        params = [p for _, p in named] if named else [p for g in optimizer.param_groups for p in g["params"]]
         bucket_bytes = math.ceil(sum(p.numel() * p.element_size() for p in params) / num_groups)
     wrapped = distributed_optimizer(
         optimizer,
@@ -851,8 +852,38 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         average=op == Average,
     )
     wrapped._parameter_names = _parameter_names(optimizer, named)  # Horovod's attribute, read by its tests
+    _resparsify_after_synchronize(wrapped, arrived_sparse)
     _warn_step_after_synchronize(wrapped)
     return wrapped
+
+
+def _densify_sparse_grads(params) -> set:
+    """Sparse gradients (``nn.Embedding(sparse=True)``) cross the ring dense; the set remembers which."""
+    arrived_sparse: set = set()
+
+    def densify(param) -> None:
+        if param.grad is not None and param.grad.is_sparse:
+            arrived_sparse.add(param)
+            param.grad = param.grad.to_dense()
+
+    for param in params:
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(densify)
+    return arrived_sparse
+
+
+def _resparsify_after_synchronize(optimizer, arrived_sparse: set) -> None:
+    """The reduced gradients of those parameters go back to the optimizer sparse (SparseAdam needs them so)."""
+    synchronize = optimizer.synchronize
+
+    def synchronize_then_resparsify():
+        synchronize()
+        for param in arrived_sparse:
+            if param.grad is not None and not param.grad.is_sparse:
+                param.grad = param.grad.to_sparse()
+        arrived_sparse.clear()
+
+    optimizer.synchronize = synchronize_then_resparsify
 
 
 def _warn_step_after_synchronize(optimizer) -> None:

@@ -125,6 +125,27 @@ def test_broadcast_parameters_and_optimizer_state_from_root() -> None:
             np.testing.assert_array_equal(state0[key][name], state1[key][name])
 
 
+def _sparse_gradients(world):
+    from parallel import horovod as hvd
+
+    model = torch.nn.Embedding(6, 2, sparse=True)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                         named_parameters=model.named_parameters())
+    rows = torch.tensor([[0, 1, 1], [1, 4, 5]][world.rank])  # rank 0 uses rows 0,1,1; rank 1 rows 1,4,5
+    model(rows).sum().backward()
+    optimizer.synchronize()
+    grad = model.weight.grad
+    return grad.is_sparse, grad.to_dense()[:, 0].tolist()
+
+
+def test_sparse_gradients_are_averaged_and_stay_sparse() -> None:
+    for is_sparse, grad in run_ranks(2, _sparse_gradients):
+        assert is_sparse
+        # row 0: 1 use on rank 0; row 1: 2 on rank 0 and 1 on rank 1; rows 4, 5: 1 use on rank 1; averaged
+        assert grad == [0.5, 1.5, 0.0, 0.0, 0.5, 0.5]
+
+
 def _accuracies(output: str) -> list[float]:
     return [float(a) for a in re.findall(r"Accuracy: ([0-9.]+)%", output)]
 

@@ -51,8 +51,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     "test_horovod_allgather_duplicate_name_error": _COORDINATOR,
     "test_horovod_broadcast_duplicate_name_error": _COORDINATOR,
     "test_horovod_reducescatter_duplicate_name_error": _COORDINATOR,
-    "test_sparse_embeddings": "sparse gradients (nn.Embedding(sparse=True)) through DistributedOptimizer: the "
-                              "bucketed ring in parallel/optimizer.py packs dense tensors only",
 }
 
 
