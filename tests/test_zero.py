@@ -192,7 +192,7 @@ def _reduce_scatter_twice(world, name: str, numel: int):
         owned, sent = reducer.reduce_scatter("bucket0", x.clone(), TorchTransport(), average=False)
         inputs.append(x.numpy())
         results.append(owned.numpy().copy())
-    residual = reducer.state_dict().get("residual/bucket0/scatter", torch.zeros(numel)).numpy()
+    residual = reducer.state_dict().get("residual/bucket0.scatter", torch.zeros(numel)).numpy()
     return inputs, results, residual, sent
 
 

@@ -83,7 +83,7 @@ class RingReducer(WithErrorFeedback):
         """ZeRO stage 2: the ring's reduce-scatter of ``flat`` with this codec and its error feedback (residuals
         kept apart from the all-reduce's, as the buffers differ); returns this rank's reduced chunk and the
         bytes it sent, (n - 1)/n of ``flat`` on the wire."""
-        key = f"{key}/scatter"
+        key = f"{key}.scatter"  # not under {key}/: a checkpoint may hold both names, as datasets
         error = self._compensate(key, flat)
         owned = ring_reduce_scatter(flat, transport, codec=self.codec, average=average, error=error)
         self._store(key, error)
