@@ -125,6 +125,32 @@ def test_broadcast_parameters_and_optimizer_state_from_root() -> None:
             np.testing.assert_array_equal(state0[key][name], state1[key][name])
 
 
+def _mismatch_and_join(world):
+    from parallel import horovod as hvd
+
+    out = {}
+    try:  # shapes differ between the ranks: an error on both, not a hang
+        hvd.allreduce(torch.ones(3 + world.rank))
+    except hvd.HorovodInternalError as exc:
+        out["mismatch"] = "shape" in str(exc)
+    int16 = hvd.allreduce(torch.full((2,), 7, dtype=torch.int16), op=hvd.Average)  # Gloo has no int16
+    out["int16"] = (int16.dtype == torch.int16, int16.tolist())
+    if world.rank == 0:
+        out["join"] = hvd.join()  # joins first: answers rank 1's allreduce with zeros
+    else:
+        out["joined_sum"] = hvd.allreduce(torch.full((2,), 4.0), op=hvd.Average).tolist()
+        out["join"] = hvd.join()
+    return out
+
+
+def test_mismatches_raise_and_join_lets_a_rank_finish_early() -> None:
+    first, second = run_ranks(2, _mismatch_and_join)
+    assert first["mismatch"] and second["mismatch"]
+    assert first["int16"] == second["int16"] == (True, [7, 7])
+    assert second["joined_sum"] == [2.0, 2.0]  # rank 0 contributed zeros; the average divides by 2
+    assert first["join"] == second["join"] == 1  # the rank that joined last
+
+
 def _sparse_gradients(world):
     from parallel import horovod as hvd
 
