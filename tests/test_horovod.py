@@ -151,6 +151,28 @@ def test_mismatches_raise_and_join_lets_a_rank_finish_early() -> None:
     assert first["join"] == second["join"] == 1  # the rank that joined last
 
 
+def _sync_batch_norm(world):
+    from parallel import horovod as hvd
+
+    torch.manual_seed(0)
+    whole = torch.randn(8, 3, 2)  # the same batch on both ranks; each normalizes its half
+    sync_bn, bn = hvd.SyncBatchNorm(3), torch.nn.BatchNorm1d(3)
+    mine = whole[4 * world.rank : 4 * (world.rank + 1)].clone().requires_grad_()
+    reference = whole.clone().requires_grad_()
+    out, expected = sync_bn(mine), bn(reference)
+    (out * out).sum().backward()
+    (expected * expected).sum().backward()
+    rows = slice(4 * world.rank, 4 * (world.rank + 1))
+    return (torch.allclose(out, expected[rows], atol=1e-5),
+            torch.allclose(mine.grad, reference.grad[rows], atol=1e-4),
+            torch.allclose(sync_bn.running_var, bn.running_var, atol=1e-5))
+
+
+def test_sync_batch_norm_matches_batch_norm_over_the_whole_batch() -> None:
+    for same_output, same_grad, same_running_var in run_ranks(2, _sync_batch_norm):
+        assert same_output and same_grad and same_running_var
+
+
 def _sparse_gradients(world):
     from parallel import horovod as hvd
 
