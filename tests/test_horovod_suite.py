@@ -92,7 +92,8 @@ class SuitePlugin:
             crash = getattr(report.longrepr, "reprcrash", None)
             self.outcomes[name] = ("failed", (crash.message if crash else str(report.longrepr))[:300])
         elif report.skipped and name not in self.outcomes:
-            self.outcomes[name] = ("skipped", "")
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
+            self.outcomes[name] = ("skipped", str(reason)[:300])
 
     def pytest_runtest_logfinish(self, nodeid, location) -> None:
         name = _short(nodeid)
