@@ -291,6 +291,8 @@ _JOIN = _KINDS.index("join")
 
 def _exchange(kind: str, tensor: torch.Tensor, process_set: ProcessSet, root: int = -1, op: str = ""):
     """Every rank's signature of the operation it issues: one row each (one small all-gather)."""
+    if not process_set.included():  # torch would return at once and leave the output unwritten
+        raise ValueError(f"{kind} on process set {process_set.ranks}, which rank {dist.get_rank()} is not in")
     shape = list(tensor.shape) or [1]
     dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
     header = [_KINDS.index(kind), dtype, tensor.dim(), root, _OPS.index(op) if op in _OPS else -1]
