@@ -21,7 +21,9 @@ warning signal during a rank's start-up waits until the rank's handlers are inst
 of killing it. The batch script traps USR1 and USR2 (``scancel --full`` or ``--batch`` signal
 the script itself; bash's default would kill it): before srun starts, no rank can checkpoint,
 so the script requeues the job (within ``slurm.max_requeues``) and exits; once srun runs, the
-ranks handle the signal and the trap does nothing.
+ranks handle the signal and the trap does nothing. A signal that reaches a task in the instant
+between slurmstepd starting it and ``env`` blocking the signal kills that rank: srun then exits
+128 + the signal's number, and the script requeues the job as before srun.
 
 Runs on login nodes: nothing here imports torch.
 """
@@ -80,26 +82,42 @@ def quote_setup(lines: Sequence[str]) -> list[str]:
 
 
 def signal_trap(max_requeues: int) -> list[str]:
-    """The batch script's first lines: a warning signal before srun starts requeues the job (see the module docs).
+    """The batch script's first lines: a warning signal before srun starts, or one that killed a rank
+    before its handlers existed, requeues the job (see the module docs).
 
     submitit exports SUBMITIT_EXECUTOR on the line before srun: from there on the ranks own the signal.
+    A rank killed by USR1 or USR2 makes srun exit 128 + that signal's number (checked on Slurm 23):
+    a rank that handled it exits 75 instead, so only the signal's race with ``env --block-signal``
+    (between slurmstepd's fork of the task and the block) ends that way.
     """
-    said = 'echo "preempted: SIG$1 before the ranks started; '
     return [
         "unset SUBMITIT_EXECUTOR  # set just before srun: from then on the ranks handle USR1 and USR2",
-        "hpc_early_signal() {",
-        '    [ -n "${SUBMITIT_EXECUTOR:-}" ] && return',
+        "hpc_requeue() {",
         "    local restarts=${SLURM_RESTART_COUNT:-0}",
         f'    if [ "$restarts" -ge {max_requeues} ]; then',
-        f'        {said}not requeued: job $SLURM_JOB_ID was requeued $restarts times '
+        '        echo "preempted: $1; not requeued: job $SLURM_JOB_ID was requeued $restarts times '
         f'(slurm.max_requeues = {max_requeues})"',
         "    else",
-        f'        {said}requeued job $SLURM_JOB_ID (requeue $((restarts + 1)) of at most {max_requeues})"',
+        '        echo "preempted: $1; requeued job $SLURM_JOB_ID '
+        f'(requeue $((restarts + 1)) of at most {max_requeues})"',
         '        scontrol requeue "$SLURM_JOB_ID"',
         "    fi",
         f"    exit {PREEMPTED_EXIT}",
         "}",
+        "hpc_early_signal() {",
+        '    [ -n "${SUBMITIT_EXECUTOR:-}" ] && return',
+        '    hpc_requeue "SIG$1 before the ranks started"',
+        "}",
+        "hpc_ranks_ended() {",
+        "    local status=$? signal",
+        "    for signal in USR1 USR2; do",
+        '        if [ "$status" -eq $((128 + $(kill -l $signal))) ]; then',
+        '            hpc_requeue "SIG$signal killed a rank before it could handle it"',
+        "        fi",
+        "    done",
+        "}",
         *(f"trap 'hpc_early_signal {name}' {name}" for name in ("USR1", "USR2")),
+        "trap hpc_ranks_ended EXIT",
     ]
 
 

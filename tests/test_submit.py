@@ -105,6 +105,31 @@ def test_a_quoted_setup_line_runs_as_literal_words(tmp_path: Path, line: str) ->
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.parametrize(
+    ("ranks", "restarts", "status", "said"),
+    [
+        ("kill -USR1 $$", 0, 75, "preempted: SIGUSR1 killed a rank before it could handle it; requeued job 7 "
+                                 "(requeue 1 of at most 3)\nscontrol requeue 7"),
+        ("kill -USR2 $$", 3, 75, "preempted: SIGUSR2 killed a rank before it could handle it; not requeued: job 7 "
+                                 "was requeued 3 times (slurm.max_requeues = 3)"),
+        ("exit 75", 0, 75, ""),  # the ranks handled the signal and requeued: nothing more
+        ("exit 0", 0, 0, ""),
+        ("exit 1", 0, 1, ""),  # a failure stays one
+    ],
+)
+def test_the_batch_script_requeues_when_a_warning_signal_killed_a_rank(tmp_path, ranks, restarts, status,
+                                                                        said) -> None:
+    """What srun's exit status says after the ranks ran (srun exits 128 + n when signal n killed a task:
+    a warning signal that beat ``env --block-signal``), through the script's own trap lines."""
+    script = tmp_path / "batch.sh"
+    script.write_text("\n".join([
+        f"SLURM_JOB_ID=7 SLURM_RESTART_COUNT={restarts}",
+        'scontrol() { echo "scontrol $*"; }',  # what the script would ask of Slurm
+        *signal_trap(3), "set -e", "export SUBMITIT_EXECUTOR=slurm", f"bash -c {shlex.quote(ranks)}", ""]))
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout.strip()) == (status, said), done.stderr
+
+
 def test_a_batch_script_is_one_process_not_rank_0_of_the_allocation() -> None:
     # What sbatch --ntasks=2 gives the script itself (captured from the local cluster): no step id.
     batch = {"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
