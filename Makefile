@@ -44,6 +44,7 @@ bench: install
 	hpc bench allreduce -n $(RANKS) --sizes 1K,64K,1M,16M,64M,256M
 	hpc bench pipeline --stages 2,4 --microbatches 4,8
 	hpc bench checkpoint -n 2 --size 1G --iters 3
+	hpc bench memory -n 2,4
 
 # A real local Slurm (slurm/testbed/cluster.py, state in /tmp/hpc-slurm); point clients at it with
 # eval $$($(PYTHON) -m slurm.testbed.cluster env). slurm-up-2nodes: two network-namespace nodes.

@@ -1,4 +1,4 @@
-"""``hpc bench allreduce|pipeline|checkpoint``: starts ranks like ``hpc run`` and prints their measurements.
+"""``hpc bench allreduce|pipeline|checkpoint|memory``: starts ranks like ``hpc run`` and prints their measurements.
 
 The benchmarks live in ``jobs.bench``; every rank runs ``python -m jobs.bench.rank KIND``
 and rank 0 writes the rows to a file that this process prints, so table and JSON output
@@ -18,7 +18,8 @@ from hpc.config import CODEC_NAMES
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
-        "bench", help="measure communication (allreduce), pipeline schedules (pipeline) and checkpoints (checkpoint)"
+        "bench", help="measure communication (allreduce), pipeline schedules (pipeline), checkpoints (checkpoint) "
+        "and ZeRO memory (memory)"
     )
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
     allreduce = kinds.add_parser("allreduce", help="our ring with each codec against torch.distributed.all_reduce")
@@ -46,6 +47,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     pipeline.add_argument("--json", action="store_true", help="one JSON object per row")
     pipeline.set_defaults(handler=cmd_bench_pipeline)
     _add_checkpoint_parser(kinds)
+    _add_memory_parser(kinds)
 
 
 def _add_checkpoint_parser(kinds: argparse._SubParsersAction) -> None:
@@ -59,6 +61,20 @@ def _add_checkpoint_parser(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
     bench.add_argument("--json", action="store_true", help="one JSON object per row")
     bench.set_defaults(handler=cmd_bench_checkpoint)
+
+
+def _add_memory_parser(kinds: argparse._SubParsersAction) -> None:
+    bench = kinds.add_parser(
+        "memory", help="per-rank bytes and step time of ZeRO 0/1/2 against ZeroRedundancyOptimizer (and FSDP2)"
+    )
+    bench.add_argument("-n", "--nprocs", default="2,4",
+                       help="data-parallel ranks, one launch each (default %(default)s)")
+    bench.add_argument("--zero", default="0,1,2", help="our ZeRO stages (default %(default)s)")
+    bench.add_argument("--impls", default="ours,torch-zero,fsdp2", help="(default %(default)s)")
+    bench.add_argument("--steps", type=int, default=3, help="timed steps per row, after one warm-up (default 3)")
+    bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
+    bench.add_argument("--json", action="store_true", help="one JSON object per row")
+    bench.set_defaults(handler=cmd_bench_memory)
 
 
 def _rank_args(args: argparse.Namespace, transports: str) -> list[str]:
@@ -162,5 +178,23 @@ def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
         return _rank_command("checkpoint", out, "--size", str(nbytes), "--iters", str(args.iters), "--dir", files)
 
     rows = launch.launch_for_rows(args.nprocs, launcher, rank_argv, parent=args.dir)
+    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    return 0
+
+
+def cmd_bench_memory(args: argparse.Namespace) -> int:
+    from hpc.errors import ConfigError
+    from hpc.runtime import launch
+    from jobs.bench.memory import format_table
+
+    ranks = _positive_ints("-n", args.nprocs)
+    if not set(args.zero.split(",")) <= {"0", "1", "2"} or args.steps < 1:
+        raise ConfigError(f"--zero takes stages 0, 1, 2 (got {args.zero!r}); --steps must be at least 1")
+    unknown = set(args.impls.split(",")) - {"ours", "torch-zero", "fsdp2"}
+    if unknown:
+        raise ConfigError(f"--impls: unknown {', '.join(sorted(unknown))} (valid: ours, torch-zero, fsdp2)")
+    launcher = args.launcher or launch.default_launcher()
+    options = ["--zero", args.zero, "--impls", args.impls, "--steps", str(args.steps)]
+    rows = [row for n in ranks for row in launch.launch_for_rows(n, launcher, _bench_rank_argv("memory", options))]
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
     return 0

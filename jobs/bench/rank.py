@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("--size", type=int, required=True, help="bytes")
     checkpoint.add_argument("--iters", type=int, required=True)
     checkpoint.add_argument("--dir", required=True, help="this run's own directory for the files")
+    memory = kinds.add_parser("memory", parents=[common])
+    memory.add_argument("--zero", required=True, help="comma list of our ZeRO stages")
+    memory.add_argument("--impls", required=True, help="comma list: ours, torch-zero, fsdp2")
+    memory.add_argument("--steps", type=int, required=True)
     return parser
 
 
@@ -85,7 +89,13 @@ def _checkpoint(args: argparse.Namespace, group) -> list[dict]:
     return bench_checkpoint(Path(args.dir), args.size, args.iters, group)
 
 
-MEASURE = {"allreduce": _allreduce, "pipeline": _pipeline, "checkpoint": _checkpoint}
+def _memory(args: argparse.Namespace, group) -> list[dict]:
+    from jobs.bench.memory import bench_memory
+
+    return bench_memory(group, [int(z) for z in args.zero.split(",")], args.impls.split(","), steps=args.steps)
+
+
+MEASURE = {"allreduce": _allreduce, "pipeline": _pipeline, "checkpoint": _checkpoint, "memory": _memory}
 
 if __name__ == "__main__":
     sys.exit(main())
