@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 from collections.abc import Mapping
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
@@ -129,5 +130,8 @@ def conclude(
             done = subprocess.run(command, capture_output=True, text=True, timeout=60)
             if done.returncode != 0:
                 message = f"requeue failed: {' '.join(command)}: {(done.stderr or done.stdout).strip()}"
-        print(f"preempted: {stop}; {message}", flush=True)
+        # One write: under python -u, print() writes the text and the newline apart, and slurmstepd's
+        # "CANCELLED DUE TO JOB REQUEUE" line, in the same log file, can land between them.
+        sys.stdout.write(f"preempted: {stop}; {message}\n")
+        sys.stdout.flush()
     dist.barrier(group=group)
