@@ -194,7 +194,8 @@ class ParallelConfig:
         0, "ZeRO stage over each data-parallel group: 0 = every replica keeps the whole optimizer state; 1 = each "
            "keeps its share, whole parameters assigned greedily by size (parallel/zero.py); 2 = gradients too, each "
            "bucket reduce-scattered through the ring to its owners (top-k and powersgd: all-reduced, then "
-           "others' dropped)", min=0, max=2)
+           "others' dropped); 3 = parameters too, each bucket gathered before its forward and backward and freed "
+           "after", min=0, max=3)
     init_timeout_s: float = _field(60.0, "a rank that cannot join the rendezvous in this time fails, naming itself",
                                    gt=0)
     timeout_s: float = _field(300.0, "the backend's timeout for one collective", gt=0)
