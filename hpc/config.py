@@ -108,11 +108,23 @@ class ModelConfig:
     n_heads: int = _field(4, "gpt: attention heads (split over tensor-parallel ranks)", min=1)
     d_model: int = _field(128, "gpt: width of the residual stream", min=1)
     seq_len: int = _field(64, "gpt: tokens (bytes) per sample", min=1)
+    moe_experts: int = _field(0, "gpt: experts of each mixture-of-experts feed-forward (jobs/moe.py); 0 = dense", min=0)
+    moe_top_k: int = _field(1, "gpt: experts each token is sent to (1: Switch, 2: GShard)", min=1, max=2)
+    moe_every: int = _field(1, "gpt: every moe_every-th block (the moe_every-th, 2*moe_every-th, ...) is MoE", min=1)
+    moe_capacity_factor: float = _field(
+        1.25, "gpt: each expert takes at most ceil(factor * top_k * seq_len / moe_experts) tokens of a sequence; "
+              "the rest are dropped (the residual carries them)", gt=0)
+    moe_aux_loss_coef: float = _field(0.01, "gpt: weight of the Switch Transformer load-balancing loss", min=0)
+    moe_z_loss_coef: float = _field(0.0, "gpt: weight of the router z-loss (ST-MoE); 0 = off", min=0)
 
     def field_conflict(self) -> tuple[str, str] | None:
         """(field, what it must be) when fields disagree; the builder adds the path and value."""
         if self.d_model % self.n_heads:
             return "d_model", f"divisible by n_heads={self.n_heads}"
+        if self.moe_experts and self.moe_top_k > self.moe_experts:
+            return "moe_top_k", f"at most moe_experts={self.moe_experts}"
+        if self.moe_experts and self.moe_every > self.n_layers:
+            return "moe_every", f"at most n_layers={self.n_layers} (else no block is MoE)"
         return None
 
 
@@ -175,6 +187,8 @@ class ParallelConfig:
     dp: int | Literal["auto"] = _field("auto", "data-parallel replicas; auto: the world size / (tp * pp)", min=1)
     tp: int = _field(1, "tensor-parallel ranks per layer (heads, MLP and vocabulary split)", min=1)
     pp: int = _field(1, "pipeline stages the blocks are cut into", min=1)
+    ep: int = _field(1, "expert-parallel ranks: the experts sharded over groups of ep data-parallel ranks, tokens "
+                        "sent to them by all-to-all (parallel/ep.py); must divide dp and model.moe_experts", min=1)
     microbatches: int = _field(1, "microbatches per step and replica; interleaved needs a multiple of pp", min=1)
     schedule: Literal["gpipe", "1f1b", "interleaved"] = _field(
         "1f1b", "the pipeline schedule (parallel/schedule.py)")
@@ -199,6 +213,11 @@ class ParallelConfig:
     init_timeout_s: float = _field(60.0, "a rank that cannot join the rendezvous in this time fails, naming itself",
                                    gt=0)
     timeout_s: float = _field(300.0, "the backend's timeout for one collective", gt=0)
+
+    def field_conflict(self) -> tuple[str, str] | None:
+        if isinstance(self.dp, int) and self.dp % self.ep:
+            return "ep", f"a divisor of dp={self.dp} (expert-parallel groups are carved out of the DP ranks)"
+        return None
 
 
 @dataclass(frozen=True)
@@ -253,6 +272,15 @@ class JobSpec:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    def field_conflict(self) -> tuple[str, str] | None:
+        """Settings of different tables that disagree (dotted field, what it must be)."""
+        ep, experts = self.parallel.ep, self.model.moe_experts
+        if ep > 1 and (not experts or experts % ep):
+            return "parallel.ep", f"a divisor of model.moe_experts={experts} (each rank holds moe_experts/ep experts)"
+        if ep > 1 and self.parallel.zero:
+            return "parallel.ep", f"1 under parallel.zero={self.parallel.zero} (ZeRO does not shard expert groups)"
+        return None
 
     @property
     def run_path(self) -> Path:
@@ -562,7 +590,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     if conflict:
         name, wanted = conflict
         child = f"{path}.{name}" if path else name
-        raise _Invalid(child, f"{child} must be {wanted}, got {show_value(getattr(built, name))}")
+        raise _Invalid(child, f"{child} must be {wanted}, got {show_value(operator.attrgetter(name)(built))}")
     return built
 
 
