@@ -8,39 +8,42 @@ defaults to Average, ``prescale_factor``/``postscale_factor`` multiply before an
 after the reduction. Gradients go through ``parallel.optimizer`` (fused buckets
 overlapped with backward) with any of our codecs.
 
-Horovod's API is global by design (``hvd.rank()``); the only global state used is
+Horovod's API is global by design (``hvd.rank()``); the global state used is
 torch.distributed's default process group, which ``init`` creates through
-``hpc.runtime.bootstrap`` (so torchrun, mpirun and srun all work), and the launcher's
-environment for local and cross ranks. Handles are objects, not integers in a table.
+``hpc.runtime.bootstrap`` (so torchrun, mpirun and srun all work), the launcher's
+environment for local and cross ranks, and, as in Horovod, the timeline and each process
+set's table of named operations. Handles are objects, not integers in a table.
 
 Measured by Horovod 0.28.1's own ``test/parallel/test_torch.py`` (tests/test_horovod_suite.py).
 As in Horovod: integers are scaled (Average, pre/postscale) in float64 and cast back; types
 Gloo lacks (int16) travel as a wider one; the gradients of broadcast, allgather, reducescatter
 and alltoall are Horovod's (averaged where Horovod averages); ``root_rank`` is a global rank,
-also within a process set; every collective called through this API first all-gathers a
-small signature (operation, dtype, shape, root, op) so that ranks that disagree get a
-HorovodInternalError instead of a hang (one tiny all-gather per call, like Horovod's
-coordinator; ``DistributedOptimizer``'s ring does not pay it).
+also within a process set. Horovod's coordinator lives in ``parallel/horovod_coordinator.py``:
+every collective called through this API first all-gathers a small signature, so that ranks
+that disagree get a HorovodInternalError instead of a hang (``DistributedOptimizer``'s ring does
+not pay it); ``*_async`` calls given a ``name=`` are matched by name, and a name still in flight
+raises ValueError; the timeline records negotiations and operations.
 
 ``join`` works as Horovod's: joined ranks answer the others' allreduces with zeros until
 all have joined (the join rounds ride on the same signature all-gather).
 
-Differences, stated rather than hidden: Adasum is not implemented; operations are matched
-in program order, not by name (a named operation issued on one rank only is an error);
-sparse gradients cross ``DistributedOptimizer``'s ring dense (and come back sparse); process
-sets other than the global one are created with ``add_process_set`` and map to torch groups.
+Differences, stated rather than hidden: Adasum is not implemented; there is no background
+thread, so a named operation waiting for another rank advances at this rank's next call
+through the API or its ``synchronize`` (``poll`` alone does not), and synchronous calls are
+matched in program order (their ``name`` labels the timeline); sparse gradients cross
+``DistributedOptimizer``'s ring dense (and come back sparse); process sets other than the
+global one are created with ``add_process_set`` and map to torch groups.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import io
 import math
 import os
+import pickle
 import sys
 import warnings
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,43 +51,25 @@ import torch.distributed as dist
 from hpc.config import CODEC_NAMES
 from hpc.runtime import bootstrap
 from hpc.runtime.env import detect_rank_info
+from parallel import horovod_coordinator as _coord
 from parallel.compression.casts import WIRE_DTYPES
 from parallel.compression.registry import make_reducer
+from parallel.horovod_coordinator import (  # noqa: F401  (Horovod's API, re-exported)
+    Adasum,
+    Average,
+    Handle,
+    HorovodInternalError,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    global_process_set,
+    poll,
+    synchronize,
+)
 from parallel.optimizer import DistributedOptimizerMixin, distributed_optimizer
 from parallel.ring import TorchTransport
-
-Average, Sum, Adasum, Min, Max, Product = "Average", "Sum", "Adasum", "Min", "Max", "Product"
-_GLOO_WIDER = {torch.int16: torch.int32}  # what Gloo cannot reduce, sent as the next wider type
-_TORCH_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
-              Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
-
-
-class HorovodInternalError(RuntimeError):
-    """Horovod's error for a collective that failed on some rank (elastic training catches it)."""
-
-
-@dataclass(frozen=True, eq=False)
-class ProcessSet:
-    """A subset of ranks: ``ranks`` None means all of them (``global_process_set``)."""
-
-    ranks: tuple[int, ...] | None = None
-    group: Any = field(default=None, repr=False)
-
-    def size(self) -> int:
-        """The set's size, on every rank (also outside the set)."""
-        return dist.get_world_size() if self.ranks is None else len(self.ranks)
-
-    def rank(self) -> int:
-        """This rank's place in the set; -1 outside it."""
-        if self.ranks is None:
-            return dist.get_rank()
-        return self.ranks.index(dist.get_rank()) if dist.get_rank() in self.ranks else -1
-
-    def included(self) -> bool:
-        return self.ranks is None or dist.get_rank() in self.ranks
-
-
-global_process_set = ProcessSet()
 
 
 def add_process_set(ranks) -> ProcessSet:
@@ -232,110 +217,18 @@ def rocm_built() -> bool:
     return torch.version.hip is not None
 
 
-# ---- asynchronous handles ----------------------------------------------------------------------------
-
-
-@dataclass
-class Handle:
-    """What ``*_async`` returns: ``synchronize(handle)`` gives the result, ``poll`` says if it is done."""
-
-    output: Any
-    work: Any = None
-    finish: Any = None
-
-    def done(self) -> bool:
-        return self.work is None or self.work.is_completed()
-
-    def __call__(self):
-        """Horovod's ``sparse_allreduce_async`` hands back a callable: calling it synchronizes."""
-        return synchronize(self)
-
-
-def poll(handle: Handle) -> bool:
-    return handle.done()
-
-
-def synchronize(handle: Handle):
-    if handle.work is not None:
-        handle.work.wait()
-        handle.work = None
-    if handle.finish is not None:
-        handle.output = handle.finish(handle.output)
-        handle.finish = None
-    return handle.output
-
-
 def _op(op, average) -> str:
     if op is None:
         op = Sum if average is False else Average
     if op == Adasum:
         raise NotImplementedError("hvd.Adasum is not implemented here; use hvd.Average or hvd.Sum")
-    if op not in _TORCH_OPS:
+    if op not in _coord.TORCH_OPS:
         raise ValueError(f"unknown reduction op {op!r}")
     return op
 
 
 def _group(process_set: ProcessSet):
     return process_set.group
-
-
-_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "join", "barrier")
-_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-           torch.float32, torch.float64, torch.bool, torch.complex64, torch.complex128)
-_OPS = (Average, Sum, Min, Max, Product)
-_FIELDS = ("operation", "data type", "number of dimensions", "root rank", "reduction op")
-_SHAPE = len(_FIELDS)  # the column where the shape starts
-_MAX_DIMS = 8
-_JOIN = _KINDS.index("join")
-
-
-def _exchange(kind: str, tensor: torch.Tensor, process_set: ProcessSet, root: int = -1, op: str = ""):
-    """Every rank's signature of the operation it issues: one row each (one small all-gather)."""
-    if not process_set.included():  # torch would return at once and leave the output unwritten
-        raise ValueError(f"{kind} on process set {process_set.ranks}, which rank {dist.get_rank()} is not in")
-    shape = list(tensor.shape) or [1]
-    dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
-    header = [_KINDS.index(kind), dtype, tensor.dim(), root, _OPS.index(op) if op in _OPS else -1]
-    mine = torch.tensor(header + (shape + [-1] * _MAX_DIMS)[:_MAX_DIMS], dtype=torch.int64)
-    every = [torch.empty_like(mine) for _ in range(process_set.size())]
-    dist.all_gather(every, mine, group=_group(process_set))
-    return torch.stack(every)
-
-
-def _disagreement(rows: torch.Tensor) -> str | None:
-    """What the ranks' signatures disagree on, if anything (allgather and alltoall may differ in dim 0)."""
-    kind = _KINDS[int(rows[0, 0])]
-    for col in range(rows.shape[1]):
-        if (col != _SHAPE or kind in ("allreduce", "broadcast")) and bool((rows[:, col] != rows[0, col]).any()):
-            what = _FIELDS[col] if col < _SHAPE else f"dimension {col - _SHAPE} of the shape"
-            return f"{kind}: the ranks disagree on the {what}: {[_describe(col, int(v)) for v in rows[:, col]]}"
-    return None
-
-
-def _negotiate(kind: str, tensor: torch.Tensor, process_set: ProcessSet, root: int = -1, op: str = "") -> list[int]:
-    """Check that the ranks of the set issue the same operation (like Horovod's coordinator): a mismatch
-    raises HorovodInternalError on every rank instead of a hang or garbage. Ranks that have joined
-    (``join``) take part in allreduce with zeros; other operations fail while a rank has joined.
-    Returns every rank's first dimension (allgather and alltoall may differ there)."""
-    rows = _exchange(kind, tensor, process_set, root, op)
-    joined = rows[:, 0] == _JOIN
-    if bool(joined.any()):
-        if kind != "allreduce":
-            raise HorovodInternalError(f"{kind} while rank(s) {joined.nonzero().flatten().tolist()} have joined: "
-                                       "only allreduce goes on after hvd.join(), as in Horovod")
-        rows = rows[~joined]
-    problem = _disagreement(rows)
-    if problem:
-        raise HorovodInternalError(problem)
-    return rows[:, _SHAPE].tolist()
-
-
-def _describe(col: int, value: int):
-    if col == 0:
-        return _KINDS[value]
-    if col == 1:
-        return str(_DTYPES[value]) if value < len(_DTYPES) else "other"
-    return value
 
 
 def _scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
@@ -347,81 +240,101 @@ def _scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor.copy_((tensor.to(torch.float64) * factor).to(tensor.dtype))
 
 
-def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor Gloo sends: types it lacks (int16) travel as a wider one."""
-    wider = _GLOO_WIDER.get(tensor.dtype)
-    return tensor if wider is None else tensor.to(wider)
+def _allreduce_async_into(tensor, output, op, prescale_factor, postscale_factor, process_set, name=None,
+                          label="allreduce", rows=None) -> Handle:
+    """Negotiated (now, or by ``name`` later), then reduced in the background; ``rows`` (start, count)
+    keeps only those rows of the result (reducescatter)."""
 
+    def launch(_first_dims) -> Handle:
+        if output is not tensor:
+            output.copy_(tensor)
+        _scale_(output, prescale_factor)
+        wire = _coord.wire(output)
+        work = dist.all_reduce(wire, op=_coord.TORCH_OPS[op], group=_group(process_set), async_op=True)
+        scale = postscale_factor / (process_set.size() if op == Average else 1)
 
-def _allreduce_async_into(tensor, output, op, prescale_factor, postscale_factor, process_set) -> Handle:
-    _negotiate("allreduce", tensor, process_set, op=op)
-    if output is not tensor:
-        output.copy_(tensor)
-    _scale_(output, prescale_factor)
-    wire = _wire(output)
-    work = dist.all_reduce(wire, op=_TORCH_OPS[op], group=_group(process_set), async_op=True)
-    scale = postscale_factor / (process_set.size() if op == Average else 1)
+        def finish(result):
+            if wire is not result:
+                result.copy_(wire)
+            _scale_(result, scale)
+            return result if rows is None else result[rows[0] : rows[0] + rows[1]].clone()
 
-    def finish(result):
-        if wire is not result:
-            result.copy_(wire)
-        return _scale_(result, scale)
+        return Handle(output, work, finish)
 
-    return Handle(output, work, finish)
+    return _coord.submit("allreduce", tensor, process_set, launch, name, op=op, label=label)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set) -> Handle:
+    """With ``name``: matched by name, launched once every rank of the set has issued it (see the coordinator)."""
     op = _op(op, average)
     return _allreduce_async_into(tensor, tensor.new_empty(tensor.shape), op, prescale_factor, postscale_factor,
-                                 process_set)
+                                 process_set, name)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set) -> Handle:
-    return _allreduce_async_into(tensor, tensor, _op(op, average), prescale_factor, postscale_factor, process_set)
+    return _allreduce_async_into(tensor, tensor, _op(op, average), prescale_factor, postscale_factor, process_set,
+                                 name)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    """Synchronous calls are matched in program order (``name`` is not needed for that)."""
+    return synchronize(_allreduce_async_into(tensor, tensor, _op(op, average), prescale_factor, postscale_factor,
+                                             process_set, label=_label("allreduce", name)))
 
 
 class _Allreduce(torch.autograd.Function):
     """forward: all-reduce (op, scale factors); backward: the same all-reduce of the gradient."""
 
     @staticmethod
-    def forward(ctx, tensor, op, prescale_factor, postscale_factor, process_set):
+    def forward(ctx, tensor, op, prescale_factor, postscale_factor, process_set, label):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return synchronize(allreduce_async(tensor.detach(), None, None, op, prescale_factor, postscale_factor,
-                                           process_set))
+        return synchronize(_allreduce_async_into(tensor.detach(), tensor.new_empty(tensor.shape), op,
+                                                 prescale_factor, postscale_factor, process_set, label=label))
 
     @staticmethod
     def backward(ctx, grad_output):
         op, pre, post, process_set = ctx.args
         grad = synchronize(allreduce_async(grad_output.contiguous(), None, None, op, pre, post, process_set))
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=global_process_set):
     compressed, ctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, _op(op, average), prescale_factor, postscale_factor, process_set)
+    reduced = _Allreduce.apply(compressed, _op(op, average), prescale_factor, postscale_factor, process_set,
+                               _label("allreduce", name))
     return compression.decompress(reduced, ctx)
+
+
+def _label(kind: str, name) -> str:
+    """A synchronous call's row in the timeline: Horovod's ``<operation>.<name>``."""
+    return kind if name is None else f"{kind}.{name}"
+
+
+def _member_names(name, count: int) -> list:
+    """A grouped operation's name for each of its tensors (each is matched by its own name)."""
+    return [None if name is None else f"{name}_{i + 1}of{count}" for i in range(count)]
+
+
+def _grouped(handles) -> Handle:
+    return Handle(handles, None, lambda hs: [synchronize(h) for h in hs])
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    handles = [allreduce_async(t, average, name, op, prescale_factor, postscale_factor, process_set)
-               for t in tensors]
-    return Handle(handles, None, lambda hs: [synchronize(h) for h in hs])
+    names = _member_names(name, len(tensors))
+    return _grouped([allreduce_async(t, average, n, op, prescale_factor, postscale_factor, process_set)
+                     for t, n in zip(tensors, names, strict=True)])
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    handles = [allreduce_async_(t, average, name, op, prescale_factor, postscale_factor, process_set)
-               for t in tensors]
-    return Handle(handles, None, lambda hs: [synchronize(h) for h in hs])
+    names = _member_names(name, len(tensors))
+    return _grouped([allreduce_async_(t, average, n, op, prescale_factor, postscale_factor, process_set)
+                     for t, n in zip(tensors, names, strict=True)])
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -432,7 +345,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+    return synchronize(grouped_allreduce_async_(tensors, average, None, op, prescale_factor, postscale_factor,
                                                 process_set))
 
 
@@ -445,20 +358,23 @@ def _gather_first_dims(tensor, process_set) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def _allgather_async(tensor, process_set) -> Handle:
+def _allgather_async(tensor, process_set, name=None) -> Handle:
     """Concatenation along dim 0; the first dimension may differ between ranks (padded on the wire).
-    The shapes are negotiated before it returns, the rows travel in the background."""
+    The shapes are negotiated first (they give every rank's first dimension), the rows travel in the background."""
     tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
-    firsts = _negotiate("allgather", tensor, process_set)
-    padded = _wire(tensor).new_zeros((max(firsts), *tensor.shape[1:]))
-    padded[: tensor.shape[0]] = tensor
-    parts = [torch.empty_like(padded) for _ in firsts]
-    work = dist.all_gather(parts, padded, group=_group(process_set), async_op=True)
 
-    def finish(gathered):
-        return torch.cat([part[:first] for part, first in zip(gathered, firsts, strict=True)]).to(tensor.dtype)
+    def launch(firsts) -> Handle:
+        padded = _coord.wire(tensor).new_zeros((max(firsts), *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in firsts]
+        work = dist.all_gather(parts, padded, group=_group(process_set), async_op=True)
 
-    return Handle(parts, work, finish)
+        def finish(gathered):
+            return torch.cat([part[:first] for part, first in zip(gathered, firsts, strict=True)]).to(tensor.dtype)
+
+        return Handle(parts, work, finish)
+
+    return _coord.submit("allgather", tensor, process_set, launch, name)
 
 
 def _allgather(tensor, process_set) -> torch.Tensor:
@@ -487,12 +403,12 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
-    return _allgather_async(tensor, process_set)
+    return _allgather_async(tensor, process_set, name)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
-    handles = [allgather_async(t, name, process_set) for t in tensors]
-    return Handle(handles, None, lambda hs: [synchronize(h) for h in hs])
+    names = _member_names(name, len(tensors))
+    return _grouped([allgather_async(t, n, process_set) for t, n in zip(tensors, names, strict=True)])
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
@@ -507,10 +423,16 @@ def _root(root_rank: int, process_set: ProcessSet) -> int:
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
-    _negotiate("broadcast", tensor, process_set, root=root_rank)
-    wire = _wire(tensor)
-    work = dist.broadcast(wire, src=_root(root_rank, process_set), group=_group(process_set), async_op=True)
-    return Handle(tensor, work, None if wire is tensor else lambda out: out.copy_(wire))
+    return _broadcast_async_(tensor, root_rank, name, process_set)
+
+
+def _broadcast_async_(tensor, root_rank, name, process_set, label="broadcast") -> Handle:
+    def launch(_first_dims) -> Handle:
+        wire = _coord.wire(tensor)
+        work = dist.broadcast(wire, src=_root(root_rank, process_set), group=_group(process_set), async_op=True)
+        return Handle(tensor, work, None if wire is tensor else lambda out: out.copy_(wire))
+
+    return _coord.submit("broadcast", tensor, process_set, launch, name, root=root_rank, label=label)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
@@ -518,7 +440,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return synchronize(_broadcast_async_(tensor, root_rank, None, process_set, _label("broadcast", name)))
 
 
 class _Broadcast(torch.autograd.Function):
@@ -541,17 +463,27 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     return _Broadcast.apply(tensor, root_rank, process_set)
 
 
-def _alltoall(tensor, send_splits: list[int], process_set) -> tuple[torch.Tensor, torch.Tensor]:
+def _alltoall_async(tensor, send_splits: list[int], process_set, name=None) -> Handle:
+    """The splits are exchanged when it is launched, the rows travel in the background;
+    ``synchronize`` gives (received rows, received splits)."""
     tensor = tensor[: sum(send_splits)]  # rows past the splits stay home, as in Horovod
-    _negotiate("alltoall", tensor, process_set)
-    sent = torch.tensor(send_splits, dtype=torch.int64)
-    received = torch.empty_like(sent)
-    dist.all_to_all_single(received, sent, group=_group(process_set))
-    recv_splits = received.tolist()
-    wire = _wire(tensor.contiguous())
-    output = wire.new_empty((sum(recv_splits), *tensor.shape[1:]))
-    dist.all_to_all_single(output, wire, recv_splits, send_splits, group=_group(process_set))
-    return output.to(tensor.dtype), received.to(torch.int32)
+
+    def launch(_first_dims) -> Handle:
+        sent = torch.tensor(send_splits, dtype=torch.int64)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=_group(process_set))
+        recv_splits = received.tolist()
+        wire = _coord.wire(tensor.contiguous())
+        output = wire.new_empty((sum(recv_splits), *tensor.shape[1:]))
+        work = dist.all_to_all_single(output, wire, recv_splits, send_splits, group=_group(process_set),
+                                      async_op=True)
+        return Handle(output, work, lambda out: (out.to(tensor.dtype), received.to(torch.int32)))
+
+    return _coord.submit("alltoall", tensor, process_set, launch, name)
+
+
+def _alltoall(tensor, send_splits: list[int], process_set) -> tuple[torch.Tensor, torch.Tensor]:
+    return synchronize(_alltoall_async(tensor, send_splits, process_set))
 
 
 class _Alltoall(torch.autograd.Function):
@@ -570,22 +502,31 @@ class _Alltoall(torch.autograd.Function):
         return grad, None, None
 
 
-def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
-    """Rows ``splits[i]`` go to rank i; returns the received rows (and their splits when ``splits`` is given)."""
-    n = process_set.size()
+def _send_splits(tensor, splits, n: int) -> list[int]:
+    """Rows to send to each rank: ``splits``, or the first dimension divided evenly."""
     if splits is None:
         if tensor.shape[0] % n:
             raise ValueError(f"alltoall: first dimension {tensor.shape[0]} is not divisible by {n} ranks")
-        send_splits = [tensor.shape[0] // n] * n
-    else:
-        splits = torch.as_tensor(splits)
-        if splits.dtype.is_floating_point or splits.dim() != 1 or len(splits) != n:
-            raise ValueError(f"alltoall: splits must be {n} integers, not {splits.dtype} of shape {list(splits.shape)}")
-        send_splits = [int(s) for s in splits.tolist()]
-        if sum(send_splits) > tensor.shape[0]:
-            raise ValueError(f"alltoall: the splits add up to {sum(send_splits)}, more than the {tensor.shape[0]} rows")
+        return [tensor.shape[0] // n] * n
+    splits = torch.as_tensor(splits)
+    if splits.dtype.is_floating_point or splits.dim() != 1 or len(splits) != n:
+        raise ValueError(f"alltoall: splits must be {n} integers, not {splits.dtype} of shape {list(splits.shape)}")
+    send_splits = [int(s) for s in splits.tolist()]
+    if sum(send_splits) > tensor.shape[0]:
+        raise ValueError(f"alltoall: the splits add up to {sum(send_splits)}, more than the {tensor.shape[0]} rows")
+    return send_splits
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Rows ``splits[i]`` go to rank i; returns the received rows (and their splits when ``splits`` is given)."""
+    send_splits = _send_splits(tensor, splits, process_set.size())
     output, received = _Alltoall.apply(tensor, send_splits, process_set)
     return output if splits is None else (output, received)
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
+    """As Horovod: ``synchronize`` gives (received rows, received splits)."""
+    return _alltoall_async(tensor, _send_splits(tensor, splits, process_set.size()), process_set, name)
 
 
 def _my_rows(first: int, process_set: ProcessSet) -> tuple[int, int]:
@@ -634,12 +575,9 @@ def _reducescatter_op(tensor, op) -> str:
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0) -> Handle:
     """The reduction runs in the background; ``synchronize`` keeps this rank's rows."""
-    handle = allreduce_async(tensor, None, name, _reducescatter_op(tensor, op), prescale_factor, postscale_factor,
-                             process_set)
-    start, rows = _my_rows(tensor.shape[0], process_set)
-    reduce_finish = handle.finish
-    handle.finish = lambda out: reduce_finish(out)[start : start + rows].clone()
-    return handle
+    op = _reducescatter_op(tensor, op)
+    return _allreduce_async_into(tensor, tensor.new_empty(tensor.shape), op, prescale_factor, postscale_factor,
+                                 process_set, name, label="reducescatter", rows=_my_rows(tensor.shape[0], process_set))
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
@@ -666,7 +604,7 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
 
 def barrier(process_set=global_process_set) -> None:
     """The negotiation's all-gather is the barrier: a rank that issues something else meets an error, not a hang."""
-    _negotiate("barrier", torch.empty(0), process_set)
+    _coord.negotiate("barrier", torch.empty(0), process_set)
 
 
 def join(device=-1) -> int:
@@ -674,44 +612,28 @@ def join(device=-1) -> int:
     zeros (averages still divide by the full size); returns the rank that joined last."""
     rounds = 0
     while True:
-        rows = _exchange("join", torch.empty(0), global_process_set, root=rounds)
-        joined = rows[:, 0] == _JOIN
+        rows = _coord.exchange("join", torch.empty(0), global_process_set, root=rounds)
+        joined = rows[:, 0] == _coord.JOIN
         if bool(joined.all()):
             waited = rows[:, 3].tolist()  # the rounds each rank spent joined: the last one spent fewest
             return max(r for r, w in enumerate(waited) if w == min(waited))
         others = rows[~joined]
-        if int(others[0, 0]) == _KINDS.index("allreduce") and _disagreement(others) is None:
-            _zeros_into_allreduce(others[0])
+        if int(others[0, 0]) == _coord.KINDS.index("allreduce") and _coord.disagreement(others) is None:
+            _coord.zeros_into_allreduce(others[0])
         rounds += 1
-
-
-def _zeros_into_allreduce(row: torch.Tensor) -> None:
-    """A joined rank's part in an allreduce the others issue: zeros of their dtype and shape."""
-    dims = int(row[2])
-    if dims > _MAX_DIMS:
-        raise HorovodInternalError(f"allreduce of {dims} dimensions while a rank has joined (at most {_MAX_DIMS})")
-    shape = [int(d) for d in row[_SHAPE : _SHAPE + dims]]
-    zeros = _wire(torch.zeros(shape, dtype=_DTYPES[int(row[1])]))
-    dist.all_reduce(zeros, op=_TORCH_OPS[_OPS[int(row[4])]])
 
 
 # ---- timeline, SyncBatchNorm --------------------------------------------------------------------------
 
-_timeline: dict[str, Any] = {}
-
-
 def start_timeline(file_path, mark_cycles=False) -> None:
-    """Horovod's dynamic timeline: a Chrome trace file (here it records the start and the stop only)."""
-    stop_timeline()
-    _timeline["file"] = open(file_path, "w")  # closed by stop_timeline
-    _timeline["file"].write("[\n" + json.dumps({"name": "start_timeline", "ph": "i", "ts": 0, "pid": rank()}) + ",\n")
+    """Horovod's dynamic timeline: from now on rank 0 writes each negotiation and operation to ``file_path``
+    (a Chrome trace; ``mark_cycles`` adds an instant per negotiation round)."""
+    _require_init()
+    _coord.TIMELINE.start(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    handle = _timeline.pop("file", None)
-    if handle is not None:
-        handle.write(json.dumps({"name": "stop_timeline", "ph": "i", "ts": 0, "pid": rank()}) + "\n]\n")
-        handle.close()
+    _coord.TIMELINE.stop()
 
 
 class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
@@ -752,16 +674,27 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
 # ---- objects, parameters, optimizer state --------------------------------------------------------------
 
 
+def _pickled(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=_root(root_rank, process_set), group=_group(process_set))
-    return holder[0]
+    """As Horovod: the pickled object's length, then its bytes, by two negotiated broadcasts."""
+    mine = _pickled(obj) if dist.get_rank() == root_rank else None
+    length = torch.tensor([0 if mine is None else mine.numel()], dtype=torch.int64)
+    broadcast_(length, root_rank, process_set=process_set)
+    data = mine if mine is not None else torch.empty(int(length), dtype=torch.uint8)
+    broadcast_(data, root_rank, process_set=process_set)
+    return obj if mine is not None else pickle.load(io.BytesIO(data.numpy().tobytes()))
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
-    gathered = [None] * process_set.size()
-    dist.all_gather_object(gathered, obj, group=_group(process_set))
-    return gathered
+    """As Horovod: every rank's pickled object by one negotiated allgather (lengths may differ)."""
+    mine = _pickled(obj)
+    lengths = _allgather(torch.tensor([mine.numel()]), process_set).tolist()
+    data = _allgather(mine, process_set).numpy().tobytes()
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return [pickle.loads(data[start : start + n]) for start, n in zip(starts, lengths, strict=True)]
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set) -> None:

@@ -1,5 +1,6 @@
 """``parallel.horovod`` against Horovod's documented semantics, and a Horovod script under both launchers."""
 
+import json
 import os
 import re
 import subprocess
@@ -212,3 +213,70 @@ def test_horovod_example_runs_under_both_launchers(launcher) -> None:
     assert len(accuracies) == 4, done.stdout[-2000:]  # rank 0 reports once per epoch
     assert accuracies[-1] > 70.0  # it learns: 10 classes, chance is 10%
 
+
+
+def _named_operations(world, timeline: str):
+    """Horovod's coordinator: operations with a name are matched by name, not by program order."""
+    from parallel import horovod as hvd
+
+    r, out = world.rank, {}
+    x, rows = torch.full((2,), float(r + 1)), torch.full((r + 1, 2), float(r))
+    if r == 0:
+        hvd.start_timeline(timeline, mark_cycles=True)
+        total = hvd.allreduce_async(x, name="grad", op=hvd.Sum)
+        gathered = hvd.allgather_async(rows, name="grad")  # same name, another operation: no clash
+        out["waiting"] = not hvd.poll(total)  # rank 1 has not issued "grad" yet
+        out["duplicate"] = _raises(ValueError, hvd.allreduce_async, x, name="grad")
+    hvd.barrier()  # meets rank 1's barrier although rank 0 has operations waiting
+    if r == 1:
+        gathered = hvd.allgather_async(rows, name="grad")  # the other order than rank 0's
+        total = hvd.allreduce_async(x, name="grad", op=hvd.Sum)
+        out["duplicate"] = _raises(ValueError, hvd.allgather_async, rows, name="grad")
+    out["sum"] = hvd.synchronize(total).tolist()
+    out["rows"] = hvd.synchronize(gathered)[:, 0].tolist()
+    out["released"] = hvd.synchronize(hvd.allreduce_async(x, name="grad", op=hvd.Max)).tolist()
+    # named operations issued in different orders, and of different shapes, still pair up by name
+    a, b = torch.ones(3) * (r + 1), torch.ones(5) * (r + 1)
+    pair = ["a", "b"] if r == 0 else ["b", "a"]
+    handles = {n: hvd.allreduce_async({"a": a, "b": b}[n], name=n, op=hvd.Sum) for n in pair}
+    out["pairs"] = [hvd.synchronize(handles[n]).tolist() for n in ("a", "b")]
+    received, splits = hvd.synchronize(hvd.alltoall_async(torch.arange(3.0) + 10 * r, splits=[1, 2], name="swap"))
+    out["alltoall"] = (received.tolist(), splits.tolist())
+    lonely = hvd.allreduce_async(x, name=f"only_on_{r}")  # each rank waits for a name the other never issues
+    out["lonely"] = _raises(hvd.HorovodInternalError, hvd.synchronize, lonely)
+    mismatched = hvd.broadcast_object if r == 0 else hvd.allgather_object
+    out["object_mismatch"] = _raises(hvd.HorovodInternalError, mismatched, {"rank": r})
+    out["objects"] = hvd.allgather_object({"rank": r})
+    out["loss"] = hvd.allreduce(x, name="loss").tolist()  # synchronous: program order; the name labels the timeline
+    if r == 0:
+        hvd.stop_timeline()
+    return out
+
+
+def _raises(error, fn, *args, **kwargs) -> bool:
+    try:
+        fn(*args, **kwargs)
+    except error:
+        return True
+    return False
+
+
+def test_named_operations_are_matched_by_name_and_a_duplicate_raises(tmp_path) -> None:
+    timeline = tmp_path / "timeline.json"
+    first, second = run_ranks(2, _named_operations, str(timeline))
+    assert first["waiting"] and first["duplicate"] and second["duplicate"]
+    for out in (first, second):
+        assert out["sum"] == [3.0, 3.0] and out["rows"] == [0.0, 1.0, 1.0] and out["released"] == [2.0, 2.0]
+        assert out["pairs"] == [[3.0] * 3, [3.0] * 5]
+        assert out["lonely"] and out["object_mismatch"]
+        assert out["objects"] == [{"rank": 0}, {"rank": 1}] and out["loss"] == [1.5, 1.5]
+    # rank r sends [10r] to rank 0 and [10r+1, 10r+2] to rank 1
+    assert first["alltoall"] == ([0.0, 10.0], [1, 1]) and second["alltoall"] == ([1.0, 2.0, 11.0, 12.0], [2, 2])
+    events = json.loads(timeline.read_text())  # Horovod's format: one row per operation name
+    rows = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    phases = {(e["pid"], e["name"]) for e in events if e["ph"] == "X"}
+    assert {(rows["allreduce.grad"], "NEGOTIATE_ALLREDUCE"), (rows["allreduce.grad"], "ALLREDUCE"),
+            (rows["allgather.grad"], "ALLGATHER"), (rows["barrier"], "NEGOTIATE_BARRIER"),
+            (rows["allreduce.loss"], "NEGOTIATE_ALLREDUCE"), (rows["allreduce.loss"], "ALLREDUCE")} <= phases
+    names = {e["name"] for e in events}
+    assert {"start_time_since_epoch_in_micros", "CYCLE_START"} <= names
