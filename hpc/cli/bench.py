@@ -1,4 +1,4 @@
-"""``hpc bench allreduce|pipeline|checkpoint|memory``: starts ranks like ``hpc run`` and prints their measurements.
+"""``hpc bench allreduce|pipeline|checkpoint|memory|train``: starts ranks like ``hpc run``, prints what they measure.
 
 The benchmarks live in ``jobs.bench``; every rank runs ``python -m jobs.bench.rank KIND``
 and rank 0 writes the rows to a file that this process prints, so table and JSON output
@@ -15,11 +15,13 @@ from collections.abc import Sequence
 
 from hpc.config import CODEC_NAMES
 
+DDP_IMPLS = ("ddp", "ddp-fp16", "ddp-powersgd")  # jobs.bench.train builds them; spelled here to keep torch out
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
         "bench", help="measure communication (allreduce), pipeline schedules (pipeline), checkpoints (checkpoint) "
-        "and ZeRO memory (memory)"
+        "ZeRO memory (memory) and whole training steps against DDP (train)"
     )
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
     allreduce = kinds.add_parser("allreduce", help="our ring with each codec against torch.distributed.all_reduce")
@@ -48,6 +50,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     pipeline.set_defaults(handler=cmd_bench_pipeline)
     _add_checkpoint_parser(kinds)
     _add_memory_parser(kinds)
+    _add_train_parser(kinds)
 
 
 def _add_checkpoint_parser(kinds: argparse._SubParsersAction) -> None:
@@ -75,6 +78,22 @@ def _add_memory_parser(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
     bench.add_argument("--json", action="store_true", help="one JSON object per row")
     bench.set_defaults(handler=cmd_bench_memory)
+
+
+def _add_train_parser(kinds: argparse._SubParsersAction) -> None:
+    bench = kinds.add_parser(
+        "train", help="training steps of our data-parallel optimizer against torch DDP (and its comm hooks)"
+    )
+    bench.add_argument("-n", "--nprocs", type=int, default=2, help="data-parallel ranks (default 2)")
+    bench.add_argument("--transports", help="ring transports: torch, mpi (default: both under mpirun)")
+    bench.add_argument("--codecs", default="none", help="our gradient codecs (default %(default)s)")
+    bench.add_argument("--ddp", default="ddp", help=f"comma list of {', '.join(DDP_IMPLS)} (default %(default)s)")
+    bench.add_argument("--steps", type=int, default=20, help="timed steps per round (default 20)")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds; steps/s is the median (default 3)")
+    bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
+    bench.add_argument("--json", action="store_true", help="one JSON object per row")
+    bench.set_defaults(handler=cmd_bench_train)
 
 
 def _rank_args(args: argparse.Namespace, transports: str) -> list[str]:
@@ -105,9 +124,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"--codecs: unknown {', '.join(sorted(unknown))} (valid: {', '.join(CODEC_NAMES)})")
     launcher = args.launcher or launch.default_launcher()
-    transports = args.transports or ("torch,mpi" if launcher == "mpirun" else "torch")
-    if "mpi" in transports.split(",") and launcher != "mpirun":
-        raise ConfigError("--transports mpi needs --launcher mpirun")
+    transports = _transports(args.transports, launcher)
     plot = check_png_path(args.plot) if args.plot else None
     rows = launch.launch_for_rows(args.nprocs, launcher, _bench_rank_argv("allreduce", _rank_args(args, transports)))
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
@@ -115,6 +132,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         save_png(bandwidth_figure(rows), plot)
         print(f"wrote {plot}", file=sys.stderr if args.json else sys.stdout)  # --json: stdout stays JSON lines
     return 0
+
+
+def _transports(asked: str | None, launcher: str) -> str:
+    from hpc.errors import ConfigError
+
+    transports = asked or ("torch,mpi" if launcher == "mpirun" else "torch")
+    unknown = set(transports.split(",")) - {"torch", "mpi"}
+    if unknown:
+        raise ConfigError(f"--transports: unknown {', '.join(sorted(unknown))} (valid: torch, mpi)")
+    if "mpi" in transports.split(",") and launcher != "mpirun":
+        raise ConfigError("--transports mpi needs --launcher mpirun")
+    return transports
 
 
 def _positive_ints(option: str, text: str) -> list[int]:
@@ -196,5 +225,28 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     launcher = args.launcher or launch.default_launcher()
     options = ["--zero", args.zero, "--impls", args.impls, "--steps", str(args.steps)]
     rows = [row for n in ranks for row in launch.launch_for_rows(n, launcher, _bench_rank_argv("memory", options))]
+    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    return 0
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    from hpc.errors import ConfigError
+    from hpc.runtime import launch
+    from jobs.bench.train import format_table
+
+    unknown = set(args.codecs.split(",")) - set(CODEC_NAMES)
+    if unknown:
+        raise ConfigError(f"--codecs: unknown {', '.join(sorted(unknown))} (valid: {', '.join(CODEC_NAMES)})")
+    hooks = [h for h in args.ddp.split(",") if h]
+    if set(hooks) - set(DDP_IMPLS):
+        raise ConfigError(f"--ddp: unknown {', '.join(sorted(set(hooks) - set(DDP_IMPLS)))} "
+                          f"(valid: {', '.join(DDP_IMPLS)})")
+    if args.nprocs < 2 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        raise ConfigError("-n must be at least 2, --steps and --rounds at least 1, --warmup at least 0")
+    launcher = args.launcher or launch.default_launcher()
+    options = ["--transports", _transports(args.transports, launcher), "--codecs", args.codecs,
+               "--ddp", ",".join(hooks), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--rounds", str(args.rounds)]
+    rows = launch.launch_for_rows(args.nprocs, launcher, _bench_rank_argv("train", options))
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
     return 0

@@ -39,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument("--zero", required=True, help="comma list of our ZeRO stages")
     memory.add_argument("--impls", required=True, help="comma list: ours, torch-zero, fsdp2")
     memory.add_argument("--steps", type=int, required=True)
+    train = kinds.add_parser("train", parents=[common])
+    train.add_argument("--transports", required=True)
+    train.add_argument("--codecs", required=True)
+    train.add_argument("--ddp", required=True, help="comma list, may be empty")
+    for option in ("steps", "warmup", "rounds"):
+        train.add_argument(f"--{option}", type=int, required=True)
     return parser
 
 
@@ -95,7 +101,15 @@ def _memory(args: argparse.Namespace, group) -> list[dict]:
     return bench_memory(group, [int(z) for z in args.zero.split(",")], args.impls.split(","), steps=args.steps)
 
 
-MEASURE = {"allreduce": _allreduce, "pipeline": _pipeline, "checkpoint": _checkpoint, "memory": _memory}
+def _train(args: argparse.Namespace, group) -> list[dict]:
+    from jobs.bench.train import bench_train
+
+    return bench_train(group, args.transports.split(","), args.codecs.split(","), [h for h in args.ddp.split(",") if h],
+                       steps=args.steps, warmup=args.warmup, rounds=args.rounds)
+
+
+MEASURE = {"allreduce": _allreduce, "pipeline": _pipeline, "checkpoint": _checkpoint, "memory": _memory,
+           "train": _train}
 
 if __name__ == "__main__":
     sys.exit(main())
