@@ -91,6 +91,14 @@ def _add_train_parser(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("--steps", type=int, default=20, help="timed steps per round (default 20)")
     bench.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds; steps/s is the median (default 3)")
+    loss = bench.add_argument_group("time to loss (on the license texts; every implementation trains to a target)")
+    loss.add_argument("--target-loss", type=float, help="train each implementation to this held-out loss")
+    loss.add_argument("--max-steps", type=int, default=400, help="give up after this many steps (default 400)")
+    loss.add_argument("--eval-every", type=int, default=10, help="steps between held-out losses (default 10)")
+    loss.add_argument("--width", type=int, default=256, help="GPT width (default 256)")
+    loss.add_argument("--layers", type=int, default=4, help="GPT blocks (default 4)")
+    loss.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
+    loss.add_argument("--plot", metavar="PATH", help="also write a PNG: held-out loss against wall time")
     bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
     bench.add_argument("--json", action="store_true", help="one JSON object per row")
     bench.set_defaults(handler=cmd_bench_train)
@@ -231,8 +239,8 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
     from hpc.errors import ConfigError
+    from hpc.observe.plots import check_png_path, save_png
     from hpc.runtime import launch
-    from jobs.bench.train import format_table
 
     unknown = set(args.codecs.split(",")) - set(CODEC_NAMES)
     if unknown:
@@ -246,7 +254,30 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     launcher = args.launcher or launch.default_launcher()
     options = ["--transports", _transports(args.transports, launcher), "--codecs", args.codecs,
                "--ddp", ",".join(hooks), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--rounds", str(args.rounds)]
+               "--rounds", str(args.rounds), *_time_to_loss_options(args)]
+    plot = check_png_path(args.plot) if args.plot else None
     rows = launch.launch_for_rows(args.nprocs, launcher, _bench_rank_argv("train", options))
+    if args.target_loss is None:
+        from jobs.bench.train import format_table
+    else:
+        from jobs.bench.time_to_loss import format_table, loss_curves_figure
+
+        if plot:
+            save_png(loss_curves_figure(rows), plot)
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
     return 0
+
+
+def _time_to_loss_options(args: argparse.Namespace) -> list[str]:
+    from hpc.errors import ConfigError
+
+    if args.target_loss is None:
+        if args.plot:
+            raise ConfigError("--plot draws loss against time: it needs --target-loss")
+        return []
+    sizes = {"max-steps": args.max_steps, "eval-every": args.eval_every, "width": args.width,
+             "layers": args.layers, "batch": args.batch}
+    small = [f"--{name}" for name, value in sizes.items() if value < 1]
+    if args.target_loss <= 0 or small:
+        raise ConfigError(f"{', '.join(small) or '--target-loss'} must be positive")
+    return ["--target-loss", str(args.target_loss), *(f"--{name}={value}" for name, value in sizes.items())]

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 PIPELINE_SIZES = ("virtual", "layers", "width", "rows", "steps")  # integer options of the pipeline bench
+TIME_TO_LOSS_SIZES = ("max-steps", "eval-every", "width", "layers", "batch")  # of hpc bench train --target-loss
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--ddp", required=True, help="comma list, may be empty")
     for option in ("steps", "warmup", "rounds"):
         train.add_argument(f"--{option}", type=int, required=True)
+    train.add_argument("--target-loss", type=float, help="time-to-loss mode: train to this held-out loss")
+    for option in TIME_TO_LOSS_SIZES:
+        train.add_argument(f"--{option}", type=int)
     return parser
 
 
@@ -102,9 +106,17 @@ def _memory(args: argparse.Namespace, group) -> list[dict]:
 
 
 def _train(args: argparse.Namespace, group) -> list[dict]:
-    from jobs.bench.train import bench_train
+    from jobs.bench.train import GPT_SIZE, bench_train, implementations
 
-    return bench_train(group, args.transports.split(","), args.codecs.split(","), [h for h in args.ddp.split(",") if h],
+    ddp = [h for h in args.ddp.split(",") if h]
+    if args.target_loss is not None:
+        from jobs.bench.time_to_loss import bench_time_to_loss
+
+        size = {**GPT_SIZE, "d_model": args.width, "n_layers": args.layers}
+        runs = implementations(args.transports.split(","), args.codecs.split(","), ddp, group, size)
+        return bench_time_to_loss(group, runs, args.target_loss, args.max_steps, args.eval_every, args.batch,
+                                  GPT_SIZE["seq_len"])
+    return bench_train(group, args.transports.split(","), args.codecs.split(","), ddp,
                        steps=args.steps, warmup=args.warmup, rounds=args.rounds)
 
 

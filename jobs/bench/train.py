@@ -30,6 +30,7 @@ GPT_SIZE = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_heads": 4, "n_l
 BATCH = 8  # sequences per rank per step
 LR = 1e-3
 POWERSGD_RANK = 4
+COMPRESSION_WARMUP = 2  # exact steps before a codec (ours) or PowerSGD (DDP's hook) starts, the same for both
 HEADER = ("impl", "ranks", "steps/s", "vs ddp", "weak scaling", "loss", "|loss - ddp|")
 
 
@@ -41,30 +42,31 @@ def _batches(steps: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def _model() -> torch.nn.Module:
+def _model(size: dict) -> torch.nn.Module:
     from jobs.gpt import gpt
 
     torch.manual_seed(0)
-    return gpt(**GPT_SIZE)
+    return gpt(**size)
 
 
-def _ours(transport: str, codec: str, mesh) -> tuple[torch.nn.Module, Callable, torch.optim.Optimizer]:
+def _ours(transport: str, codec: str, mesh, size: dict) -> tuple[torch.nn.Module, Callable, torch.optim.Optimizer]:
     from hpc.config import spec_from_dict
     from hpc.observe.probe import Probe
     from jobs.train import build_data_parallel_optimizer
 
     spec = spec_from_dict({"train": {"optimizer": "adam", "lr": LR},
                            "parallel": {"transport": transport, "compression": codec,
-                                        "powersgd_rank": POWERSGD_RANK}})
-    model = _model()
+                                        "powersgd_rank": POWERSGD_RANK,
+                                        "compression_warmup_steps": COMPRESSION_WARMUP}})
+    model = _model(size)
     return model, model, build_data_parallel_optimizer(spec, model, mesh, Probe())
 
 
-def _ddp(hook: str, group: ProcessGroup) -> tuple[torch.nn.Module, Callable, torch.optim.Optimizer]:
+def _ddp(hook: str, group: ProcessGroup, size: dict) -> tuple[torch.nn.Module, Callable, torch.optim.Optimizer]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    model = _model()
+    model = _model(size)
     # torch's PowerSGD hook waits on a collective inside a future callback, which runs on one of Gloo's two
     # worker threads: two buckets in flight deadlock it on CPU, so that row reduces the model as one bucket
     cap = {"bucket_cap_mb": 1024} if hook == "ddp-powersgd" else {}
@@ -73,13 +75,14 @@ def _ddp(hook: str, group: ProcessGroup) -> tuple[torch.nn.Module, Callable, tor
         wrapped.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif hook == "ddp-powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK,
-                                            start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+                                            start_powerSGD_iter=COMPRESSION_WARMUP, use_error_feedback=True,
+                                            warm_start=True)
         wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return model, wrapped, torch.optim.Adam(model.parameters(), lr=LR)
 
 
 def _single() -> tuple[torch.nn.Module, Callable, torch.optim.Optimizer]:
-    model = _model()
+    model = _model(GPT_SIZE)
     return model, model, torch.optim.Adam(model.parameters(), lr=LR)
 
 
@@ -123,25 +126,27 @@ def _single_steps_per_s(group: ProcessGroup, batches, warmup: int) -> float:
 
 
 def implementations(transports: Sequence[str], codecs: Sequence[str], ddp: Sequence[str], group: ProcessGroup,
-                    mesh) -> dict[str, Callable[[], tuple]]:
-    """Name -> builder of (model, forward, optimizer) for each implementation asked for."""
+                    size: dict | None = None) -> dict[str, Callable[[], tuple]]:
+    """Name -> builder of (model, forward, optimizer) for each implementation asked for, on the GPT of ``size``."""
+    from hpc.runtime.mesh import MeshShape, build_mesh
+
+    size = size or GPT_SIZE
+    n = dist.get_world_size(group)
+    mesh = build_mesh(MeshShape(n, 1, 1), dist.get_rank(group))
     runs: dict[str, Callable[[], tuple]] = {}
     for transport in transports:
         for codec in codecs:
-            runs[f"ours-{transport}-{codec}"] = lambda t=transport, c=codec: _ours(t, c, mesh)
+            runs[f"ours-{transport}-{codec}"] = lambda t=transport, c=codec: _ours(t, c, mesh, size)
     for hook in ddp:
-        runs[hook] = lambda h=hook: _ddp(h, group)
+        runs[hook] = lambda h=hook: _ddp(h, group, size)
     return runs
 
 
 def bench_train(group: ProcessGroup, transports: Sequence[str], codecs: Sequence[str], ddp: Sequence[str],
                 steps: int = 20, warmup: int = 3, rounds: int = 3) -> list[dict]:
     """One row per implementation on the ranks of ``group`` (the whole world); every rank returns the same rows."""
-    from hpc.runtime.mesh import MeshShape, build_mesh
-
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    mesh = build_mesh(MeshShape(n, 1, 1), rank)
-    runs = implementations(transports, codecs, ddp, group, mesh)
+    runs = implementations(transports, codecs, ddp, group)
     batches = _batches(warmup + steps, rank)
     single = statistics.median(_single_steps_per_s(group, batches, warmup) for _ in range(rounds))
     rates: dict[str, list[float]] = {name: [] for name in runs}
