@@ -22,14 +22,18 @@ the same model wherever and however it is built.
 
 from __future__ import annotations
 
+import functools
 import math
 import types
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jobs.moe import MoE
+from jobs.protocol import moe_args
 from parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 if TYPE_CHECKING:
@@ -73,12 +77,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+    def __init__(self, d_model: int, n_heads: int, dropout: float, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.ln_attention = nn.LayerNorm(d_model)
         self.attention = CausalSelfAttention(d_model, n_heads)
         self.ln_mlp = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model)
+        self.mlp = mlp if mlp is not None else MLP(d_model)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,14 +126,18 @@ class GPT(nn.Module):
     })
 
     def __init__(
-        self, vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int, dropout: float = 0.0
+        self, vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int, dropout: float = 0.0,
+        moe: MoESettings | None = None,
     ) -> None:
         super().__init__()
         self.vocab_size, self.d_model, self.n_heads, self.n_layers = vocab_size, d_model, n_heads, n_layers
         self.embedding = Embedding(vocab_size, seq_len, d_model, dropout)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout, moe.layer(i, d_model) if moe else None)
+                                    for i in range(n_layers))
         self.head = Head(d_model, vocab_size)
         self.tp_divisors = {"model.n_heads": n_heads}  # attention is split by heads
+        if moe and moe.every == 1:  # no dense MLP left for the plan to split (experts stay whole under TP)
+            self.tp_plan = {key: style for key, style in GPT.tp_plan.items() if ".mlp." not in key}
 
     def pipeline_parts(self) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
         return self.embedding, self.blocks, self.head
@@ -159,17 +167,39 @@ class GPT(nn.Module):
                     module.reset_parameters()
 
 
+@dataclass(frozen=True)
+class MoESettings:
+    """Which blocks get a mixture-of-experts feed-forward (jobs/moe.py) and how it routes."""
+
+    experts: int
+    top_k: int = 1
+    every: int = 1  # blocks every-1, 2*every-1, ... (0-based) are MoE
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+
+    def layer(self, index: int, d_model: int) -> MoE | None:
+        if (index + 1) % self.every:
+            return None
+        return MoE(d_model, self.experts, functools.partial(MLP, d_model), self.top_k, self.capacity_factor,
+                   self.aux_loss_coef, self.z_loss_coef)
+
+
 def gpt(vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int, dropout: float = 0.0,
-        seed: int = 0) -> GPT:
-    """The built-in GPT's entry (``model.kind = "gpt"``), its weights drawn from ``seed``."""
-    model = GPT(vocab_size, seq_len, d_model, n_heads, n_layers, dropout)
+        seed: int = 0, moe_experts: int = 0, moe_top_k: int = 1, moe_every: int = 1,
+        moe_capacity_factor: float = 1.25, moe_aux_loss_coef: float = 0.01, moe_z_loss_coef: float = 0.0) -> GPT:
+    """The built-in GPT's entry (``model.kind = "gpt"``), its weights drawn from ``seed``; ``moe_experts`` > 0
+    makes every ``moe_every``-th block's feed-forward a mixture of experts."""
+    moe = (MoESettings(moe_experts, moe_top_k, moe_every, moe_capacity_factor, moe_aux_loss_coef, moe_z_loss_coef)
+           if moe_experts else None)
+    model = GPT(vocab_size, seq_len, d_model, n_heads, n_layers, dropout, moe)
     model.init_weights(seed)
     return model
 
 
 def build_gpt(model_cfg: ModelConfig, seed: int) -> GPT:
     return gpt(model_cfg.vocab_size, model_cfg.seq_len, model_cfg.d_model, model_cfg.n_heads, model_cfg.n_layers,
-               model_cfg.dropout, seed)
+               model_cfg.dropout, seed, **moe_args(model_cfg))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:

@@ -23,7 +23,9 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from hpc.errors import LayoutError
+from jobs.moe import moe_layers
 from jobs.protocol import check_pipeline, plan_targets
+from parallel.ep import ExpertGroups
 from parallel.pipeline import split_into_stages
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -60,6 +62,19 @@ def parallelize_tp(model: nn.Module, plan: Mapping[str, str], group: ProcessGrou
     return split_output
 
 
+def parallelize_ep(model: nn.Module, groups: ExpertGroups | None, microbatches: int) -> None:
+    """Shard every MoE layer's experts over the EP group (``parallel.ep``; collective-free), the experts this
+    rank does not hold replaced by ``Elsewhere``; scale their aux losses as the pipeline scales the loss."""
+    for name, layer in moe_layers(model):
+        layer.loss_scale = 1.0 / microbatches
+        if groups is None:
+            continue
+        layer.placement = groups.placement(layer.n_experts)
+        for index in range(layer.n_experts):
+            if not layer.placement.holds(index):
+                layer.experts[index] = Elsewhere(f"{name}.experts.{index}", "expert-parallel")
+
+
 class Stage(nn.Module):
     """One pipeline chunk as the executor calls it: its layers in order, under the run's autocast,
     the model's blocks optionally recomputed in backward instead of keeping their activations."""
@@ -78,14 +93,15 @@ class Stage(nn.Module):
 
 
 class Elsewhere(nn.Module):
-    """Stands in for a module another pipeline rank holds, keeping the names of the modules this rank holds."""
+    """Stands in for a module another pipeline (or expert-parallel) rank holds, keeping the names of the
+    modules this rank holds."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, axis: str = "pipeline") -> None:
         super().__init__()
-        self.name = name
+        self.name, self.axis = name, axis
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        raise LayoutError(f"{self.name} is held by another pipeline rank; run this rank's stages instead")
+        raise LayoutError(f"{self.name} is held by another {self.axis} rank; run this rank's share instead")
 
 
 def keep_stages(model: nn.Module, p: int, rank: int, v: int, bf16_autocast: bool, recompute: bool) -> list[Stage]:

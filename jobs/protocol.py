@@ -44,7 +44,7 @@ from hpc.errors import ConfigError, LayoutError
 if TYPE_CHECKING:
     from torch import nn
 
-    from hpc.config import JobSpec
+    from hpc.config import JobSpec, ModelConfig
 
 # style -> what it does (aliases are transformers' spellings); STYLE_MODULES: what it applies to.
 TP_STYLES = {
@@ -116,7 +116,15 @@ def model_entry(spec: JobSpec) -> tuple[str, dict[str, Any]]:
         return BUILTIN_MODELS["mlp"], {"hidden_sizes": model.hidden_sizes, "dropout": model.dropout}
     return BUILTIN_MODELS["gpt"], {"vocab_size": model.vocab_size, "seq_len": model.seq_len, "d_model": model.d_model,
                                    "n_heads": model.n_heads, "n_layers": model.n_layers, "dropout": model.dropout,
-                                   "seed": spec.job.seed}
+                                   "seed": spec.job.seed, **moe_args(model)}
+
+
+def moe_args(model_cfg: ModelConfig) -> dict[str, int | float]:
+    """The spec's ``model.moe_*`` settings as ``gpt()``'s keyword arguments (none for a dense model)."""
+    if not model_cfg.moe_experts:
+        return {}
+    names = ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef")
+    return {name: getattr(model_cfg, name) for name in names}
 
 
 def data_entry(spec: JobSpec) -> tuple[str, dict[str, Any]]:

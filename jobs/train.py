@@ -17,7 +17,7 @@ import math
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from jobs.optim import build_optimizer, learning_rate
 from jobs.workloads import Workload, sum_over_replicas
 from parallel.clip import clip_grad_norm_
 from parallel.compression.registry import make_reducer
+from parallel.ep import ExpertGroups, reduce_expert_gradients
 from parallel.optimizer import distributed_optimizer
 from parallel.pipeline import run_pipeline_step
 from parallel.ring import make_transport
@@ -64,16 +65,21 @@ def base_learning_rate(cfg: TrainConfig, global_batch: int) -> float:
     return cfg.lr * global_batch / cfg.lr_reference_batch if cfg.lr_reference_batch else cfg.lr
 
 
-def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float, optimizer=None) -> float:
+def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float, optimizer=None,
+                   experts: tuple[ExpertGroups, list[torch.nn.Parameter]] | None = None) -> float:
     """Clip to the single-device model's global norm: TP shards counted on every TP rank, tensors
     replicated over TP on TP rank 0 only, summed over TP and PP. Under ZeRO-2 (``optimizer.zero_stage``)
     each DP rank holds only its owners' gradients: it counts those, and the sum goes over DP too.
-    Returns the norm before clipping."""
+    With sharded ``experts`` (their groups and this rank's expert parameters) each EP rank counts its
+    experts and EP rank 0 the dense rest, summed over the EP group too. Returns the norm before clipping."""
     split = tp_split_dims(model)
     sharded = optimizer is not None and getattr(optimizer, "zero_stage", 0) >= 2
+    own = {id(p) for p in experts[1]} if experts else set()
     counted = [p for name, p in model.named_parameters() if (name in split or mesh.index("tp") == 0)
-               and (not sharded or optimizer.holds_gradient(p))]
-    groups = (mesh.group("tp"), mesh.group("pp"), *((mesh.group("dp"),) if sharded else ()))
+               and (not sharded or optimizer.holds_gradient(p))
+               and (not experts or id(p) in own or experts[0].ep_rank == 0)]
+    groups = (mesh.group("tp"), mesh.group("pp"), *((mesh.group("dp"),) if sharded else ()),
+              *((experts[0].ep_group,) if experts else ()))
     return clip_grad_norm_(model.parameters(), max_norm, counted=counted, groups=groups)
 
 
@@ -129,7 +135,8 @@ def _train(
         if world.rank == 0:
             print("\n".join(report.lines()), flush=True)
     workload = Workload(spec, mesh)
-    steps = StepRunner(spec, workload, mesh, probe, build_data_parallel_optimizer(spec, workload.model, mesh, probe))
+    optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, probe, exclude=workload.expert_params)
+    steps = StepRunner(spec, workload, mesh, probe, optimizer)
     checkpoints = TrainingCheckpoints(spec, dist.group.WORLD, mesh, workload.model, steps.optimizer)
     start_step = checkpoints.resume()
     records = RunRecords(spec, world, workload, progress_mode, start_step)
@@ -161,15 +168,18 @@ def _train(
     return result, workload.model
 
 
-def build_data_parallel_optimizer(spec: JobSpec, model: torch.nn.Module, mesh: Mesh, probe: Probe):
-    """The spec's optimizer, its gradients averaged over the DP group through the ring and the codec."""
+def build_data_parallel_optimizer(spec: JobSpec, model: torch.nn.Module, mesh: Mesh, probe: Probe,
+                                  exclude: list[torch.nn.Parameter] | None = None):
+    """The spec's optimizer, its gradients averaged over the DP group through the ring and the codec,
+    except those of ``exclude`` (sharded experts: ``parallel.ep`` reduces them over their replicas)."""
     par = spec.parallel
     split = tp_split_dims(model)
     tp_split = [p for name, p in model.named_parameters() if name in split]
+    excluded = {id(p) for p in exclude or ()}
     return distributed_optimizer(
         build_optimizer(spec.train, model.parameters(), mesh.group("tp"), tp_split),
         make_transport(par.transport, mesh.group("dp")),
-        named_parameters=model.named_parameters(),
+        named_parameters=[(name, p) for name, p in model.named_parameters() if id(p) not in excluded],
         reducer=make_reducer(par.compression, par.topk_fraction, par.powersgd_rank),
         bucket_bytes=int(par.bucket_mb * 2**20),
         backward_passes_per_step=par.microbatches if uses_pipeline(par) else 1,  # each microbatch adds to .grad
@@ -186,6 +196,7 @@ class StepOutcome:
     lr: float
     grad_norm: float  # before clipping
     pipeline_wait_s: float
+    moe: Mapping[str, object] = field(default_factory=dict)  # Workload.moe_metrics(): empty for a dense model
 
 
 class StepRunner:
@@ -213,13 +224,18 @@ class StepRunner:
         loss, pipeline_wait = forward_backward(self.workload, self.actions, self.mesh.group("pp"), inputs, targets,
                                                self.par.microbatches, probe)
         optimizer.synchronize()
+        groups = self.workload.expert_groups
+        if groups is not None:
+            with probe.span("expert gradient all-reduce"):
+                reduce_expert_gradients(self.workload.expert_params, groups)
         with probe.collective("gradient norm", "grad-norm", self.grad_norm_peers):
-            grad_norm = clip_gradients(self.workload.model, self.mesh, cfg.grad_clip or math.inf, optimizer)
+            grad_norm = clip_gradients(self.workload.model, self.mesh, cfg.grad_clip or math.inf, optimizer,
+                                       (groups, self.workload.expert_params) if groups is not None else None)
         with probe.span("optimizer step"), optimizer.skip_synchronize():
             optimizer.step()
         with probe.collective("loss all-reduce", "world", self.everyone):
             global_loss = sum_over_replicas([loss or 0.0], self.mesh)[0] / self.mesh.size("dp")
-        return StepOutcome(global_loss, lr, grad_norm, pipeline_wait)
+        return StepOutcome(global_loss, lr, grad_norm, pipeline_wait, self.workload.moe_metrics())
 
 
 class RunRecords:
@@ -252,7 +268,7 @@ class RunRecords:
                  f"{self.unit}_per_s": rate, **timings,
                  "comm_bytes": comm.bytes_sent, "raw_bytes": comm.raw_bytes,
                  "compression_ratio": comm.raw_bytes / comm.bytes_sent if comm.bytes_sent else None,
-                 "peak_memory_bytes": peak_memory_bytes(self.world.device)}
+                 "peak_memory_bytes": peak_memory_bytes(self.world.device), **outcome.moe}
             )
 
     def write(self, probe: Probe, steps: int) -> None:

@@ -23,8 +23,10 @@ from torch.utils.data import TensorDataset, default_collate
 from hpc.config import JobSpec
 from hpc.runtime.mesh import Mesh
 from jobs.datasets import dp_shard, global_batch_indices
-from jobs.parallelize import Stage, keep_stages, parallelize_tp
+from jobs.moe import expert_parameters, moe_layers
+from jobs.parallelize import Stage, keep_stages, parallelize_ep, parallelize_tp
 from jobs.protocol import DataSplits, build_data, build_model, tp_plan
+from parallel.ep import ExpertGroups, build_expert_groups
 
 EVAL_SAMPLES = 256  # held-out samples evaluated, spread evenly over the whole held-out set
 
@@ -62,12 +64,37 @@ class Workload:
         self.tp_group = mesh.group("tp") if mesh.size("tp") > 1 else None
         self.split_output = parallelize_tp(model, tp_plan(model, spec), self.tp_group) if self.tp_group else False
         train, par = spec.train, spec.parallel
+        self.moe_names = [name for name, _ in moe_layers(model)]  # every MoE layer, before the pipeline cut
+        self.moe_experts = max((layer.n_experts for _, layer in moe_layers(model)), default=0)
+        self.expert_groups: ExpertGroups | None = build_expert_groups(mesh, par.ep) if par.ep > 1 else None
+        parallelize_ep(model, self.expert_groups, par.microbatches)
         if getattr(model, "pipeline_parts", None) is None:
             self.chunks = [Stage([model], train.bf16_autocast)]
         else:
             self.chunks = keep_stages(model, mesh.size("pp"), mesh.index("pp"), par.virtual_stages,
                                       train.bf16_autocast, train.activation_checkpointing)
         self.model: nn.Module = model  # this rank's share, with the single-device parameter names
+        # sharded experts: their gradients are reduced over their replicas, not the DP group (parallel/ep.py)
+        self.expert_params = expert_parameters(model) if self.expert_groups else []
+
+    def moe_metrics(self) -> dict[str, Any]:
+        """Since the last call, over the global batch (collective over the world when the model has MoE
+        layers): kept tokens per expert of each MoE layer, the fraction of routed choices dropped, the mean
+        load-balancing loss. Empty for a dense model."""
+        if not self.moe_names:
+            return {}
+        width = self.moe_experts + 4
+        totals = torch.zeros(len(self.moe_names), width, dtype=torch.float64)
+        for name, layer in moe_layers(self.model):  # this rank's stages
+            row, index = layer.stats.vector(), self.moe_names.index(name)
+            layer.stats.reset()
+            if self.mesh.index("tp") == 0:  # TP peers route the same tokens
+                totals[index, : len(row) - 4], totals[index, -4:] = row[:-4], row[-4:]
+        dist.all_reduce(totals)
+        dropped, routed, aux_sum, calls = totals[:, -4:].sum(0).tolist()
+        return {"moe_tokens_per_expert": totals[:, :-4].round().long().tolist(),
+                "moe_dropped_fraction": dropped / routed if routed else 0.0,
+                "moe_aux_loss": aux_sum / calls if calls else 0.0}
 
     def _cut(self) -> bool:
         return self.mesh.size("pp") * self.spec.parallel.virtual_stages > 1

@@ -111,3 +111,16 @@ def build_mesh(shape: MeshShape, rank: int) -> Mesh:
             if rank in ranks:
                 groups[axis], members[axis] = group, ranks
     return Mesh(shape=shape, rank=rank, groups=groups, members=members)
+
+
+def expert_group_ranks(shape: MeshShape, ep: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Expert-parallel groups carved out of each DP group: ``ep`` consecutive DP indices hold the experts
+    between them; and each expert's replica groups: the DP ranks with the same index in their EP group."""
+    if shape.dp % ep:
+        raise LayoutError(f"parallel.ep={ep} does not divide dp={shape.dp} (EP groups are carved out of DP ranks)")
+    ep_groups: list[tuple[int, ...]] = []
+    replica_groups: list[tuple[int, ...]] = []
+    for dp_ranks in shape.group_ranks("dp"):
+        ep_groups += [dp_ranks[start:start + ep] for start in range(0, shape.dp, ep)]
+        replica_groups += [dp_ranks[index::ep] for index in range(ep)]
+    return ep_groups, replica_groups

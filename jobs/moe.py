@@ -1,0 +1,167 @@
+"""A mixture-of-experts feed-forward: a top-k router, per-sequence expert capacity, Switch load balancing.
+
+Each token's router picks ``top_k`` experts (k = 1: Switch Transformer; k = 2: GShard,
+the two gates renormalized to sum to one). Capacity is counted per sequence, GShard's
+"group": an expert takes at most ``ceil(capacity_factor * top_k * seq_len / n_experts)``
+tokens of a sequence, first choices before second choices, earlier tokens first; the
+others are dropped (their residual carries them unchanged). Counting per sequence makes
+the kept set a pure function of each sequence, so it is the same whether the batch is
+split over data-parallel ranks, microbatches or neither: a single process drops exactly
+what any layout drops.
+
+The auxiliary losses (Switch's ``E * sum_e f_e P_e``, optionally ST-MoE's router
+z-loss) are means over sequences too, so a split batch adds up to the whole one. They
+join the training loss where they are made, on whatever pipeline stage holds the
+layer: ``AttachAuxLoss`` passes the activation through and, in backward, sends the
+aux loss its gradient (Megatron's MoEAuxLossAutoScaler); ``loss_scale`` is ``1 /
+microbatches`` so it matches the pipeline's ``loss / m``.
+
+Experts run through ``parallel.ep.run_experts``: all of them here, or, once
+``jobs.parallelize.parallelize_ep`` has sharded them over an expert-parallel group, this
+rank's share, the tokens sent to their experts and back by all-to-all. Experts are an
+``nn.ModuleList``, so their parameters keep their single-device names
+(``...experts.<global index>...``) under every layout and checkpoints reshard by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.ep import ExpertPlacement, run_experts
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Each token's ``top_k`` choices: ``[batch, time, k]`` each."""
+
+    expert: torch.Tensor  # int64 expert index
+    gate: torch.Tensor  # the weight of that expert's output (differentiable)
+    kept: torch.Tensor  # bool: within the expert's capacity for this sequence
+
+
+def capacity(seq_len: int, n_experts: int, top_k: int, factor: float) -> int:
+    """Slots per expert and sequence."""
+    return max(1, math.ceil(factor * top_k * seq_len / n_experts))
+
+
+def assign_slots(expert: torch.Tensor, n_experts: int, slots: int) -> torch.Tensor:
+    """Which choices ``expert`` ``[batch, time, k]`` keep: each sequence fills each expert's ``slots``
+    first come, first served, all first choices in token order, then all second choices."""
+    batch, time, k = expert.shape
+    order = expert.transpose(1, 2).reshape(batch, k * time)  # choice-major
+    onehot = F.one_hot(order, n_experts)
+    position = (onehot.cumsum(1) * onehot).sum(-1) - 1  # how many earlier claims on the same expert
+    return (position < slots).view(batch, k, time).transpose(1, 2)
+
+
+def route(logits: torch.Tensor, top_k: int, slots: int) -> tuple[Routing, torch.Tensor]:
+    """The routing of router ``logits`` ``[batch, time, experts]``, and the router probabilities."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, expert = probs.topk(top_k, dim=-1)
+    gate = top / top.sum(-1, keepdim=True) if top_k > 1 else top
+    return Routing(expert, gate, assign_slots(expert, logits.shape[-1], slots)), probs
+
+
+def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer's ``E * sum_e f_e P_e`` (f: the share of first choices, P: the mean probability),
+    per sequence, averaged over sequences; 1 when the load is uniform."""
+    n_experts = probs.shape[-1]
+    share = F.one_hot(first_choice, n_experts).to(probs.dtype).mean(1)
+    return (n_experts * (share * probs.mean(1)).sum(-1)).mean()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's mean squared log-partition: keeps router logits small."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Forward: ``x`` unchanged. Backward: ``x``'s gradient, and ``scale`` into ``aux``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.tensor(ctx.scale, dtype=ctx.aux_dtype), None
+
+
+class MoE(nn.Module):
+    """A feed-forward of ``n_experts`` experts (``make_expert()`` each), ``[batch, time, d]`` to the same."""
+
+    def __init__(self, d_model: int, n_experts: int, make_expert: Callable[[], nn.Module], top_k: int = 1,
+                 capacity_factor: float = 1.25, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0) -> None:
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.experts = nn.ModuleList(make_expert() for _ in range(n_experts))
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.placement = ExpertPlacement(n_experts)  # all experts here until parallelize_ep shards them
+        self.loss_scale = 1.0  # 1 / microbatches under the pipeline executor
+        self.stats = MoEStats(n_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, width = x.shape
+        logits = self.router(x)
+        routing, probs = route(logits, self.top_k, capacity(time, self.n_experts, self.top_k, self.capacity_factor))
+        k = self.top_k
+        flat_expert = routing.expert.reshape(-1)
+        picks = routing.kept.reshape(-1).nonzero().squeeze(1)  # kept (token * k + choice), by expert, then token
+        picks = picks[torch.argsort(flat_expert[picks], stable=True)]
+        expert_ids = flat_expert[picks]
+        outputs = run_experts(x.reshape(-1, width)[picks // k], expert_ids, self.experts, self.placement)
+        weighted = outputs * routing.gate.reshape(-1)[picks].unsqueeze(1).to(outputs.dtype)
+        combined = weighted.new_zeros(batch * time * k, width).index_copy(0, picks, weighted)
+        y = combined.view(batch, time, k, width).sum(2)
+        if not self.training:
+            return y
+        aux = load_balancing_loss(probs, routing.expert[..., 0])
+        self.stats.add(expert_ids, routing.kept.numel(), aux.detach())
+        total = self.aux_loss_coef * aux
+        if self.z_loss_coef:
+            total = total + self.z_loss_coef * router_z_loss(logits)
+        return AttachAuxLoss.apply(y, total, self.loss_scale) if total.requires_grad else y
+
+
+class MoEStats:
+    """What a layer routed since the last ``reset()``: kept tokens per expert, choices routed, aux loss."""
+
+    def __init__(self, n_experts: int) -> None:
+        self.n_experts = n_experts
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens = torch.zeros(self.n_experts, dtype=torch.float64)
+        self.routed, self.aux_sum, self.calls = 0.0, 0.0, 0.0
+
+    def add(self, expert_ids: torch.Tensor, routed: int, aux: torch.Tensor) -> None:
+        self.tokens += torch.bincount(expert_ids.detach(), minlength=self.n_experts).double()
+        self.routed += routed
+        self.aux_sum += float(aux)
+        self.calls += 1
+
+    def vector(self) -> torch.Tensor:
+        """``[kept tokens per expert..., dropped, routed, aux sum, forward calls]`` in float64."""
+        dropped = self.routed - float(self.tokens.sum())
+        return torch.cat([self.tokens, torch.tensor([dropped, self.routed, self.aux_sum, self.calls],
+                                                    dtype=torch.float64)])
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """The model's MoE layers with their names, in module order."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the experts this rank holds (not the routers: those are dense, replicated over DP)."""
+    return [param for _, layer in moe_layers(model) for param in layer.experts.parameters()]

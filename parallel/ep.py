@@ -1,0 +1,156 @@
+"""Expert parallelism: a mixture-of-experts layer's experts sharded over a group of data-parallel ranks.
+
+Each DP group is cut into expert-parallel groups of ``ep`` consecutive DP ranks
+(``hpc.runtime.mesh.expert_group_ranks``); rank i of an EP group holds experts
+``[i * E/ep, (i+1) * E/ep)``. A layer's kept tokens, sorted by expert, go to the ranks
+holding their experts by one all-to-all with uneven splits (the counts travel first,
+in a small all-to-all of their own), each rank runs its experts on what it received
+from every peer, and a second all-to-all sends the outputs back. Both are ``AllToAll``,
+an autograd Function whose backward is the reverse all-to-all.
+
+Gradients: a rank's experts saw the tokens of its whole EP group, so their gradients
+are summed over the ranks holding a replica of the same experts (one per EP group, dp/ep
+of them) and divided by dp: exactly the single process's gradient of the global mean
+loss. Dense parameters (routers included) are averaged over the whole DP group by the
+distributed optimizer as ever (``jobs/train.py`` leaves the experts out of it). Under
+TP every TP rank runs the same whole experts on the same tokens (the MoE input is
+full-width), in its own EP group, so nothing is split; under PP the ranks of an EP
+group hold the same stage and run the same schedule, so their all-to-alls match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from hpc.runtime.mesh import Mesh, expert_group_ranks
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which of a layer's ``n_experts`` this rank holds, and the group holding the rest."""
+
+    n_experts: int
+    group: ProcessGroup | None = None
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def local(self) -> int:
+        return self.n_experts // self.size
+
+    @property
+    def first(self) -> int:
+        return self.rank * self.local
+
+    def holds(self, expert: int) -> bool:
+        return self.first <= expert < self.first + self.local
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's EP group and the group of its experts' replicas (None when dp == ep: no replicas)."""
+
+    ep_group: ProcessGroup
+    ep_rank: int
+    ep_size: int
+    replica_group: ProcessGroup | None
+    dp_size: int
+
+    def placement(self, n_experts: int) -> ExpertPlacement:
+        if n_experts % self.ep_size:
+            raise ValueError(f"{n_experts} experts cannot be sharded over parallel.ep={self.ep_size} ranks")
+        return ExpertPlacement(n_experts, self.ep_group, self.ep_rank, self.ep_size)
+
+
+def build_expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
+    """Create every EP and replica group (collective: every rank calls it, in the same order)."""
+    ep_ranks, replica_ranks = expert_group_ranks(mesh.shape, ep)
+    mine: dict[str, tuple[ProcessGroup, tuple[int, ...]]] = {}
+    for kind, groups in (("ep", ep_ranks), ("replica", replica_ranks if mesh.shape.dp > ep else [])):
+        for ranks in groups:
+            group = dist.new_group(list(ranks))
+            if mesh.rank in ranks:
+                mine[kind] = (group, ranks)
+    group, ranks = mine["ep"]
+    replica = mine.get("replica", (None, ()))[0]
+    return ExpertGroups(group, ranks.index(mesh.rank), ep, replica, mesh.shape.dp)
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows ``send[i]`` to rank i, ``recv[i]`` rows from rank i; backward sends the gradient rows back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, send: Sequence[int], group: ProcessGroup) -> tuple[torch.Tensor, list[int]]:
+    """Rows ``send[i]`` of ``x`` to rank i (uneven splits): the rows received and how many came from each rank.
+    The split sizes travel first in a small all-to-all of their own (differentiable in ``x``)."""
+    send = [int(n) for n in send]
+    counts = torch.tensor(send, dtype=torch.int64)
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts, group=group)
+    return AllToAll.apply(x, send, recv.tolist(), group), recv.tolist()
+
+
+def _apply(experts: Sequence[nn.Module], x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """Expert i on the next ``counts[i]`` rows of ``x`` (every expert called, so each gets a gradient)."""
+    return torch.cat([expert(rows) for expert, rows in zip(experts, x.split(list(counts)), strict=True)])
+
+
+def _expert_major(counts: torch.Tensor) -> torch.Tensor:
+    """The row order grouping received rows ``[source, local expert]`` (``counts``) by expert, then source."""
+    starts = torch.cumsum(counts.flatten(), 0) - counts.flatten()
+    starts = starts.view_as(counts)
+    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e]))
+              for e in range(counts.shape[1]) for s in range(counts.shape[0])]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
+def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, experts: Sequence[nn.Module],
+                placement: ExpertPlacement) -> torch.Tensor:
+    """Each row of ``x`` through expert ``expert_ids[row]`` (sorted ascending), wherever that expert lives."""
+    counts = torch.bincount(expert_ids, minlength=placement.n_experts)
+    if placement.size == 1:
+        return _apply(experts, x, counts.tolist())
+    group, local = placement.group, placement.local
+    per_rank = counts.view(placement.size, local)
+    received_counts = torch.empty_like(per_rank)
+    dist.all_to_all_single(received_counts, per_rank, group=group)  # [source, my local expert]
+    send, recv = per_rank.sum(1).tolist(), received_counts.sum(1).tolist()
+    received = AllToAll.apply(x, send, recv, group)
+    order = _expert_major(received_counts)
+    held = [experts[placement.first + i] for i in range(local)]
+    outputs = _apply(held, received[order], received_counts.sum(0).tolist())
+    return AllToAll.apply(outputs[torch.argsort(order)], recv, send, group)
+
+
+def reduce_expert_gradients(params: Sequence[nn.Parameter], groups: ExpertGroups) -> None:
+    """Sum the experts' gradients over their replicas and divide by dp: the global mean loss's gradient."""
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    if groups.replica_group is not None:
+        dist.all_reduce(flat, group=groups.replica_group)
+    flat /= groups.dp_size
+    for param, chunk in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        param.grad = chunk.view_as(param).clone()

@@ -1,0 +1,235 @@
+"""Mixture of experts: routing as pure functions, and expert parallelism training exactly like one process.
+
+Every layout runs the real training loop for 10 steps of Adam with clipping, a tiny GPT
+whose blocks 1 and 3 are MoE layers of 8 experts (top-2). With a capacity that drops
+nothing, ep = 2 and 4, alone, with DP replicas of the experts, with TP and with PP,
+must give the single process's losses (and parameters); with a small capacity, the
+per-layer, per-expert kept counts of every step (and so the dropped choices) must be
+the single process's too. A checkpoint saved at ep = 4 resumes at ep = 2 and ep = 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hpc.config import spec_from_dict
+from hpc.errors import ConfigError
+from hpc.runtime.mesh import MeshShape, build_mesh, expert_group_ranks
+from jobs.moe import assign_slots, capacity, load_balancing_loss, route
+from tests.ranks import run_ranks
+from tests.test_3d import assemble, pieces_as_numpy
+
+STEPS, LR, CLIP = 10, 3e-3, 0.5
+EXPERTS, TOP_K, SEQ_LEN = 8, 2, 16
+NO_DROP = EXPERTS / TOP_K  # capacity = seq_len: an expert can take every token of a sequence
+TINY_MOE = {"kind": "gpt", "n_layers": 4, "n_heads": 2, "d_model": 16, "seq_len": SEQ_LEN,
+            "moe_experts": EXPERTS, "moe_top_k": TOP_K, "moe_every": 2, "moe_z_loss_coef": 1e-3}
+# Adam divides by each gradient's running RMS, so rounding differences between layouts (TP sums attention
+# outputs in another order) become absolute update errors, largest for expert weights that few tokens reach:
+# stay within a hundredth of one Adam step (a wrong shard or a missing reduction is off by whole steps).
+PARAM_ATOL = 1e-2 * LR
+
+
+def moe_spec(run_dir: str, name: str, layout, capacity_factor: float = NO_DROP, steps: int = STEPS, **sections):
+    dp, tp, pp, ep = layout
+    return spec_from_dict({
+        "job": {"run_dir": run_dir, "name": name, "seed": 5},
+        "model": {**TINY_MOE, "moe_capacity_factor": capacity_factor},
+        "data": {"name": "licenses", "batch_size": 8},
+        "train": {"steps": steps, "lr": LR, "optimizer": "adam", "grad_clip": CLIP, "log_every": 100},
+        "parallel": {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "microbatches": 2 if pp > 1 else 1},
+        "checkpoint": sections.get("checkpoint", {"every_steps": 0}),
+    })
+
+
+def _train(world, run_dir: str, cases):
+    """Each case (name, (dp, tp, pp, ep), capacity factor, steps, checkpoint table) trained; its pieces back."""
+    from jobs.train import train
+
+    results = []
+    for name, layout, factor, steps, checkpoint in cases:
+        spec = moe_spec(run_dir, name, layout, factor, steps, checkpoint=checkpoint)
+        mesh = build_mesh(MeshShape(*layout[:3]), world.rank)
+        _, model = train(spec, world, mesh)
+        results.append(pieces_as_numpy(model, mesh))
+    return results
+
+
+def _case(name, layout, factor=NO_DROP, steps=STEPS, checkpoint=None):
+    return name, layout, factor, steps, checkpoint or {"every_steps": 0}
+
+
+def _records(run_dir: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / name / "metrics.jsonl").open()]
+
+
+def _run(world_size: int, run_dir: Path, cases) -> list[dict[str, np.ndarray]]:
+    per_rank = run_ranks(world_size, _train, str(run_dir), cases, timeout=300)
+    return [assemble([results[i] for results in per_rank]) for i in range(len(cases))]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The single process, without drops and with a small capacity (dropping about a fifth)."""
+    run_dir = tmp_path_factory.mktemp("single")
+    params = _run(1, run_dir, [_case("single", (1, 1, 1, 1)), _case("small", (1, 1, 1, 1), 0.5)])
+    full, small = _records(run_dir, "single"), _records(run_dir, "small")
+    assert [r["step"] for r in full] == list(range(1, STEPS + 1))
+    assert full[-1]["loss"] < full[0]["loss"] - 0.3  # it learns
+    assert max(r["grad_norm"] for r in full) > CLIP  # clipping is active
+    assert all(r["moe_dropped_fraction"] == 0 for r in full)
+    assert min(r["moe_dropped_fraction"] for r in small) > 0.05
+    for record in full:
+        loads = np.array(record["moe_tokens_per_expert"])  # [MoE layer, expert]
+        assert loads.shape == (2, EXPERTS) and (loads.sum(1) == 8 * SEQ_LEN * TOP_K).all()
+        assert record["moe_aux_loss"] >= 1.0  # Switch's loss is 1 at a perfectly even load, more otherwise
+    return {"single": (full, params[0]), "small": (small, params[1])}
+
+
+def _check(reference, run_dir: Path, cases, params, which="single") -> None:
+    ref_records, ref_params = reference[which]
+    for (name, *_), got in zip(cases, params, strict=True):
+        records = _records(run_dir, name)
+        assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in ref_records], rel=1e-5), name
+        assert [r["moe_tokens_per_expert"] for r in records] == [r["moe_tokens_per_expert"] for r in ref_records]
+        assert [r["moe_aux_loss"] for r in records] == pytest.approx([r["moe_aux_loss"] for r in ref_records],
+                                                                     rel=1e-5)
+        assert got.keys() == ref_params.keys()
+        for key, expected in ref_params.items():
+            np.testing.assert_allclose(got[key], expected, rtol=1e-5, atol=PARAM_ATOL, err_msg=f"{name}: {key}")
+
+
+FOUR_RANKS = [  # (dp, tp, pp, ep)
+    _case("ep4", (4, 1, 1, 4)),
+    _case("ep2-dp2", (4, 1, 1, 2)),  # two replicas of each expert
+    _case("ep2-tp2", (2, 2, 1, 2)),
+    _case("ep2-pp2", (2, 1, 2, 2)),
+    _case("ep4-small", (4, 1, 1, 4), 0.5),
+]
+EIGHT_RANKS = [
+    _case("ep4-dp2", (8, 1, 1, 4)),
+    _case("ep4-tp2", (4, 2, 1, 4)),
+    _case("ep4-pp2", (4, 1, 2, 4)),
+]
+
+
+def test_ep2_alone_trains_like_one_process(reference, tmp_path) -> None:
+    cases = [_case("ep2", (2, 1, 1, 2)), _case("ep2-small", (2, 1, 1, 2), 0.5)]
+    params = _run(2, tmp_path, cases)
+    _check(reference, tmp_path, cases[:1], params[:1])
+    _check(reference, tmp_path, cases[1:], params[1:], "small")  # the same choices dropped, step after step
+
+
+def test_ep_with_dp_tp_and_pp_on_four_ranks_trains_like_one_process(reference, tmp_path) -> None:
+    params = _run(4, tmp_path, FOUR_RANKS)
+    _check(reference, tmp_path, FOUR_RANKS[:-1], params[:-1])
+    _check(reference, tmp_path, FOUR_RANKS[-1:], params[-1:], "small")
+
+
+def test_ep4_with_dp_tp_and_pp_on_eight_ranks_trains_like_one_process(reference, tmp_path) -> None:
+    params = _run(8, tmp_path, EIGHT_RANKS)
+    _check(reference, tmp_path, EIGHT_RANKS, params)
+
+
+def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_ep1(reference, tmp_path) -> None:
+    saved_dir = tmp_path / "ep4-ckpt"
+    (saved,) = _run(4, tmp_path, [_case("ep4-save", (4, 1, 1, 4), steps=5,
+                                        checkpoint={"every_steps": 5, "dir": str(saved_dir)})])
+    step5 = str(saved_dir / "step-00000005")
+    resume = {"every_steps": 0, "resume": step5}
+    for world_size, layout in ((2, (2, 1, 1, 2)), (1, (1, 1, 1, 1))):
+        name = f"ep{layout[3]}"
+        loaded, resumed = _run(world_size, tmp_path, [_case(f"{name}-load", layout, steps=5, checkpoint=resume),
+                                                      _case(f"{name}-resume", layout, checkpoint=resume)])
+        assert loaded.keys() == saved.keys() and any(".experts.7." in key for key in saved)
+        for key, expected in saved.items():
+            np.testing.assert_array_equal(loaded[key], expected, err_msg=f"{name}: {key}")  # bit for bit
+        ref_records, ref_params = reference["single"]
+        records = _records(tmp_path, f"{name}-resume")
+        assert [r["step"] for r in records] == list(range(6, STEPS + 1))
+        assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in ref_records[5:]], rel=1e-5)
+        for key, expected in ref_params.items():
+            np.testing.assert_allclose(resumed[key], expected, rtol=1e-5, atol=PARAM_ATOL, err_msg=f"{name}: {key}")
+
+
+# --- pure functions ---------------------------------------------------------------------------
+
+
+def test_slots_go_first_choices_first_then_token_order() -> None:
+    # sequence of 3 tokens, top-2; expert 1 gets token 2's first choice, token 0's second, then is full
+    expert = torch.tensor([[[0, 1], [0, 1], [1, 0]]])
+    assert assign_slots(expert, 2, 2).tolist() == [[[True, True], [True, False], [True, False]]]
+    assert assign_slots(expert, 2, 3).all()
+    assert capacity(16, 8, 2, 4.0) == 16 and capacity(16, 8, 2, 0.5) == 2 and capacity(3, 8, 1, 0.1) == 1
+
+
+def test_routing_is_per_sequence_so_any_split_of_the_batch_drops_the_same_choices() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 16, 8, generator=generator)
+    whole, _ = route(logits, 2, capacity(16, 8, 2, 0.5))
+    parts = [route(part, 2, capacity(16, 8, 2, 0.5))[0] for part in logits.split([1, 2, 3])]
+    assert torch.equal(torch.cat([p.kept for p in parts]), whole.kept)
+    assert torch.equal(torch.cat([p.expert for p in parts]), whole.expert)
+    assert 0 < int((~whole.kept).sum()) < whole.kept.numel()
+    assert torch.allclose(whole.gate.sum(-1), torch.ones(6, 16))  # top-2 gates renormalized
+
+
+def test_the_load_balancing_loss_is_one_when_even_and_grows_with_imbalance() -> None:
+    even = torch.full((1, 4, 4), 0.25)
+    assert load_balancing_loss(even, torch.tensor([[0, 1, 2, 3]])).item() == pytest.approx(1.0)
+    skewed = torch.tensor([[[0.7, 0.1, 0.1, 0.1]] * 4])
+    assert load_balancing_loss(skewed, torch.zeros(1, 4, dtype=torch.long)).item() == pytest.approx(2.8)
+
+
+def test_expert_groups_are_carved_out_of_each_dp_group() -> None:
+    ep_groups, replicas = expert_group_ranks(MeshShape(4, 2, 1), 2)  # ranks: tp + 2 * dp
+    assert ep_groups == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert replicas == [(0, 4), (2, 6), (1, 5), (3, 7)]
+    assert expert_group_ranks(MeshShape(2, 1, 2), 2) == ([(0, 1), (2, 3)], [(0,), (1,), (2,), (3,)])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"parallel": {"ep": 2}}, "parallel.ep must be a divisor of model.moe_experts=0"),
+    ({"parallel": {"ep": 3, "dp": 3}, "model": {"moe_experts": 8}}, "parallel.ep must be a divisor of model.moe_"),
+    ({"parallel": {"ep": 2, "dp": 3}, "model": {"moe_experts": 8}}, "parallel.ep must be a divisor of dp=3"),
+    ({"parallel": {"ep": 2, "zero": 1}, "model": {"moe_experts": 8}}, "parallel.ep must be 1 under parallel.zero"),
+    ({"model": {"moe_experts": 1, "moe_top_k": 2}}, "model.moe_top_k must be at most moe_experts=1"),
+    ({"model": {"moe_experts": 4, "moe_top_k": 3}}, "model.moe_top_k must be <= 2"),
+])
+def test_moe_settings_that_disagree_are_one_error_naming_the_field(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=f"^<spec>: {message}"):
+        spec_from_dict(overrides)
+
+
+def test_all_to_all_with_uneven_splits_and_its_backward() -> None:
+    results = run_ranks(3, _exchange, timeout=60)
+    for rank, (received, recv, grad) in enumerate(results):
+        assert recv == [rank + 1 + source for source in range(3)]  # rank s sends s + d + 1 rows to rank d
+        assert received == [float(100 * source + rank) for source in range(3) for _ in range(rank + 1 + source)]
+        assert grad == [float(dest) for dest in range(3) for _ in range(rank + dest + 1)]  # d(rows to d) = d
+
+
+def _exchange(world):
+    import torch.distributed as dist
+
+    from parallel.ep import all_to_all
+
+    rank = dist.get_rank()
+    send = [rank + dest + 1 for dest in range(3)]
+    x = torch.cat([torch.full((n,), float(100 * rank + dest)) for dest, n in enumerate(send)]).requires_grad_()
+    received, recv = all_to_all(x.unsqueeze(1), send, dist.group.WORLD)
+    weights = torch.cat([torch.full((n,), float(rank)) for n in recv])  # rows from source s weighted by me
+    (received.squeeze(1) * weights).sum().backward()
+    return received.squeeze(1).tolist(), recv, x.grad.tolist()
+
+
+def test_expert_parallel_placement_holds_a_contiguous_share() -> None:
+    from parallel.ep import ExpertPlacement
+
+    placement = ExpertPlacement(8, None, 2, 4)
+    assert [e for e in range(8) if placement.holds(e)] == [4, 5] and placement.local == 2
