@@ -25,6 +25,7 @@ every rank shares and which is taken from rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -77,8 +78,10 @@ def restore(
     """
     index = open_checkpoint(step_dir)
     tp_rank, tp_size = (mesh.index("tp"), mesh.size("tp")) if mesh else (0, 1)
-    holds = optimizer.holds_state if isinstance(optimizer, DistributedOptimizerMixin) else None
-    state.load_state(index, model, optimizer, tp_split_dims(model), tp_rank, tp_size, holds)
+    distributed = isinstance(optimizer, DistributedOptimizerMixin)
+    holds = optimizer.holds_state if distributed else None
+    with optimizer.parameters_allocated() if distributed else contextlib.nullcontext():  # ZeRO-3: others' dropped
+        state.load_state(index, model, optimizer, tp_split_dims(model), tp_rank, tp_size, holds)
     saved_layout = tuple(index.attrs.get(f"layout_{axis}") for axis in ("dp", "tp", "pp"))
     same_layout = mesh is None or saved_layout == (mesh.shape.dp, mesh.shape.tp, mesh.shape.pp)
     private = load_rank_state(index, rank) if same_layout else load_rank_state(index, 0, only=(SHARED_COMM,))
@@ -132,6 +135,10 @@ class TrainingCheckpoints:
 
     def save(self, done: int) -> None:
         pieces = state_pieces(self.model, self.optimizer, self.mesh.index("tp"), self.mesh.size("tp"))
+        if isinstance(self.optimizer, DistributedOptimizerMixin):  # ZeRO-3: each parameter written by its owner
+            others = {f"model/{name}" for name, p in self.model.named_parameters()
+                      if not self.optimizer.holds_parameter(p)}
+            pieces = [piece for piece in pieces if piece.name not in others]
         self.checkpointer.save(done, pieces, rank_state(self.optimizer), self.attrs)
 
     def finalize(self) -> None:

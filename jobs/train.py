@@ -151,6 +151,7 @@ def _train(
             records.step_done(step, outcome, time.perf_counter() - step_start, steps.optimizer.stats)
             _checkpoint_or_stop(spec, step + 1, checkpoints, preemption, probe, records, start_step)
         checkpoints.finalize()
+        steps.optimizer.unshard()  # ZeRO-3: the model whole again for evaluation and the caller
     finally:
         steps.optimizer.close()
         records.close()
@@ -187,6 +188,7 @@ def build_data_parallel_optimizer(spec: JobSpec, model: torch.nn.Module, mesh: M
         warmup_steps=par.compression_warmup_steps,
         probe=probe,
         zero=par.zero,
+        module=model,
     )
 
 

@@ -29,7 +29,7 @@ from hpc.observe.probe import Probe
 from parallel.compression.base import Reducer
 from parallel.compression.registry import make_reducer
 from parallel.ring import Transport
-from parallel.zero import ZeroShards
+from parallel.zero import ShardedParameters, ZeroShards
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 
@@ -89,6 +89,7 @@ class DistributedOptimizerMixin:
         warmup_steps: int,
         probe: Probe,
         zero: int = 0,
+        module: torch.nn.Module | None = None,
     ) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -111,7 +112,12 @@ class DistributedOptimizerMixin:
         # ZeRO (parallel/zero.py): stage 2 assigns owners per bucket, so each bucket reduce-scatters to them
         buckets = [bucket.params for bucket in self.buckets] if zero >= 2 else ()
         self.zero = ZeroShards(params, transport.group, buckets) if zero else None
-        self.zero_stage = zero
+        self.zero_stage, self.sharded = zero, None
+        if zero >= 3 and not self._alone:  # alone, a rank owns everything: nothing to gather
+            if module is None:
+                raise ValueError("zero=3 needs the module whose parameters it shards (module=)")
+            self.sharded = ShardedParameters(self.zero, [bucket.params for bucket in self.buckets], module, transport,
+                                             self._executor, probe, self._peers)
 
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
         self._passes[param] += 1
@@ -191,6 +197,8 @@ class DistributedOptimizerMixin:
         self._next_launch = 0
         self.steps_synchronized += 1
         self.stats, self._pending_stats = self._pending_stats, CommStats()
+        if self.sharded is not None:  # buckets prefetched but unused, or whose gradients never came
+            self.sharded.free_all()
 
     def comm_state_dict(self) -> dict[str, torch.Tensor]:
         """Per-rank state a resumed run needs: the reducer's residuals and warm starts, the velocity of
@@ -221,9 +229,27 @@ class DistributedOptimizerMixin:
             return super().step(closure)
         with self.zero.owned_gradients_only():
             loss = super().step(closure)
-        with self.probe.collective("parameter all-gather", "zero", self._peers):
-            self.zero.gather_parameters()
+        if self.zero_stage < 3:  # stage 3 gathers each bucket when the next forward needs it
+            with self.probe.collective("parameter all-gather", "zero", self._peers):
+                self.zero.gather_parameters()
         return loss
+
+    def holds_parameter(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s values live on this rank between steps: always, except under ZeRO-3 for others'."""
+        return self.sharded is None or self.zero.owns(param)
+
+    @contextlib.contextmanager
+    def parameters_allocated(self) -> Iterator[None]:
+        """Under ZeRO-3, memory for every parameter while inside (to load a checkpoint), others' dropped after."""
+        with self.sharded.allocated() if self.sharded is not None else contextlib.nullcontext():
+            yield
+
+    def unshard(self) -> None:
+        """Collective under ZeRO-3: every parameter whole on every rank again, the gathering hooks removed (after
+        the last step); otherwise nothing."""
+        if self.sharded is not None:
+            self.sharded.unshard()
+            self.sharded = None
 
     def holds_state(self, param: torch.Tensor) -> bool:
         """Whether this rank keeps ``param``'s optimizer state: always, except under ZeRO for others' parameters."""
@@ -241,6 +267,8 @@ class DistributedOptimizerMixin:
         """Remove the hooks and stop the communication thread."""
         for hook in self._hooks:
             hook.remove()
+        if self.sharded is not None:
+            self.sharded.remove_hooks()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
@@ -258,6 +286,7 @@ def distributed_optimizer(
     warmup_steps: int = 0,
     probe: Probe | None = None,
     zero: int = 0,
+    module: torch.nn.Module | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so its gradients are reduced over ``transport``'s group (the DP group).
 
@@ -266,7 +295,8 @@ def distributed_optimizer(
     same with ``start_powerSGD_iter``; Deep Gradient Compression ramps its sparsity).
     ``probe`` sees each bucket's reduction (timeline span, stall inspector). ``zero=1`` shards the
     optimizer state over the group (ZeRO stage 1, ``parallel/zero.py``); ``zero=2`` the gradients too,
-    each bucket reduce-scattered to its owners.
+    each bucket reduce-scattered to its owners; ``zero=3`` the parameters of ``module`` too, each bucket
+    gathered by hooks on its modules when forward or backward needs it (call ``unshard()`` after the last step).
     """
     if named_parameters is not None:
         params = [p for _, p in named_parameters if p.requires_grad]
@@ -287,5 +317,6 @@ def distributed_optimizer(
         warmup_steps,
         probe or Probe(),
         zero,
+        module,
     )
     return wrapped

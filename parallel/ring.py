@@ -100,10 +100,11 @@ def make_transport(name: str, group: ProcessGroup | None) -> Transport:
     return TorchTransport(group)
 
 
-def ring_allgather(payload: torch.Tensor, transport: Transport) -> torch.Tensor:
-    """Every rank's equal-sized 1-D ``payload``, stacked in rank order: n-1 forwarding steps."""
+def ring_allgather(payload: torch.Tensor, transport: Transport, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's equal-sized 1-D ``payload``, stacked in rank order: n-1 forwarding steps. ``out``
+    (``[n, payload.numel()]``, contiguous) receives them in place (ZeRO-3 gathers into a bucket's buffer)."""
     n, rank = dist.get_world_size(transport.group), dist.get_rank(transport.group)
-    gathered = payload.new_empty((n, payload.numel()))
+    gathered = payload.new_empty((n, payload.numel())) if out is None else out
     gathered[rank] = payload
     if n == 1 or payload.numel() == 0:
         return gathered

@@ -39,16 +39,20 @@ traffic is stage 1's.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, Future
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.utils._pytree import tree_flatten
 
 
-def assign_owners(sizes: Sequence[int], ranks: int) -> list[int]:
-    """The owning rank of each size: largest first onto the least-loaded rank (the lower on ties)."""
-    loads, owners = [0] * ranks, [0] * len(sizes)
+def assign_owners(sizes: Sequence[int], ranks: int, prior: Sequence[int] = ()) -> list[int]:
+    """The owning rank of each size: largest first onto the least-loaded rank (the lower on ties), counting
+    the ``prior`` load earlier buckets gave it."""
+    loads, owners = list(prior) or [0] * ranks, [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         owner = min(range(ranks), key=lambda r: loads[r])
         owners[i] = owner
@@ -66,14 +70,20 @@ class ZeroShards:
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.params = list(params)
         owner_of: dict[int, int] = {}
-        for part in buckets or [self.params]:
-            owners = assign_owners([p.numel() for p in part], self.size)
+        totals = [0] * self.size  # each bucket's greedy starts from what the others gave, those with the
+        for part in sorted(buckets or [self.params], key=lambda part: -max(p.numel() for p in part)):  # largest first
+            owners = assign_owners([p.numel() for p in part], self.size, totals)
             owner_of.update(zip((id(p) for p in part), owners, strict=True))
+            for p, owner in zip(part, owners, strict=True):
+                totals[owner] += p.numel()
         self.by_owner = [[p for p in self.params if owner_of[id(p)] == r] for r in range(self.size)]
         self._owned, self._owner_of = {id(p) for p in self.by_owner[self.rank]}, owner_of
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._owned
+
+    def owner(self, param: torch.Tensor) -> int:
+        return self._owner_of[id(param)]
 
     @contextlib.contextmanager
     def owned_gradients_only(self) -> Iterator[None]:
@@ -133,3 +143,177 @@ class ZeroShards:
             elif reduced is not None:
                 p.grad.copy_(reduced[offset:offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
+
+
+FREE, PENDING, READY = "free", "pending", "ready"
+
+
+class _Unit:
+    """Stage 3: one bucket's parameters. ``full`` holds every rank's share (chunk r: rank r's, zero-padded); the
+    parameters this rank does not own are views into it, whose memory exists only while the unit is gathered."""
+
+    def __init__(self, index: int, params: Sequence[torch.Tensor], shards: ZeroShards) -> None:
+        self.index, self.params, self.state, self.future = index, list(params), FREE, None
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            mixed = sorted(map(str, dtypes))
+            raise ValueError(f"parallel.zero=3 needs one dtype per bucket; bucket{index} mixes {mixed}")
+        shares = [[p for p in params if shards.owner(p) == r] for r in range(shards.size)]
+        self.owned, self.length = shares[shards.rank], max(sum(p.numel() for p in share) for share in shares)
+        self.full = params[0].new_zeros(shards.size * self.length)
+        for r, share in enumerate(shares):
+            offset = r * self.length
+            for p in share:
+                if r != shards.rank:
+                    p.data = self.full[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+        self.modules: set[int] = set()  # the modules holding these parameters; those run in this forward pass
+        self.forward_seen: set[int] = set()
+        self.accumulated = 0  # gradients accumulated in this backward pass
+        self.release()
+
+    def allocate(self) -> None:
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+
+    def release(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def fill(self, transport) -> None:
+        """Collective over the DP group: every owner's share into ``full`` (allocated) through the ring."""
+        from parallel.ring import ring_allgather
+
+        payload = self.full.new_zeros(self.length)
+        if self.owned:
+            torch.cat([p.reshape(-1) for p in self.owned], out=payload[:sum(p.numel() for p in self.owned)])
+        ring_allgather(payload, transport, out=self.full.view(-1, self.length))
+
+
+class ShardedParameters:
+    """Stage 3 over the DP group: the hooks that gather each bucket's parameters (``_Unit``) just before a module
+    holding them runs forward, and again before its backward, prefetching the next bucket meanwhile, and free them
+    once every module holding them has run forward, and once all their gradients are accumulated in backward.
+
+    Gathers run on ``executor`` (the optimizer's communication thread, in the order submitted, the same on every
+    rank) so a prefetch overlaps computation; without one they run inline. A parameter must be used only inside
+    the forward of a module holding it directly (as FSDP asks).
+    """
+
+    def __init__(self, shards: ZeroShards, buckets: Sequence[Sequence[torch.Tensor]], module: torch.nn.Module,
+                 transport, executor: Executor | None, probe, peers: Sequence[int]) -> None:
+        self.shards, self.transport, self.executor, self.probe, self.peers = shards, transport, executor, probe, peers
+        self.units = [_Unit(i, params, shards) for i, params in enumerate(buckets)]
+        unit_of = {id(p): unit for unit in self.units for p in unit.params}
+        self._handles = []
+        for m in module.modules():
+            units = sorted({unit_of[id(p)].index for p in m.parameters(recurse=False) if id(p) in unit_of})
+            if units:
+                for i in units:
+                    self.units[i].modules.add(id(m))
+                self._handles.append(m.register_forward_pre_hook(functools.partial(self._before_forward, units)))
+                self._handles.append(m.register_forward_hook(functools.partial(self._after_forward, units)))
+        for unit in self.units:
+            for p in unit.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, unit)))
+
+    def _before_forward(self, units: list[int], module: torch.nn.Module, args) -> None:
+        for i in units:
+            self.wait(i)
+        self.prefetch(units[0] - 1)  # buckets run in reverse registration order, forward in about registration order
+
+    def _after_forward(self, units: list[int], module: torch.nn.Module, args, output) -> None:
+        for i in units:
+            unit = self.units[i]
+            unit.forward_seen.add(id(module))
+            if unit.forward_seen >= unit.modules:
+                unit.forward_seen.clear()
+                self.free(i)
+        if torch.is_grad_enabled():
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(functools.partial(self._before_backward, units))
+
+    def _before_backward(self, units: list[int], grad: torch.Tensor) -> None:
+        for i in units:
+            self.wait(i)
+        self.prefetch(units[-1] + 1)
+
+    def _accumulated(self, unit: _Unit, param: torch.Tensor) -> None:
+        unit.accumulated += 1
+        if unit.accumulated == len(unit.params):
+            unit.accumulated = 0
+            self.free(unit.index)
+
+    def _gather(self, unit: _Unit) -> None:
+        with self.probe.collective(f"all-gather bucket{unit.index}", "zero", self.peers,
+                                   bytes=unit.full.numel() * unit.full.element_size()):
+            unit.fill(self.transport)
+
+    def _start(self, unit: _Unit) -> None:
+        unit.allocate()
+        if self.executor is None:
+            self._gather(unit)
+            unit.state = READY
+        else:
+            unit.future, unit.state = self.executor.submit(self._gather, unit), PENDING
+
+    def prefetch(self, i: int) -> None:
+        if 0 <= i < len(self.units) and self.units[i].state == FREE and self.executor is not None:
+            self._start(self.units[i])
+
+    def wait(self, i: int) -> None:
+        """Bucket ``i`` gathered: started now if it was free, waited for if in flight."""
+        unit = self.units[i]
+        if unit.state == FREE:
+            self._start(unit)
+        if unit.state == PENDING:
+            future: Future = unit.future
+            unit.future = None
+            future.result()
+            unit.state = READY
+
+    def free(self, i: int) -> None:
+        unit = self.units[i]
+        if unit.state == PENDING:
+            self.wait(i)
+        if unit.state == READY:
+            unit.release()
+            unit.state = FREE
+
+    def free_all(self) -> None:
+        """Every bucket freed (end of a step: prefetched but unused ones too); their counters reset."""
+        for unit in self.units:
+            self.free(unit.index)
+            unit.forward_seen.clear()
+            unit.accumulated = 0
+
+    @contextlib.contextmanager
+    def allocated(self) -> Iterator[None]:
+        """Memory for every parameter, not gathered (a checkpoint is loaded into it, then the others' dropped)."""
+        self.free_all()
+        for unit in self.units:
+            unit.allocate()
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.release()
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        """Collective: every rank keeps every parameter again, in memory of its own, and the hooks go (end of
+        training: the model is whole for evaluation and whoever uses it next)."""
+        self.remove_hooks()
+        for unit in self.units:
+            self.wait(unit.index)
+            for p in unit.params:
+                if not self.shards.owns(p):
+                    p.data = p.detach().clone()
+            unit.release()
+            unit.state = FREE
+        self.units = []
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

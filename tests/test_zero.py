@@ -27,6 +27,8 @@ from tests.test_3d import single_process as single_process  # the fixture
 def _spec(run_dir: str, name: str, layout, microbatches: int, zero: int, every: int = 0, resume: str = "never"):
     raw = spec_to_dict(gpt_spec(run_dir, name, layout, microbatches=microbatches))
     raw["parallel"]["zero"] = zero
+    if zero == 3:  # several buckets (about 7 of the tiny GPT's 67k parameters), so gathers and prefetches interleave
+        raw["parallel"]["bucket_mb"] = 0.04
     raw["checkpoint"] = {"every_steps": every, "resume": resume}
     return spec_from_dict(raw)
 
@@ -35,9 +37,18 @@ def _train(world, run_dir: str, cases):
     """Each case through the real trainer; returns per case this rank's pieces and its optimizer state's size."""
     import jobs.train
 
-    built = []
+    built, held = [], []
     build = jobs.train.build_data_parallel_optimizer
-    jobs.train.build_data_parallel_optimizer = lambda *args, **kw: built.append(build(*args, **kw)) or built[-1]
+
+    def build_and_watch(spec, model, *args, **kw):
+        """Count, just before ZeRO-3 gives every rank the whole model back, the parameters with memory."""
+        optimizer = build(spec, model, *args, **kw)
+        unshard = optimizer.unshard
+        optimizer.unshard = lambda: held.append(sum(
+            p.numel() for p in model.parameters() if p.untyped_storage().nbytes())) or unshard()
+        return built.append(optimizer) or optimizer
+
+    jobs.train.build_data_parallel_optimizer = build_and_watch
     results = []
     for name, layout, microbatches, zero, every, resume in cases:
         mesh = build_mesh(MeshShape(*layout), world.rank)
@@ -48,7 +59,7 @@ def _train(world, run_dir: str, cases):
         grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)  # as the last step left them
         only_owned = all((p.grad is not None) == optimizer.holds_gradient(p) for p in model.parameters())
         results.append((pieces_as_numpy(model, mesh), state, sum(p.numel() for p in model.parameters()), coordinate,
-                        grads, only_owned))
+                        grads, only_owned, held[-1]))
     return results
 
 
@@ -70,9 +81,14 @@ def _check_sharded(single_process, run_dir: Path, cases, results) -> None:
                 assert sum(grads) == params and max(grads) <= 0.6 * params, (name, grads, params)
             else:
                 assert grads == [params, params], (name, grads)
+            kept = [case[6] for case in group]  # parameters with memory between steps
+            if zero == 3:  # each held by its owner only, about half on each
+                assert sum(kept) == params and max(kept) <= 0.6 * params, (name, kept, params)
+            else:
+                assert kept == [params, params], (name, kept)
 
 
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_alone_and_with_tp_and_pp_trains_like_one_process(single_process, tmp_path, zero) -> None:
     two = [(f"zero{zero}-dp2", (2, 1, 1), 1, zero, 0, "never")]
     _check_sharded(single_process, tmp_path, two, run_ranks(2, _train, str(tmp_path), two, timeout=240))
