@@ -1,4 +1,5 @@
-"""``hpc bench allreduce|pipeline|checkpoint|memory|train``: starts ranks like ``hpc run``, prints what they measure.
+"""``hpc bench allreduce|pipeline|checkpoint|memory|train|alltoall``: starts ranks like ``hpc run``, prints
+what they measure.
 
 The benchmarks live in ``jobs.bench``; every rank runs ``python -m jobs.bench.rank KIND``
 and rank 0 writes the rows to a file that this process prints, so table and JSON output
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from hpc.config import CODEC_NAMES
+from jobs.bench.rank import TIME_TO_LOSS_DEFAULTS
 
 DDP_IMPLS = ("ddp", "ddp-fp16", "ddp-powersgd")  # jobs.bench.train builds them; spelled here to keep torch out
 
@@ -51,6 +53,38 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     _add_checkpoint_parser(kinds)
     _add_memory_parser(kinds)
     _add_train_parser(kinds)
+    _add_alltoall_parser(kinds)
+
+
+def _add_alltoall_parser(kinds: argparse._SubParsersAction) -> None:
+    bench = kinds.add_parser(
+        "alltoall", help="expert parallelism's all-to-all with uneven splits against torch.distributed.all_to_all"
+    )
+    bench.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
+    bench.add_argument("--sizes", default="64K,1M,16M", help="bytes each rank sends (default %(default)s)")
+    bench.add_argument("--iters", type=int, default=10, help="timed iterations per row (default 10)")
+    bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
+    bench.add_argument("--json", action="store_true", help="one JSON object per row")
+    bench.set_defaults(handler=cmd_bench_alltoall)
+
+
+def cmd_bench_alltoall(args: argparse.Namespace) -> int:
+    from hpc.errors import ConfigError
+    from hpc.runtime import launch
+    from hpc.text import parse_size
+    from jobs.bench.alltoall import format_table
+
+    try:
+        sizes = [parse_size(size) for size in args.sizes.split(",")]
+    except ValueError as exc:
+        raise ConfigError(f"--sizes: {exc}") from None
+    if args.iters < 1 or args.nprocs < 2:
+        raise ConfigError("--iters must be at least 1 and -n at least 2")
+    launcher = args.launcher or launch.default_launcher()
+    options = ["--sizes", ",".join(map(str, sizes)), "--iters", str(args.iters)]
+    rows = launch.launch_for_rows(args.nprocs, launcher, _bench_rank_argv("alltoall", options))
+    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    return 0
 
 
 def _add_checkpoint_parser(kinds: argparse._SubParsersAction) -> None:
@@ -93,11 +127,10 @@ def _add_train_parser(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds; steps/s is the median (default 3)")
     loss = bench.add_argument_group("time to loss (on the license texts; every implementation trains to a target)")
     loss.add_argument("--target-loss", type=float, help="train each implementation to this held-out loss")
-    loss.add_argument("--max-steps", type=int, default=400, help="give up after this many steps (default 400)")
-    loss.add_argument("--eval-every", type=int, default=10, help="steps between held-out losses (default 10)")
-    loss.add_argument("--width", type=int, default=256, help="GPT width (default 256)")
-    loss.add_argument("--layers", type=int, default=4, help="GPT blocks (default 4)")
-    loss.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
+    helps = {"max-steps": "give up after this many steps", "eval-every": "steps between held-out losses",
+             "width": "GPT width", "layers": "GPT blocks", "batch": "sequences per rank per step"}
+    for option, default in TIME_TO_LOSS_DEFAULTS.items():
+        loss.add_argument(f"--{option}", type=int, default=default, help=f"{helps[option]} (default {default})")
     loss.add_argument("--plot", metavar="PATH", help="also write a PNG: held-out loss against wall time")
     bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
     bench.add_argument("--json", action="store_true", help="one JSON object per row")

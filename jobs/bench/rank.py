@@ -14,7 +14,8 @@ import sys
 from collections.abc import Sequence
 
 PIPELINE_SIZES = ("virtual", "layers", "width", "rows", "steps")  # integer options of the pipeline bench
-TIME_TO_LOSS_SIZES = ("max-steps", "eval-every", "width", "layers", "batch")  # of hpc bench train --target-loss
+# hpc bench train --target-loss: the integer options and their defaults (the CLI's too)
+TIME_TO_LOSS_DEFAULTS = {"max-steps": 400, "eval-every": 10, "width": 256, "layers": 4, "batch": 4}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,8 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     for option in ("steps", "warmup", "rounds"):
         train.add_argument(f"--{option}", type=int, required=True)
     train.add_argument("--target-loss", type=float, help="time-to-loss mode: train to this held-out loss")
-    for option in TIME_TO_LOSS_SIZES:
-        train.add_argument(f"--{option}", type=int)
+    for option, default in TIME_TO_LOSS_DEFAULTS.items():
+        train.add_argument(f"--{option}", type=int, default=default)
+    alltoall = kinds.add_parser("alltoall", parents=[common])
+    alltoall.add_argument("--sizes", required=True, help="comma list of bytes")
+    alltoall.add_argument("--iters", type=int, required=True)
     return parser
 
 
@@ -120,8 +124,14 @@ def _train(args: argparse.Namespace, group) -> list[dict]:
                        steps=args.steps, warmup=args.warmup, rounds=args.rounds)
 
 
+def _alltoall(args: argparse.Namespace, group) -> list[dict]:
+    from jobs.bench.alltoall import bench_alltoall
+
+    return bench_alltoall(group, [int(s) for s in args.sizes.split(",")], iters=args.iters)
+
+
 MEASURE = {"allreduce": _allreduce, "pipeline": _pipeline, "checkpoint": _checkpoint, "memory": _memory,
-           "train": _train}
+           "train": _train, "alltoall": _alltoall}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# All-reduce benchmark on a bandwidth-limited testbed: for each host count, N virtual hosts
+# Benchmarks on a bandwidth-limited testbed: for each host count, N virtual hosts
 # (network namespaces, slurm/testbed/netns.py) whose links are shaped to RATE in both directions,
 # one rank per host started torchrun-style, rank 0 of host 0 as the rendezvous. Prints the
-# rows of `hpc bench allreduce` and removes every namespace it made, also on failure or ^C.
-# Traffic only ever uses the testbed's own addresses (SUBNET.0/24).
+# rows of `hpc bench allreduce` (KIND=allreduce) or of `hpc bench train --target-loss`
+# (KIND=train: time to a held-out loss per codec against DDP; TRAIN_ARGS are that command's
+# time-to-loss options, PLOT a PNG of the curves) and removes every namespace it made, also
+# on failure or ^C. Traffic only ever uses the testbed's own addresses (SUBNET.0/24).
 #
 #   slurm/testbed/bench.sh [HOSTS...]          default: 2 4
 #   RATE=1gbit SIZES=64M CODECS=none,fp16,int8 ITERS=3 SUBNET=10.77.2 PREFIX=hpcbench
+#   KIND=train CODECS=none,powersgd DDP=ddp,ddp-powersgd TRAIN_ARGS="--target-loss 2.5 --width 512" PLOT=x.png
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -17,10 +20,23 @@ ITERS=${ITERS:-3}
 SUBNET=${SUBNET:-10.77.2}
 PREFIX=${PREFIX:-hpcbench}
 MASTER_PORT=${MASTER_PORT:-29500}
+KIND=${KIND:-allreduce}
+DDP=${DDP:-ddp,ddp-powersgd}
+TRAIN_ARGS=${TRAIN_ARGS:---target-loss 2.5}
+PLOT=${PLOT:-}
 HOSTS=("$@")
 [[ $# -gt 0 ]] || HOSTS=(2 4)
 
 netns() { "$PYTHON" -m slurm.testbed.netns --prefix "$PREFIX" "$@"; }
+rank_options() {  # the options of `python -m jobs.bench.rank KIND` after --out
+    if [[ $KIND == train ]]; then
+        # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
+        echo --transports torch --codecs "$CODECS" --ddp "$DDP" --steps 1 --warmup 0 --rounds 1 $TRAIN_ARGS
+    else
+        echo --sizes "$SIZES" --codecs "$CODECS" --transports torch --iters "$ITERS"
+    fi
+}
+read -r -a options <<<"$(rank_options)"
 scratch=$(mktemp -d /tmp/hpc-testbed-XXXXXX)
 ranks=()
 cleanup() {
@@ -39,20 +55,27 @@ for n in "${HOSTS[@]}"; do
         # One rank per host, each host a node; exec sets GLOO_SOCKET_IFNAME to the host's interface.
         RANK=$i WORLD_SIZE=$n LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=$i GROUP_WORLD_SIZE=$n \
             MASTER_ADDR="$SUBNET.1" MASTER_PORT=$MASTER_PORT OMP_NUM_THREADS=1 \
-            "$PYTHON" -m slurm.testbed.netns --prefix "$PREFIX" exec "$i" -- "$PYTHON" -m jobs.bench.rank allreduce --out "$rows" \
-            --sizes "$SIZES" --codecs "$CODECS" --transports torch --iters "$ITERS" &
+            "$PYTHON" -m slurm.testbed.netns --prefix "$PREFIX" exec "$i" -- "$PYTHON" -m jobs.bench.rank "$KIND" --out "$rows" "${options[@]}" &
         ranks+=($!)
     done
     for pid in "${ranks[@]}"; do wait "$pid"; done
     ranks=()
-    "$PYTHON" - "$rows" "$n" "$RATE" <<'EOF'
+    "$PYTHON" - "$rows" "$n" "$RATE" "$KIND" "$PLOT" <<'EOF'
 import json, sys
-from jobs.bench.allreduce import format_table
 from slurm.testbed.netns import rate_bits
-rows, hosts, rate = sys.argv[1:]
-print(f"{hosts} hosts, every link {rate} in both directions: an uncompressed ring's busbw is at most "
-      f"{rate_bits(rate) / 8e9:.3f} GB/s")
-print(format_table(json.load(open(rows))))
+rows, hosts, rate, kind, plot = sys.argv[1:]
+rows = json.load(open(rows))
+if kind == "train":
+    from hpc.observe.plots import save_png
+    from jobs.bench.time_to_loss import format_table, loss_curves_figure
+    print(f"{hosts} hosts, every link {rate} in both directions")
+    if plot:
+        save_png(loss_curves_figure(rows), plot.replace(".png", f"-{hosts}.png"))
+else:
+    from jobs.bench.allreduce import format_table
+    print(f"{hosts} hosts, every link {rate} in both directions: an uncompressed ring's busbw is at most "
+          f"{rate_bits(rate) / 8e9:.3f} GB/s")
+print(format_table(rows))
 EOF
     netns destroy >/dev/null
 done
