@@ -233,3 +233,21 @@ def test_expert_parallel_placement_holds_a_contiguous_share() -> None:
 
     placement = ExpertPlacement(8, None, 2, 4)
     assert [e for e in range(8) if placement.holds(e)] == [4, 5] and placement.local == 2
+
+
+def test_the_alltoall_bench_times_ours_against_torch_on_the_same_rows() -> None:
+    from jobs.bench.alltoall import format_table, uneven_splits
+
+    assert uneven_splits(10, 0, 3) == [1, 3, 6] and sum(uneven_splits(1000, 2, 4)) == 1000
+    rows = run_ranks(3, _bench, timeout=60)[0]  # the bench checks that ours receives what torch-single does
+    assert [r["impl"] for r in rows] == ["ours", "torch", "torch-single"]
+    assert all(r["time_s"] > 0 and r["ranks"] == 3 and r["bytes"] == 1 << 16 for r in rows)
+    assert rows[1]["speed_vs_torch"] == 1.0 and "speed vs torch" in format_table(rows)
+
+
+def _bench(world):
+    import torch.distributed as dist
+
+    from jobs.bench.alltoall import bench_alltoall
+
+    return bench_alltoall(dist.group.WORLD, [1 << 16], iters=2, warmup=1)
