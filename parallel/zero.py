@@ -161,11 +161,13 @@ class _Unit:
         shares = [[p for p in params if shards.owner(p) == r] for r in range(shards.size)]
         self.owned, self.length = shares[shards.rank], max(sum(p.numel() for p in share) for share in shares)
         self.full = params[0].new_zeros(shards.size * self.length)
+        self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (others' parameter, its view into ``full``)
         for r, share in enumerate(shares):
             offset = r * self.length
             for p in share:
                 if r != shards.rank:
                     p.data = self.full[offset:offset + p.numel()].view_as(p)
+                    self.views.append((p, p.data))
                 offset += p.numel()
         self.modules: set[int] = set()  # the modules holding these parameters; those run in this forward pass
         self.forward_seen: set[int] = set()
@@ -186,7 +188,19 @@ class _Unit:
         payload = self.full.new_zeros(self.length)
         if self.owned:
             torch.cat([p.reshape(-1) for p in self.owned], out=payload[:sum(p.numel() for p in self.owned)])
-        ring_allgather(payload, transport, out=self.full.view(-1, self.length))
+        if transport.name == "mpi":  # mpi4py sees tensors through numpy, which makes their memory fixed-size
+            self.full.copy_(ring_allgather(payload, transport).view(-1))
+        else:
+            ring_allgather(payload, transport, out=self.full.view(-1, self.length))
+
+    def own_memory(self) -> None:
+        """Others' parameters in memory of their own (not ``full``'s, which numpy would pin: a checkpoint's load)."""
+        for p, view in self.views:
+            p.data = torch.empty_like(view)
+
+    def views_again(self) -> None:
+        for p, view in self.views:
+            p.data = view
 
 
 class ShardedParameters:
@@ -292,12 +306,12 @@ class ShardedParameters:
         """Memory for every parameter, not gathered (a checkpoint is loaded into it, then the others' dropped)."""
         self.free_all()
         for unit in self.units:
-            unit.allocate()
+            unit.own_memory()
         try:
             yield
         finally:
             for unit in self.units:
-                unit.release()
+                unit.views_again()
 
     @torch.no_grad()
     def unshard(self) -> None:

@@ -109,7 +109,7 @@ def _restored_state(world, step_dir: str, dp: int, zero: int):
     mesh = build_mesh(MeshShape(dp, 1, 1), world.rank)
     model = build_model(spec)
     optimizer = distributed_optimizer(build_optimizer(spec.train, model.parameters()),
-                                      make_transport("torch", mesh.group("dp")), zero=zero)
+                                      make_transport("torch", mesh.group("dp")), zero=zero, module=model)
     assert restore(step_dir, world.rank, model, optimizer, mesh) == 5
     names = {id(p): name for name, p in model.named_parameters()}
     held = {f"{names[id(p)]}/{key}": value.numpy().copy()
@@ -149,6 +149,29 @@ def test_a_sharded_checkpoint_resumes_without_zero_and_back(tmp_path, zero) -> N
         expected = _final_params(tmp_path / source / "checkpoints" / "step-00000010")
         for key, value in expected.items():
             np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5, err_msg=f"from {source}: {key}")
+
+
+def test_a_zero3_checkpoint_from_four_ranks_resumes_under_zero1_and_without_zero(tmp_path) -> None:
+    """Saved by (dp=4, zero=3), each parameter by its owner alone: the index holds every tensor whole; (dp=2,
+    zero=1) and (dp=1, zero=0) restore each state tensor exactly as saved, and resumed (as does (dp=2, zero=3),
+    which loads into memory it frees after) end where the uninterrupted run ends."""
+    run_ranks(4, _train, str(tmp_path), [("zero3", (4, 1, 1), 1, 3, 5, "never")], timeout=240)
+    step5 = tmp_path / "zero3" / "checkpoints" / "step-00000005"
+    saved = _saved_state(step5)
+    assert _final_params(step5).keys() == {f"model/{key.rsplit('/', 1)[0]}" for key in saved}  # every parameter
+    for dp, stage in ((2, 1), (1, 0)):
+        held = run_ranks(dp, _restored_state, str(step5), dp, stage, timeout=120)
+        assert sorted(k for h in held for k in h) == sorted(saved), (dp, stage)  # every tensor, held exactly once
+        for key, value in ((k, v) for h in held for k, v in h.items()):
+            np.testing.assert_array_equal(value, saved[key], err_msg=f"{(dp, stage)}: {key}")
+    expected = _final_params(tmp_path / "zero3" / "checkpoints" / "step-00000010")
+    two = [(f"resumed-zero{stage}", (2, 1, 1), 1, stage, 0, str(step5)) for stage in (1, 3)]
+    (one,) = run_ranks(1, _train, str(tmp_path), [("resumed-plain", (1, 1, 1), 1, 0, 0, str(step5))])[0]
+    per_rank = run_ranks(2, _train, str(tmp_path), two, timeout=240)
+    for name, got in [("dp1", assemble([one[0]]))] + [(case[0], assemble([r[i][0] for r in per_rank]))
+                                                       for i, case in enumerate(two)]:
+        for key, value in expected.items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5, err_msg=f"{name}: {key}")
 
 
 def _final_params(step_dir: Path) -> dict[str, np.ndarray]:
@@ -268,3 +291,65 @@ def test_zero2_steps_after_the_compression_warm_up_with_every_kind_of_reducer(na
     assert all(held0) and all(held1)
     for a, b in zip(params0, params1, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _residual_of(reducer, shards, bucket, index: int) -> list:
+    """Each of ``bucket``'s parameters' residual on this rank: top-k keeps one per tensor; a ring codec's
+    reduce-scatter one per bucket, laid out by owner (chunk c: rank (c - 1) % n's parameters, padded)."""
+    state = reducer.state_dict()
+    if reducer.name == "topk":
+        return [state[f"residual/bucket{index}/{i}"].reshape(p.shape).numpy() for i, p in enumerate(bucket)]
+    flat, n = state[f"residual/bucket{index}.scatter"], shards.size
+    shares = [[p for p in bucket if shards.owner(p) == (c - 1) % n] for c in range(n)]
+    length, where = flat.numel() // n, {}
+    for c, share in enumerate(shares):
+        offset = c * length
+        for p in share:
+            where[id(p)] = flat[offset:offset + p.numel()].reshape(p.shape).numpy()
+            offset += p.numel()
+    return [where[id(p)] for p in bucket]
+
+
+def _reduce_at_zero3(world, name: str):
+    """Two steps' gradients (drawn, not computed) reduced by the ZeRO-3 optimizer with ``name``: per parameter,
+    this rank's inputs, what it keeps (None: another rank owns it) and its residuals left after them."""
+    import torch
+    import torch.distributed as dist
+
+    from parallel.optimizer import distributed_optimizer
+    from parallel.ring import TorchTransport
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    optimizer = distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.0), TorchTransport(dist.group.WORLD),
+                                      reducer=name, zero=3, module=model, bucket_bytes=4096, overlap=False)
+    params, inputs, kept = list(model.parameters()), 0, 0
+    for step in range(2):
+        generator = torch.Generator().manual_seed(100 * step + world.rank)
+        grads = [torch.randn(p.shape, generator=generator, dtype=torch.float64).float() * 3 for p in params]
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad.clone()
+        optimizer.synchronize()
+        inputs = inputs + np.concatenate([g.numpy().ravel() for g in grads])
+        kept = kept + np.concatenate([(p.grad if p.grad is not None else torch.zeros_like(grad)).numpy().ravel()
+                                      for p, grad in zip(params, grads, strict=True)])
+        optimizer.zero_grad()
+    residuals = {id(p): r for b in optimizer.buckets
+                 for p, r in zip(b.params, _residual_of(optimizer.reducer, optimizer.zero, b.params, b.index),
+                                 strict=True)}
+    optimizer.close()
+    return inputs, kept, np.concatenate([residuals[id(p)].ravel() for p in params]), len(optimizer.buckets)
+
+
+@pytest.mark.parametrize("name", ["int8", "topk"])
+def test_zero3_reductions_keep_the_residual_bookkeeping(name) -> None:
+    """int8 reduce-scatters to the owners, top-k all-reduces and the others drop: either way, summed over
+    ranks and two steps, the inputs are the owners' kept gradients (means, so times n) plus the residuals."""
+    n = 3
+    outputs = run_ranks(n, _reduce_at_zero3, name, timeout=60)
+    assert outputs[0][3] > 1  # several buckets, each with its owners
+    inputs = np.sum([o[0] for o in outputs], axis=0, dtype=np.float64)
+    kept = np.sum([o[1] for o in outputs], axis=0, dtype=np.float64) * n
+    residuals = np.sum([o[2] for o in outputs], axis=0, dtype=np.float64)
+    np.testing.assert_allclose(kept + residuals, inputs, atol=1e-4)
+    assert np.abs(residuals).max() > 0.01  # the codec did drop something, and feedback kept it
