@@ -203,6 +203,18 @@ class _Unit:
             p.data = view
 
 
+def _holders(module: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, list[torch.Tensor]]]:
+    """Each module with the parameters its own forward uses: those it holds, and those of its ParameterList and
+    ParameterDict children (containers without a forward of their own)."""
+    containers = (torch.nn.ParameterList, torch.nn.ParameterDict)
+    for m in module.modules():
+        if not isinstance(m, containers):
+            params = list(m.parameters(recurse=False))
+            for child in m.children():
+                params += list(child.parameters()) if isinstance(child, containers) else []
+            yield m, params
+
+
 class ShardedParameters:
     """Stage 3 over the DP group: the hooks that gather each bucket's parameters (``_Unit``) just before a module
     holding them runs forward, and again before its backward, prefetching the next bucket meanwhile, and free them
@@ -210,7 +222,8 @@ class ShardedParameters:
 
     Gathers run on ``executor`` (the optimizer's communication thread, in the order submitted, the same on every
     rank) so a prefetch overlaps computation; without one they run inline. A parameter must be used only inside
-    the forward of a module holding it directly (as FSDP asks).
+    the forward of a module holding it directly or through a ParameterList/ParameterDict (as FSDP asks): elsewhere
+    its memory may be gone.
     """
 
     def __init__(self, shards: ZeroShards, buckets: Sequence[Sequence[torch.Tensor]], module: torch.nn.Module,
@@ -219,8 +232,8 @@ class ShardedParameters:
         self.units = [_Unit(i, params, shards) for i, params in enumerate(buckets)]
         unit_of = {id(p): unit for unit in self.units for p in unit.params}
         self._handles = []
-        for m in module.modules():
-            units = sorted({unit_of[id(p)].index for p in m.parameters(recurse=False) if id(p) in unit_of})
+        for m, params in _holders(module):
+            units = sorted({unit_of[id(p)].index for p in params if id(p) in unit_of})
             if units:
                 for i in units:
                     self.units[i].modules.add(id(m))

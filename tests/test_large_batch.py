@@ -116,6 +116,63 @@ def test_each_matches_the_papers_update_rule_over_20_steps(name) -> None:
     assert all(isinstance(v, torch.Tensor) for v in state.values())
 
 
+def _sharded_steps(world, cases):
+    """Each (name, zero) case on (dp=2, tp=2): layer 0 split by columns and layer 1 by halves over TP, layer 2
+    replicated; DP rank d sees curvatures scaled by 0.5 + d (the mean over DP is the problem's); 20 float64 steps
+    through the ZeRO optimizer. Returns per case this rank's TP coordinate and its final local layers."""
+    import torch
+
+    from parallel.large_batch import LAMB, LARS
+    from parallel.optimizer import distributed_optimizer
+    from parallel.ring import TorchTransport
+
+    mesh = build_mesh(MeshShape(2, 2, 1), world.rank)
+    tp, scale = mesh.index("tp"), 0.5 + mesh.index("dp")
+    cuts = [lambda x: x.reshape(3, 4)[:, 2 * tp:2 * tp + 2], lambda x: x[2 * tp:2 * tp + 2], lambda x: x]
+
+    class Quadratic(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            local = [[cut(torch.tensor(values, dtype=torch.float64)).clone() for values in layer]
+                     for cut, layer in zip(cuts, _problem(), strict=True)]
+            self.layers = torch.nn.ParameterList([torch.nn.Parameter(w) for w, _, _ in local])
+            self.targets = [(t, c * scale) for _, t, c in local]
+
+        def forward(self) -> torch.Tensor:
+            return sum((c * (w - t) ** 2 / 2).sum() for w, (t, c) in zip(self.layers, self.targets, strict=True))
+
+    results = []
+    for name, zero in cases:
+        model = Quadratic()
+        cls, options = {"lars": (LARS, LARS_OPTIONS), "lamb": (LAMB, LAMB_OPTIONS)}[name]
+        inner = cls(model.parameters(), **options, group=mesh.group("tp"), split=list(model.layers)[:2])
+        optimizer = distributed_optimizer(inner, TorchTransport(mesh.group("dp")), zero=zero, module=model,
+                                          bucket_bytes=64)
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            model().backward()
+            optimizer.step()
+        optimizer.unshard()
+        optimizer.close()
+        results.append((tp, [w.detach().numpy().copy() for w in model.layers]))
+    return results
+
+
+def test_sharded_by_zero_and_tp_each_matches_the_papers_update_rule_over_20_steps() -> None:
+    """LAMB and LARS at zero 2 and 3 over dp=2, with layers split over tp=2: the references' weights within 1e-6."""
+    cases = [("lamb", 2), ("lars", 2), ("lamb", 3), ("lars", 3)]
+    per_rank = run_ranks(4, _sharded_steps, cases, timeout=120)
+    for number, (name, zero) in enumerate(cases):
+        options = {"lars": LARS_OPTIONS, "lamb": LAMB_OPTIONS}[name]
+        expected = (reference_lars if name == "lars" else reference_lamb)(_problem(), **options)
+        for tp, layers in (r[number] for r in per_rank):
+            got = [layers[0].reshape(-1), layers[1], layers[2]]
+            want = [np.asarray(expected[0]).reshape(3, 4)[:, 2 * tp:2 * tp + 2].reshape(-1),
+                    np.asarray(expected[1])[2 * tp:2 * tp + 2], np.asarray(expected[2])]
+            for layer, (g, e) in enumerate(zip(got, want, strict=True)):
+                np.testing.assert_allclose(g, e, rtol=0, atol=1e-6, err_msg=f"{name} zero={zero} tp={tp} {layer}")
+
+
 GPT_OPTIONS = {
     "lamb": {"optimizer": "lamb", "lr": 3e-2, "weight_decay": 0.01},
     "lars": {"optimizer": "lars", "lr": 2.0, "momentum": 0.9, "trust_coefficient": 0.02, "weight_decay": 0.001},
