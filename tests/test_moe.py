@@ -251,3 +251,28 @@ def _bench(world):
     from jobs.bench.alltoall import bench_alltoall
 
     return bench_alltoall(dist.group.WORLD, [1 << 16], iters=2, warmup=1)
+
+
+def test_the_report_sums_each_experts_load_over_the_steps() -> None:
+    from hpc.observe.report import moe_rows
+
+    steps = [{"step": 1, "moe_tokens_per_expert": [[1, 2], [3, 4]], "moe_dropped_fraction": 0.1, "moe_aux_loss": 1.5},
+             {"step": 2, "moe_tokens_per_expert": [[10, 20], [30, 40]], "moe_dropped_fraction": 0.3,
+              "moe_aux_loss": 1.25}]
+    assert moe_rows(steps) == [("MoE layer 0: tokens per expert, all steps", "11 22"),
+                               ("MoE layer 1: tokens per expert, all steps", "33 44"),
+                               ("MoE: routed choices dropped (mean over steps)", "20.00%"),
+                               ("MoE: load-balancing loss, first / last step", "1.5 / 1.25")]
+    assert moe_rows([{"step": 1, "loss": 2.0}]) == []  # a dense run: no rows
+
+
+def test_the_moe_example_shards_8_experts_over_4_ranks(capsys) -> None:
+    from hpc.cli.main import main
+    from hpc.config import load_spec
+    from jobs.layout import check_layout
+
+    example = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "gpt_moe.toml"
+    spec = load_spec(example)
+    assert check_layout(spec, 4).dp == 4 and spec.parallel.ep == 4 and spec.model.moe_experts == 8
+    assert main(["run", "-n", "4", "--launcher", "local", "--dry-run", str(example)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 4

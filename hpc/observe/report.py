@@ -128,6 +128,24 @@ def summary(run: Run) -> list[tuple[str, str]]:
     whose = "largest rank" if run.ranks else "rank 0"  # metrics.jsonl is rank 0's
     peaks = [r["peak_memory_bytes"] for r in run.ranks or run.steps if r.get("peak_memory_bytes") is not None]
     rows.append((f"peak memory ({whose})", human_bytes(max(peaks)) if peaks else "-"))
+    return rows + moe_rows(run.steps)
+
+
+def moe_rows(steps: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """A mixture-of-experts run's routing: kept tokens per expert of each MoE layer over all steps, the
+    share of routed choices dropped, the load-balancing loss (1 = even). None for a dense run."""
+    loads = [r["moe_tokens_per_expert"] for r in steps if r.get("moe_tokens_per_expert")]
+    if not loads:
+        return []
+    totals = [[sum(step[layer][e] for step in loads) for e in range(len(loads[0][layer]))]
+              for layer in range(len(loads[0]))]
+    dropped = series(steps, "moe_dropped_fraction")[1]
+    aux = series(steps, "moe_aux_loss")[1]
+    rows = [(f"MoE layer {i}: tokens per expert, all steps", " ".join(f"{n:,}" for n in layer))
+            for i, layer in enumerate(totals)]
+    rows.append(("MoE: routed choices dropped (mean over steps)",
+                 f"{statistics.mean(dropped):.2%}" if dropped else "-"))
+    rows.append(("MoE: load-balancing loss, first / last step", f"{aux[0]:.4g} / {aux[-1]:.4g}" if aux else "-"))
     return rows
 
 
