@@ -49,7 +49,8 @@ def test_bench_rejects_unknown_codec(capsys) -> None:
 
 @pytest.mark.slow
 def test_bench_memory_zero_shards_per_rank() -> None:
-    """dp = 2: ZeRO-1 halves the optimizer state, ZeRO-2 the gradients too (whole-parameter shards: within 5%)."""
+    """dp = 2: ZeRO-1 halves the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the parameters too
+    (whole-parameter shards: within 5%)."""
     done = subprocess.run(
         [sys.executable, "-m", "hpc.cli.main", "bench", "memory", "-n", "2", "--launcher", "local",
          "--impls", "ours", "--steps", "1", "--json"],
@@ -57,11 +58,14 @@ def test_bench_memory_zero_shards_per_rank() -> None:
     )
     assert done.returncode == 0, done.stderr
     rows = {r["zero"]: r for r in map(json.loads, done.stdout.splitlines())}
-    assert sorted(rows) == [0, 1, 2]
+    assert sorted(rows) == [0, 1, 2, 3]
     for r in rows.values():
         assert {"impl", "zero", "dp", "param_bytes", "grad_bytes", "optim_bytes", "peak_bytes", "step_s"} <= set(r)
-        assert r["dp"] == 2 and r["impl"] == "ours" and r["step_s"] > 0 and r["param_bytes"] == rows[0]["param_bytes"]
+        assert r["dp"] == 2 and r["impl"] == "ours" and r["step_s"] > 0
+    assert rows[1]["param_bytes"] == rows[2]["param_bytes"] == rows[0]["param_bytes"]
+    assert rows[3]["param_bytes"] == pytest.approx(rows[0]["param_bytes"] / 2, rel=0.05)
     assert rows[1]["optim_bytes"] == pytest.approx(rows[0]["optim_bytes"] / 2, rel=0.05)
-    assert rows[2]["optim_bytes"] == rows[1]["optim_bytes"]
     assert rows[1]["grad_bytes"] == rows[0]["grad_bytes"]
-    assert rows[2]["grad_bytes"] == pytest.approx(rows[0]["grad_bytes"] / 2, rel=0.05)
+    for zero in (2, 3):
+        assert rows[zero]["optim_bytes"] == pytest.approx(rows[0]["optim_bytes"] / 2, rel=0.05)
+        assert rows[zero]["grad_bytes"] == pytest.approx(rows[0]["grad_bytes"] / 2, rel=0.05)

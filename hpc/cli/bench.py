@@ -102,11 +102,11 @@ def _add_checkpoint_parser(kinds: argparse._SubParsersAction) -> None:
 
 def _add_memory_parser(kinds: argparse._SubParsersAction) -> None:
     bench = kinds.add_parser(
-        "memory", help="per-rank bytes and step time of ZeRO 0/1/2 against ZeroRedundancyOptimizer (and FSDP2)"
+        "memory", help="per-rank bytes and step time of ZeRO 0-3 against ZeroRedundancyOptimizer (and FSDP2)"
     )
     bench.add_argument("-n", "--nprocs", default="2,4",
                        help="data-parallel ranks, one launch each (default %(default)s)")
-    bench.add_argument("--zero", default="0,1,2", help="our ZeRO stages (default %(default)s)")
+    bench.add_argument("--zero", default="0,1,2,3", help="our ZeRO stages (default %(default)s)")
     bench.add_argument("--impls", default="ours,torch-zero,fsdp2", help="(default %(default)s)")
     bench.add_argument("--steps", type=int, default=3, help="timed steps per row, after one warm-up (default 3)")
     bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
@@ -258,8 +258,8 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     from jobs.bench.memory import format_table
 
     ranks = _positive_ints("-n", args.nprocs)
-    if not set(args.zero.split(",")) <= {"0", "1", "2"} or args.steps < 1:
-        raise ConfigError(f"--zero takes stages 0, 1, 2 (got {args.zero!r}); --steps must be at least 1")
+    if not set(args.zero.split(",")) <= {"0", "1", "2", "3"} or args.steps < 1:
+        raise ConfigError(f"--zero takes stages 0, 1, 2, 3 (got {args.zero!r}); --steps must be at least 1")
     unknown = set(args.impls.split(",")) - {"ours", "torch-zero", "fsdp2"}
     if unknown:
         raise ConfigError(f"--impls: unknown {', '.join(sorted(unknown))} (valid: ours, torch-zero, fsdp2)")

@@ -1,12 +1,14 @@
-"""``hpc bench memory``: per-rank memory of ZeRO stages 0, 1, 2 against torch's ZeroRedundancyOptimizer.
+"""``hpc bench memory``: per-rank memory of ZeRO stages 0-3 against torch's ZeroRedundancyOptimizer and FSDP2.
 
 The built-in GPT (``jobs.gpt``) trains a few Adam steps on random tokens, every rank its
 own batch. ``ours`` is the trainer's path (``jobs.train.build_data_parallel_optimizer``:
-the ring transport, ``parallel.zero`` = 0, 1, 2); ``torch-zero`` is
+the ring transport, ``parallel.zero`` = 0, 1, 2, 3; stage 3 with ``ZERO3_BUCKET_MB`` buckets, about one
+transformer block each, the unit FSDP2 gathers here); ``torch-zero`` is
 ``torch.distributed.optim.ZeroRedundancyOptimizer`` (stage 1) under DDP on the same model
 and batches; ``fsdp2`` is ``torch.distributed.fsdp.fully_shard`` (stage 3), when it runs.
 
-Per rank, the largest over ranks: bytes of parameters (local shards for FSDP2), of
+Per rank, the largest over ranks: bytes of parameters with memory between steps (local shards for FSDP2, the
+owned ones for our stage 3), of
 gradients held after a step (``p.grad`` not None), of optimizer state (every tensor in
 ``optimizer.state``); ``peak_bytes`` is the growth of the process's resident set, sampled
 after every backward and step, over its size before the model was built (after
@@ -14,7 +16,8 @@ after every backward and step, over its size before the model was built (after
 keeps no peak counter, and ``ru_maxrss`` is a high-water mark over the whole process,
 which earlier rows would hide. It includes
 activations, communication buffers and the allocator's slack. ``step_s`` is the median
-over the timed steps of the slowest rank's step. ``expect_*`` is the ZeRO paper's fp32
+over the timed steps of the slowest rank's step; ``step_vs_zero0`` and ``step_vs_fsdp2`` divide it by
+``ours`` zero 0's and by FSDP2's. ``expect_*`` is the ZeRO paper's fp32
 Adam count: parameters 4Ψ, gradients 4Ψ, optimizer 8Ψ, each divided by dp once the stage
 shards it (1: optimizer; 2: + gradients; 3: + parameters).
 """
@@ -37,8 +40,9 @@ from hpc import text
 COLUMNS = ("impl", "zero", "dp", "param_bytes", "grad_bytes", "optim_bytes", "peak_bytes", "step_s",
            "expect_param_bytes", "expect_grad_bytes", "expect_optim_bytes")
 HEADER = ("impl", "zero", "dp", "params MiB", "(paper)", "grads MiB", "(paper)", "optim MiB", "(paper)",
-          "RSS peak MiB", "step(ms)", "vs zero0")
+          "RSS peak MiB", "step(ms)", "vs zero0", "vs fsdp2")
 GPT_SIZE = {"vocab_size": 512, "seq_len": 64, "d_model": 256, "n_heads": 4, "n_layers": 4}
+ZERO3_BUCKET_MB = 4.0  # one block of GPT_SIZE is 3.0 MiB: our stage 3 gathers about what FSDP2 does per block
 BATCH = 8  # sequences per rank per step
 
 
@@ -56,7 +60,8 @@ def _trim() -> None:
 
 
 def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes of the tensors that have memory (ZeRO-3 leaves others' parameters without any between steps)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().nbytes())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -76,8 +81,9 @@ def _ours(zero: int, group: ProcessGroup, mesh):
     from jobs.gpt import gpt
     from jobs.train import build_data_parallel_optimizer
 
+    bucket = {"bucket_mb": ZERO3_BUCKET_MB} if zero == 3 else {}
     spec = spec_from_dict({"train": {"optimizer": "adam", "lr": 1e-3},
-                           "parallel": {"zero": zero, "transport": "torch"}})
+                           "parallel": {"zero": zero, "transport": "torch", **bucket}})
     model = gpt(**GPT_SIZE)
     return model, model, build_data_parallel_optimizer(spec, model, mesh, Probe())
 
@@ -169,9 +175,10 @@ def bench_memory(group: ProcessGroup, zeros: Sequence[int], impls: Sequence[str]
     for impl, zero, build in runs:
         measured = _measure(build, group, steps, warmup)
         rows.append({"impl": impl, "zero": zero, "dp": dp, **measured, **expected(zero, dp, numel)})
-    base = next((r["step_s"] for r in rows if r["impl"] == "ours" and r["zero"] == 0), None)
-    for row in rows:
-        row["step_vs_zero0"] = row["step_s"] / base if base else None
+    for key, impl, zero in (("step_vs_zero0", "ours", 0), ("step_vs_fsdp2", "fsdp2", 3)):
+        base = next((r["step_s"] for r in rows if r["impl"] == impl and r["zero"] == zero), None)
+        for row in rows:
+            row[key] = row["step_s"] / base if base else None
     return rows
 
 
@@ -183,7 +190,9 @@ def _cells(r: dict) -> tuple[object, ...]:
     def mib(key: str) -> str:
         return f"{r[key] / 2**20:.2f}"
 
-    ratio = "-" if r.get("step_vs_zero0") is None else f"{r['step_vs_zero0']:.2f}x"
+    def ratio(key: str) -> str:
+        return "-" if r.get(key) is None else f"{r[key]:.2f}x"
+
     return (r["impl"], r["zero"], r["dp"], mib("param_bytes"), mib("expect_param_bytes"), mib("grad_bytes"),
             mib("expect_grad_bytes"), mib("optim_bytes"), mib("expect_optim_bytes"), mib("peak_bytes"),
-            f"{r['step_s'] * 1e3:.1f}", ratio)
+            f"{r['step_s'] * 1e3:.1f}", ratio("step_vs_zero0"), ratio("step_vs_fsdp2"))
