@@ -10,10 +10,15 @@ and runs its optimizer after it.
 
 Every tensor crossing a stage boundary has the same ``activation_shape`` and dtype, given
 per call (true of stacks of equal blocks, which is what we cut into stages), so a
-receive allocates its buffer without a shape exchange. Messages travel as Gloo
-isend/irecv on the explicit pipeline group, tagged by the message they carry; each
-receive is posted as soon as the one before it completed (one message of look-ahead),
-and sends are awaited at the end of the step. We drive torch.distributed point-to-point
+receive allocates its buffer without a shape exchange. Messages travel as isend/irecv
+on the explicit pipeline group, tagged by the message they carry. The schedule's next
+``lookahead`` receives are always posted, so a message lands while this rank computes
+and its sender never waits for us to ask for it; sends and receives due between two
+computes are queued and posted in one ``batch_isend_irecv`` right before the next compute
+or wait (one launch where the backend coalesces, NCCL), so a send never holds up the next
+compute; sends are awaited only at the end of the step. Nothing is copied: a stage's
+output and its input's gradient are sent as they are, received buffers become the next
+stage's input or output gradient. We drive torch.distributed point-to-point
 ourselves instead of torch.distributed.pipelining so that the schedule executed is
 exactly the inspectable, simulated one.
 """
@@ -66,6 +71,7 @@ def run_pipeline_step(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     probe: Probe | None = None,
+    lookahead: int = 4,
 ) -> StepStats:
     """Run this rank's actions once: forward and backward of every microbatch, grads accumulated.
 
@@ -75,8 +81,10 @@ def run_pipeline_step(
     only the caller knows whether it needs. ``probe`` sees every compute, send and receive wait
     (timeline, stall inspector).
     """
+    if lookahead < 1:
+        raise ValueError(f"lookahead must be at least 1 posted receive, got {lookahead}")
     step = _Step(actions, chunks, group, tuple(activation_shape), loss_fn, inputs, targets,
-                 dtype or torch.float32, device, probe or Probe())
+                 dtype or torch.float32, device, probe or Probe(), lookahead)
     return step.run()
 
 
@@ -84,7 +92,7 @@ class _Step:
     """One rank during one step: messages posted and in hand, activations kept for backward."""
 
     def __init__(
-        self, actions, chunks, group, activation_shape, loss_fn, inputs, targets, dtype, device, probe
+        self, actions, chunks, group, activation_shape, loss_fn, inputs, targets, dtype, device, probe, lookahead
     ) -> None:
         self.actions, self.chunks, self.group, self.probe = actions, chunks, group, probe
         self.activation_shape, self.loss_fn, self.inputs, self.targets = activation_shape, loss_fn, inputs, targets
@@ -94,7 +102,10 @@ class _Step:
         self.num_stages = self.p * len(chunks)
         self.m = 1 + max(action.microbatch for action in actions)
         self.upcoming = iter([action for action in actions if action.kind in ("RECV_F", "RECV_B")])
-        self.posted: dict[Message, tuple] = {}  # message -> (buffer, pending irecv)
+        self.lookahead = lookahead
+        self.batch: list[tuple[dist.P2POp, Message | None]] = []  # posted together before the next compute or wait
+        self.buffers: dict[Message, torch.Tensor] = {}  # receive buffers of the messages in self.posted
+        self.posted: dict[Message, dist.Work] = {}  # message -> pending irecv
         self.inbox: dict[Message, torch.Tensor] = {}  # received or handed over, not yet consumed
         self.outbox: dict[Message, torch.Tensor] = {}  # computed, not yet sent
         self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, stage) -> (input, output, bytes kept)
@@ -104,48 +115,69 @@ class _Step:
 
     def run(self) -> StepStats:
         started = time.perf_counter()
-        self._post_next_receive()
-        handlers = {"RECV_F": self._receive, "RECV_B": self._receive, "SEND_F": self._send, "SEND_B": self._send,
-                    "F": self._forward, "B": self._backward}
-        computes = {"F": "forward", "B": "backward"}
+        self._post_receives()
+        computes = {"F": ("forward", self._forward), "B": ("backward", self._backward)}
         for action in self.actions:
-            if action.kind in computes:
-                with self.probe.span(computes[action.kind], microbatch=action.microbatch, stage=action.stage):
-                    handlers[action.kind](action)
+            if action.kind in ("SEND_F", "SEND_B"):
+                self._send(action)
+            elif action.kind in ("RECV_F", "RECV_B"):
+                self._receive(action)
             else:
-                handlers[action.kind](action)
+                self._flush()
+                name, compute = computes[action.kind]
+                with self.probe.span(name, microbatch=action.microbatch, stage=action.stage):
+                    compute(action)
+        self._flush()
         with self.probe.span("wait for sends", "wait"):
             for pending in self.sends:
                 pending.wait()
         loss = float(sum(self.losses)) if self.losses else None
         return StepStats(loss, self.forward_s, self.backward_s, time.perf_counter() - started, self.peak)
 
-    def _post_next_receive(self) -> None:
-        """Post the schedule's next receive now, so its message lands while this rank computes."""
-        action = next(self.upcoming, None)
-        if action is not None:
+    def _post_receives(self) -> None:
+        """Queue the schedule's next receives until ``lookahead`` are posted, so messages land while we compute."""
+        while len(self.posted) + sum(message is not None for _, message in self.batch) < self.lookahead:
+            action = next(self.upcoming, None)
+            if action is None:
+                return
             buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+            self.buffers[action.message] = buffer
             tag = message_tag(action.message, self.num_stages)
-            self.posted[action.message] = buffer, dist.irecv(buffer, group=self.group, group_src=action.peer, tag=tag)
+            self.batch.append((dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=action.peer, tag=tag),
+                               action.message))
+
+    def _flush(self) -> None:
+        """Post the queued sends and receives as one batch (one launch on backends that coalesce, NCCL)."""
+        if not self.batch:
+            return
+        works = dist.batch_isend_irecv([op for op, _ in self.batch])
+        for (_, message), work in zip(self.batch, works, strict=True):
+            if message is None:
+                self.sends.append(work)
+            else:
+                self.posted[message] = work
+        self.batch.clear()
 
     def _link(self, src: int, dst: int) -> str:
         """The stall inspector's channel for messages from pipeline rank src to dst."""
         return f"p2p:{self.global_ranks[src]}>{self.global_ranks[dst]}"
 
     def _receive(self, action: Action) -> None:
-        buffer, pending = self.posted.pop(action.message)
         message = action.message
+        self._flush()  # the sends queued before this wait, which the peer may need first
+        pending = self.posted.pop(message)
         with self.probe.collective(f"recv {message.direction} mb{message.microbatch} stage{message.stage}",
                                    self._link(action.peer, self.rank), [self.global_ranks[action.peer]]):
             pending.wait()
-        self.inbox[action.message] = buffer
-        self._post_next_receive()
+        self.inbox[message] = self.buffers.pop(message)
+        self._post_receives()
 
     def _send(self, action: Action) -> None:
-        tensor = self.outbox.pop(action.message)
-        tag = message_tag(action.message, self.num_stages)
-        self.sends.append(dist.isend(tensor, group=self.group, group_dst=action.peer, tag=tag))
+        """Queued, posted with whatever else is queued right before this rank next computes or waits."""
         message = action.message
+        tensor = self.outbox.pop(message)
+        tag = message_tag(message, self.num_stages)
+        self.batch.append((dist.P2POp(dist.isend, tensor, group=self.group, group_peer=action.peer, tag=tag), None))
         self.probe.sent(f"send {message.direction} mb{message.microbatch} stage{message.stage}",
                         self._link(self.rank, action.peer))
 

@@ -153,6 +153,8 @@ def test_bench_pipeline_json_rows() -> None:
         assert (r["stages"], r["microbatches"], r["virtual"]) == (2, 4, 2 if name == "interleaved" else 1)
         assert r["bubble_theory"] == theoretical_bubble(name, 2, 4, r["virtual"])
         assert 0 <= r["bubble_measured"] < 1 and r["step_s"] > 0
+        assert r["message_s"] > 0 and r["chunk_compute_s"] > 0  # what one message costs, against one compute
+        assert r["bubble_theory"] - 1e-9 <= r["bubble_simulated"] < 1  # messages only ever add to the bubble
     # GPipe keeps all 4 microbatches for backward, 1F1B at most p = 2
     assert rows["gpipe"]["peak_activation_bytes"] > rows["1f1b"]["peak_activation_bytes"] > 0
 

@@ -7,14 +7,27 @@ averaged over ranks and timed steps. Theory: (p-1)/(m+p-1), and (p-1)/(v*m+p-1)
 interleaved. Peak activation bytes: the executor's count of what it keeps for backward,
 the maximum over the step and over ranks.
 
-The model is a stack of square Linear+Tanh blocks, wide enough that a forward of one
-microbatch costs milliseconds, so one activation message is small next to it; it is cut
-into p*v equal stages, and the microbatch size is fixed, so more microbatches mean more
-work per step, as when the global batch grows.
+What a message costs: ``message_s``, the one-way time of one activation between pipeline
+ranks 0 and 1 (half a ping-pong round trip, median of a few, measured before the rows),
+against ``chunk_compute_s``, the mean forward plus backward of one microbatch through one
+chunk; ``bubble_simulated`` is the simulator's bubble of the same schedule with the
+measured forward, backward and message times, so the gap between it and the theory is
+what the messages cost and the gap between it and the measurement is everything else
+(unequal stages, a busy machine).
+
+The model is a stack of square Linear+Tanh blocks, by default 16 blocks 1024 wide and
+64 rows per microbatch: a stage computes for tens of milliseconds per microbatch while an
+activation (256 KiB) crosses in a fraction of a millisecond, the proportion of a
+transformer stage on a GPU against its link (the interleaved schedule, whose chunks are
+half a stage, feels a message's latency most). It is cut into p*v equal stages, and the
+microbatch size is fixed, so more microbatches mean more work per step, as when the
+global batch grows.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Sequence
 
 import torch
@@ -24,37 +37,63 @@ from torch.distributed import ProcessGroup
 
 from hpc import text
 from parallel.pipeline import run_pipeline_step, split_into_stages
-from parallel.schedule import build_schedule, theoretical_bubble
+from parallel.schedule import build_schedule, simulate, theoretical_bubble
 
 COLUMNS = (
-    "schedule", "stages", "microbatches", "virtual", "bubble_measured", "bubble_theory", "peak_activation_bytes",
-    "step_s",
+    "schedule", "stages", "microbatches", "virtual", "bubble_measured", "bubble_theory", "bubble_simulated",
+    "peak_activation_bytes", "step_s", "chunk_compute_s", "message_s",
 )
-HEADER = ("schedule", "p", "m", "v", "bubble", "theory", "peak act MiB", "step(ms)")
+HEADER = ("schedule", "p", "m", "v", "bubble", "theory", "sim+msg", "peak act MiB", "step(ms)", "F+B(ms)", "msg(ms)")
+PING_PONGS = 10
 
 
 def bench_pipeline(
     group: ProcessGroup, schedules: Sequence[str], microbatches: Sequence[int], virtual: int, *,
-    layers: int = 16, width: int = 512, rows: int = 64, steps: int = 3, warmup: int = 1,
+    layers: int = 16, width: int = 1024, rows: int = 64, steps: int = 3, warmup: int = 1,
 ) -> list[dict]:
     """One row per (schedule, m) on the ranks of ``group``; every rank returns the same rows."""
     p = dist.get_world_size(group)
+    message = message_seconds(group, (rows, width))
     return [
-        _bench_one(group, name, p, m, virtual if name == "interleaved" else 1, layers, width, rows, steps, warmup)
+        _bench_one(group, name, p, m, virtual if name == "interleaved" else 1, layers, width, rows, steps, warmup,
+                   message)
         for name in schedules for m in microbatches
     ]
 
 
+def message_seconds(group: ProcessGroup, shape: Sequence[int]) -> float:
+    """One-way time of one activation from pipeline rank 0 to 1: half the median ping-pong, the same on every rank.
+
+    Ranks past 1 only wait for the result; 0.0 for a single rank."""
+    rank, seconds = dist.get_rank(group), torch.zeros(1, dtype=torch.float64)
+    if dist.get_world_size(group) > 1:
+        payload, trips = torch.randn(shape), []
+        dist.barrier(group=group)
+        for _ in range(PING_PONGS + 1) if rank < 2 else ():
+            started = time.perf_counter()
+            if rank == 0:
+                dist.send(payload, group=group, group_dst=1)
+                dist.recv(payload, group=group, group_src=1)
+            else:
+                dist.recv(payload, group=group, group_src=0)
+                dist.send(payload, group=group, group_dst=0)
+            trips.append(time.perf_counter() - started)
+        if rank == 0:
+            seconds[0] = statistics.median(trips[1:]) / 2  # the first trip warms the connection up
+    dist.broadcast(seconds, group_src=0, group=group)
+    return seconds.item()
+
+
 def _bench_one(
     group: ProcessGroup, name: str, p: int, m: int, v: int, layers: int, width: int, rows: int, steps: int,
-    warmup: int,
+    warmup: int, message: float,
 ) -> dict:
     rank = dist.get_rank(group)
     torch.manual_seed(0)
     chunks = split_into_stages([nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)], p, v)[rank]
     actions = build_schedule(name, p, m, v)[rank]
     inputs, targets = torch.randn(m, rows, width).unbind(), torch.randn(m, rows, width).unbind()
-    compute, wall, peak = [], [], 0
+    compute, wall, peak, f_and_b = [], [], 0, []
     for step in range(warmup + steps):
         for chunk in chunks:
             chunk.zero_grad(set_to_none=True)
@@ -65,6 +104,7 @@ def _bench_one(
         )
         if step >= warmup:
             compute.append(stats.forward_s + stats.backward_s)
+            f_and_b.append((stats.forward_s, stats.backward_s))
             wall.append(stats.wall_s)
             peak = max(peak, stats.peak_activation_bytes)
     makespans = torch.tensor(wall, dtype=torch.float64)
@@ -73,8 +113,12 @@ def _bench_one(
     dist.all_reduce(bubble, group=group)
     peak_bytes = torch.tensor([peak], dtype=torch.int64)
     dist.all_reduce(peak_bytes, op=dist.ReduceOp.MAX, group=group)
-    values = (name, p, m, v, bubble.item() / p, theoretical_bubble(name, p, m, v), int(peak_bytes.item()),
-              makespans.mean().item())
+    per_action = torch.tensor([sum(f for f, _ in f_and_b), sum(b for _, b in f_and_b)], dtype=torch.float64)
+    dist.all_reduce(per_action, group=group)
+    forward, backward = (per_action / (p * steps * m * v)).tolist()  # one microbatch through one chunk
+    simulated = simulate(build_schedule(name, p, m, v), forward, backward, message).bubble
+    values = (name, p, m, v, bubble.item() / p, theoretical_bubble(name, p, m, v), simulated,
+              int(peak_bytes.item()), makespans.mean().item(), forward + backward, message)
     return dict(zip(COLUMNS, values, strict=True))
 
 
@@ -84,4 +128,5 @@ def format_table(rows: Sequence[dict]) -> str:
 
 def _cells(r: dict) -> tuple[object, ...]:
     return (r["schedule"], r["stages"], r["microbatches"], r["virtual"], f"{r['bubble_measured']:.3f}",
-            f"{r['bubble_theory']:.3f}", f"{r['peak_activation_bytes'] / 2**20:.2f}", f"{r['step_s'] * 1e3:.1f}")
+            f"{r['bubble_theory']:.3f}", f"{r['bubble_simulated']:.3f}", f"{r['peak_activation_bytes'] / 2**20:.2f}",
+            f"{r['step_s'] * 1e3:.1f}", f"{r['chunk_compute_s'] * 1e3:.1f}", f"{r['message_s'] * 1e3:.3f}")
