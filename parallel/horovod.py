@@ -319,8 +319,21 @@ def _member_names(name, count: int) -> list:
     return [None if name is None else f"{name}_{i + 1}of{count}" for i in range(count)]
 
 
+class _Together:
+    """The work of a handle made of handles: complete when every part is (``finish`` synchronizes each)."""
+
+    def __init__(self, handles):
+        self.handles = handles
+
+    def is_completed(self) -> bool:
+        return all(handle.done() for handle in self.handles)
+
+    def wait(self) -> None:
+        pass
+
+
 def _grouped(handles) -> Handle:
-    return Handle(handles, None, lambda hs: [synchronize(h) for h in hs])
+    return Handle(handles, _Together(handles), lambda hs: [synchronize(h) for h in hs])
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -358,9 +371,10 @@ def _gather_first_dims(tensor, process_set) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def _allgather_async(tensor, process_set, name=None) -> Handle:
-    """Concatenation along dim 0; the first dimension may differ between ranks (padded on the wire).
-    The shapes are negotiated first (they give every rank's first dimension), the rows travel in the background."""
+def _allgather_async(tensor, process_set, name=None, split=False) -> Handle:
+    """Concatenation along dim 0 (``split``: every rank's rows apart); the first dimension may differ between
+    ranks (padded on the wire). The shapes are negotiated first (they give every rank's first dimension),
+    the rows travel in the background."""
     tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
 
     def launch(firsts) -> Handle:
@@ -370,7 +384,8 @@ def _allgather_async(tensor, process_set, name=None) -> Handle:
         work = dist.all_gather(parts, padded, group=_group(process_set), async_op=True)
 
         def finish(gathered):
-            return torch.cat([part[:first] for part, first in zip(gathered, firsts, strict=True)]).to(tensor.dtype)
+            parts = [part[:first].to(tensor.dtype) for part, first in zip(gathered, firsts, strict=True)]
+            return parts if split else torch.cat(parts)
 
         return Handle(parts, work, finish)
 
@@ -588,18 +603,25 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> Handle:
-    handles = [reducescatter_async(t, name, op, process_set, prescale_factor, postscale_factor) for t in tensors]
-    return Handle(handles, None, lambda hs: [synchronize(h) for h in hs])
+    names = _member_names(name, len(tensors))
+    return _grouped([reducescatter_async(t, n, op, process_set, prescale_factor, postscale_factor)
+                     for t, n in zip(tensors, names, strict=True)])
 
 
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
-    """As Horovod: gather every rank's indices and values; duplicates add up when the result is coalesced."""
+    """As Horovod: gather every rank's indices and values (in the background); duplicates add up when the
+    result is coalesced."""
     sparse = tensor.coalesce()
-    indices = _allgather(sparse.indices().transpose(0, 1).contiguous(), process_set)
-    values = _allgather(sparse.values(), process_set)
-    if op == Average:
-        values = values / process_set.size()
-    return Handle(torch.sparse_coo_tensor(indices.transpose(0, 1), values, sparse.size()))
+    parts = [_allgather_async(sparse.indices().transpose(0, 1).contiguous(), process_set),
+             _allgather_async(sparse.values(), process_set)]
+
+    def finish(handles):
+        indices, values = (synchronize(h) for h in handles)
+        if op == Average:
+            values = values / process_set.size()
+        return torch.sparse_coo_tensor(indices.transpose(0, 1), values, sparse.size())
+
+    return Handle(parts, _Together(parts), finish)
 
 
 def barrier(process_set=global_process_set) -> None:
@@ -679,22 +701,20 @@ def _pickled(obj) -> torch.Tensor:
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """As Horovod: the pickled object's length, then its bytes, by two negotiated broadcasts."""
+    """As Horovod: the pickled object's length by a negotiated broadcast, then its bytes (every rank that
+    passed the negotiation issues that broadcast next)."""
     mine = _pickled(obj) if dist.get_rank() == root_rank else None
     length = torch.tensor([0 if mine is None else mine.numel()], dtype=torch.int64)
     broadcast_(length, root_rank, process_set=process_set)
     data = mine if mine is not None else torch.empty(int(length), dtype=torch.uint8)
-    broadcast_(data, root_rank, process_set=process_set)
+    dist.broadcast(data, src=root_rank, group=_group(process_set))
     return obj if mine is not None else pickle.load(io.BytesIO(data.numpy().tobytes()))
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
-    """As Horovod: every rank's pickled object by one negotiated allgather (lengths may differ)."""
-    mine = _pickled(obj)
-    lengths = _allgather(torch.tensor([mine.numel()]), process_set).tolist()
-    data = _allgather(mine, process_set).numpy().tobytes()
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    return [pickle.loads(data[start : start + n]) for start, n in zip(starts, lengths, strict=True)]
+    """As Horovod: every rank's pickled object by one negotiated allgather (its negotiation gives the lengths)."""
+    parts = synchronize(_allgather_async(_pickled(obj), process_set, split=True))
+    return [pickle.loads(part.numpy().tobytes()) for part in parts]
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set) -> None:

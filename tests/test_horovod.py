@@ -240,6 +240,9 @@ def _named_operations(world, timeline: str):
     pair = ["a", "b"] if r == 0 else ["b", "a"]
     handles = {n: hvd.allreduce_async({"a": a, "b": b}[n], name=n, op=hvd.Sum) for n in pair}
     out["pairs"] = [hvd.synchronize(handles[n]).tolist() for n in ("a", "b")]
+    grouped = hvd.grouped_allreduce_async([a, b], name="g", op=hvd.Sum)  # each tensor matched by its own name
+    out["grouped_waits"] = not hvd.poll(grouped)
+    out["grouped"] = [t.tolist() for t in hvd.synchronize(grouped)]
     received, splits = hvd.synchronize(hvd.alltoall_async(torch.arange(3.0) + 10 * r, splits=[1, 2], name="swap"))
     out["alltoall"] = (received.tolist(), splits.tolist())
     lonely = hvd.allreduce_async(x, name=f"only_on_{r}")  # each rank waits for a name the other never issues
@@ -267,7 +270,7 @@ def test_named_operations_are_matched_by_name_and_a_duplicate_raises(tmp_path) -
     assert first["waiting"] and first["duplicate"] and second["duplicate"]
     for out in (first, second):
         assert out["sum"] == [3.0, 3.0] and out["rows"] == [0.0, 1.0, 1.0] and out["released"] == [2.0, 2.0]
-        assert out["pairs"] == [[3.0] * 3, [3.0] * 5]
+        assert out["pairs"] == out["grouped"] == [[3.0] * 3, [3.0] * 5] and out["grouped_waits"]
         assert out["lonely"] and out["object_mismatch"]
         assert out["objects"] == [{"rank": 0}, {"rank": 1}] and out["loss"] == [1.5, 1.5]
     # rank r sends [10r] to rank 0 and [10r+1, 10r+2] to rank 1
