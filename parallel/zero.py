@@ -254,7 +254,8 @@ class ShardedParameters:
             unit.forward_seen.add(id(module))
             if unit.forward_seen >= unit.modules:
                 unit.forward_seen.clear()
-                self.free(i)
+                if i != 0 or not torch.is_grad_enabled():  # bucket 0, which backward needs first, stays gathered
+                    self.free(i)
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
