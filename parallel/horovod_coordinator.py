@@ -18,7 +18,9 @@ Chrome trace in Horovod's format (one row per operation name).
 from __future__ import annotations
 
 import json
+import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +85,8 @@ class _Pending:
     signature: torch.Tensor
     launch: Any
     process_set: ProcessSet
+    since: float = field(default_factory=time.monotonic)
+    warned: bool = False
 
 
 @dataclass
@@ -268,6 +272,20 @@ def _launch_ready(rows: torch.Tensor, process_set: ProcessSet) -> None:
     for key in sorted(set(active[0]).intersection(*active[1:])):
         signatures = torch.tensor([table[key] for table in active], dtype=torch.int64)
         _launch_named(key, signatures, any(joined), joined[process_set.rank()], process_set)
+    _warn_stalled(process_set, tables)
+
+
+def _warn_stalled(process_set: ProcessSet, tables: list) -> None:
+    """Horovod's stall check: a warning (once per operation) when a named operation has waited longer than
+    ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default 60) for ranks that have not issued it."""
+    limit = float(os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", 60))
+    for key, handle in process_set.waiting.items():
+        pending = handle.pending
+        if not pending.warned and time.monotonic() - pending.since >= limit:
+            pending.warned = True
+            missing = [r for r, table in enumerate(tables) if key not in table]
+            warnings.warn(f"{key} has waited {time.monotonic() - pending.since:.0f} s for rank(s) {missing} of the "
+                          "process set, which have not issued an operation of that name", stacklevel=2)
 
 
 def _launch_named(key: str, signatures: torch.Tensor, someone_joined: bool, i_joined: bool,
@@ -284,7 +302,11 @@ def _launch_named(key: str, signatures: torch.Tensor, someone_joined: bool, i_jo
     if problem is not None:
         handle.pending, handle.error = None, HorovodInternalError(problem)
         return
-    handle.take(handle.pending.launch(signatures[:, SHAPE].tolist()))
+    try:  # an error here (a root outside the set) is the same on every rank: it goes to the handle
+        handle.take(handle.pending.launch(signatures[:, SHAPE].tolist()))
+    except (ValueError, RuntimeError) as exc:
+        handle.pending, handle.error = None, exc
+        return
     handle.started = TIMELINE.now()
     if len(process_set.running) >= _PRUNE_AT:
         for done in [k for k, h in process_set.running.items() if h.done()]:

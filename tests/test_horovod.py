@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -246,7 +247,11 @@ def _named_operations(world, timeline: str):
     received, splits = hvd.synchronize(hvd.alltoall_async(torch.arange(3.0) + 10 * r, splits=[1, 2], name="swap"))
     out["alltoall"] = (received.tolist(), splits.tolist())
     lonely = hvd.allreduce_async(x, name=f"only_on_{r}")  # each rank waits for a name the other never issues
-    out["lonely"] = _raises(hvd.HorovodInternalError, hvd.synchronize, lonely)
+    os.environ["HOROVOD_STALL_CHECK_TIME_SECONDS"] = "0"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["lonely"] = _raises(hvd.HorovodInternalError, hvd.synchronize, lonely)
+    out["stall_warning"] = [str(w.message) for w in caught]
     mismatched = hvd.broadcast_object if r == 0 else hvd.allgather_object
     out["object_mismatch"] = _raises(hvd.HorovodInternalError, mismatched, {"rank": r})
     out["objects"] = hvd.allgather_object({"rank": r})
@@ -268,10 +273,12 @@ def test_named_operations_are_matched_by_name_and_a_duplicate_raises(tmp_path) -
     timeline = tmp_path / "timeline.json"
     first, second = run_ranks(2, _named_operations, str(timeline))
     assert first["waiting"] and first["duplicate"] and second["duplicate"]
-    for out in (first, second):
+    for r, out in enumerate((first, second)):
         assert out["sum"] == [3.0, 3.0] and out["rows"] == [0.0, 1.0, 1.0] and out["released"] == [2.0, 2.0]
         assert out["pairs"] == out["grouped"] == [[3.0] * 3, [3.0] * 5] and out["grouped_waits"]
         assert out["lonely"] and out["object_mismatch"]
+        assert len(out["stall_warning"]) == 1 and f"only_on_{r} has waited" in out["stall_warning"][0]
+        assert f"rank(s) [{1 - r}]" in out["stall_warning"][0]
         assert out["objects"] == [{"rank": 0}, {"rank": 1}] and out["loss"] == [1.5, 1.5]
     # rank r sends [10r] to rank 0 and [10r+1, 10r+2] to rank 1
     assert first["alltoall"] == ([0.0, 10.0], [1, 1]) and second["alltoall"] == ([1.0, 2.0, 11.0, 12.0], [2, 2])
