@@ -217,6 +217,45 @@ def test_a_save_that_cannot_write_fails_at_finalize_when_asynchronous(tmp_path) 
         run_ranks(1, _save_steps, str(blocker), [1], 1, False, timeout=60)
 
 
+def _save_changing_pieces(world, root):
+    """Step 1: a tensor on both ranks; steps 2 and 3: rank 1 adds one of its own, then both change values."""
+    import torch
+    import torch.distributed as dist
+
+    from hpc.checkpoint import Checkpointer, Piece
+
+    shared, own = torch.zeros(4, 3), torch.zeros(2)
+    saver = Checkpointer(root, dist.group.WORLD, keep=3, async_save=True)
+    for step in (1, 2, 3):
+        shared.fill_(step)
+        own.fill_(10 * step)
+        pieces = [Piece.whole("model/shared", shared)] + ([Piece.whole("model/own", own)] if world.rank and step > 1
+                                                           else [])
+        saver.save(step, pieces, {"step": torch.tensor([step])})
+        shared.fill_(-1)  # after the copy: must not reach the checkpoint
+    return saver.finalize()
+
+
+def test_pieces_that_change_on_one_rank_are_agreed_anew_and_each_save_gets_its_own_id(tmp_path) -> None:
+    import torch
+
+    from hpc.checkpoint import load_rank_state, open_checkpoint, read_tensor
+
+    run_ranks(2, _save_changing_pieces, str(tmp_path), timeout=120)
+    ids = {}
+    for step in (1, 2, 3):
+        index = open_checkpoint(tmp_path / f"step-{step:08d}")
+        assert set(index.tensors) == ({"model/shared"} if step == 1 else {"model/shared", "model/own"})
+        assert torch.equal(read_tensor(index, "model/shared"), torch.full((4, 3), float(step)))
+        if step > 1:
+            assert torch.equal(read_tensor(index, "model/own"), torch.full((2,), 10.0 * step))
+        assert torch.equal(load_rank_state(index, 1)["step"], torch.tensor([step]))
+        ids[step] = index.save_id
+    assert len(set(ids.values())) == 3
+    # step 2 agreed anew (rank 1's pieces changed), step 3 reused that agreement: its random part, another count
+    assert ids[3][:-8] == ids[2][:-8] != ids[1][:-8]
+
+
 def test_retention_never_deletes_what_was_just_written_and_a_resave_replaces(tmp_path) -> None:
     root = tmp_path / "ckpt"
     (root / "step-00000005.retired-00aa").mkdir(parents=True)  # a deletion a crash interrupted
@@ -404,5 +443,9 @@ def test_bench_checkpoint_json_rows(tmp_path) -> None:
     for row in rows:
         assert row["bytes"] >= 4 << 20 and row["time_s"] > 0
         assert row["MBps"] == pytest.approx(row["bytes"] / row["time_s"] / 1e6)
-        assert (row["stall_s"] is None) == (row["op"] == "load")
+        assert (row["stall_s"] is None) == (row["op"] == "load") == (row["stall_of_memcpy"] is None)
+    memcpy = next(r["stall_s"] for r in rows if r["impl"] == "memcpy")
+    for row in rows:
+        if row["stall_s"] is not None:
+            assert row["stall_of_memcpy"] == pytest.approx(row["stall_s"] / memcpy)
     assert os.listdir(tmp_path) == []

@@ -11,7 +11,8 @@
 - ``memcpy`` (save only): every rank copies the pieces the write plan gives it into
   host buffers kept between rounds, all ranks at once: the copy an asynchronous save
   makes the training loop wait for, with nothing else, so the floor of ``stall_s``
-  as ``disk`` is the floor of a save's ``time_s``.
+  as ``disk`` is the floor of a save's ``time_s``; ``stall_of_memcpy`` is a save's stall
+  over the memcpy row's, of the same run.
 
 The state is replicated on every rank (data parallelism): parameters plus Adam's two
 moments, random float32. Every save is fsynced before its clock stops (DCP fsyncs by
@@ -41,8 +42,8 @@ from hpc.checkpoint.save import Checkpointer, writeback_while_writing
 from hpc.rundir import fsync_path
 
 IMPLS = ("hdf5", "hdf5-async", "torch.save", "dcp", "disk", "memcpy")
-COLUMNS = ("impl", "op", "bytes", "ranks", "time_s", "MBps", "stall_s", "of_disk")
-HEADER = ("impl", "op", "bytes", "ranks", "time(s)", "MB/s", "stall(s)", "of disk")
+COLUMNS = ("impl", "op", "bytes", "ranks", "time_s", "MBps", "stall_s", "stall_of_memcpy", "of_disk")
+HEADER = ("impl", "op", "bytes", "ranks", "time(s)", "MB/s", "stall(s)", "of memcpy", "of disk")
 BLOCK = 16 << 20
 WIDTH = 1024
 
@@ -197,9 +198,12 @@ def _rows(samples: dict[tuple[str, str], list[tuple[float, float | None]]], nbyt
         rows.append({"impl": impl, "op": op, "bytes": nbytes, "ranks": ranks, "time_s": seconds,
                      "MBps": nbytes / seconds / 1e6, "stall_s": statistics.median(stalls) if stalls else None})
     disk = {row["op"]: row["MBps"] for row in rows if row["impl"] == "disk"}
+    floor = next(row["stall_s"] for row in rows if row["impl"] == "memcpy")
     for row in rows:
+        row["stall_of_memcpy"] = None if row["stall_s"] is None else row["stall_s"] / floor
         row["of_disk"] = row["MBps"] / disk[row["op"]]
-    return sorted(rows, key=lambda r: (r["op"] != "save", IMPLS.index(r["impl"])))
+    return [{key: row[key] for key in COLUMNS}
+            for row in sorted(rows, key=lambda r: (r["op"] != "save", IMPLS.index(r["impl"])))]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -207,6 +211,6 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _cells(r: dict) -> tuple[object, ...]:
-    stall = "-" if r["stall_s"] is None else f"{r['stall_s']:.3f}"
-    return (r["impl"], r["op"], r["bytes"], r["ranks"], f"{r['time_s']:.3f}", f"{r['MBps']:.0f}", stall,
+    stall, of_memcpy = ("-", "-") if r["stall_s"] is None else (f"{r['stall_s']:.3f}", f"{r['stall_of_memcpy']:.2f}x")
+    return (r["impl"], r["op"], r["bytes"], r["ranks"], f"{r['time_s']:.3f}", f"{r['MBps']:.0f}", stall, of_memcpy,
             f"{r['of_disk']:.2f}x")
