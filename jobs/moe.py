@@ -119,7 +119,8 @@ class MoE(nn.Module):
         picks = routing.kept.reshape(-1).nonzero().squeeze(1)  # kept (token * k + choice), by expert, then token
         picks = picks[torch.argsort(flat_expert[picks], stable=True)]
         expert_ids = flat_expert[picks]
-        outputs = run_experts(x.reshape(-1, width)[picks // k], expert_ids, self.experts, self.placement)
+        outputs = run_experts(x.reshape(-1, width)[picks // k], expert_ids, self.experts, self.placement,
+                              self._rows_bound(batch, time))
         weighted = outputs * routing.gate.reshape(-1)[picks].unsqueeze(1).to(outputs.dtype)
         combined = weighted.new_zeros(batch * time * k, width).index_copy(0, picks, weighted)
         y = combined.view(batch, time, k, width).sum(2)
@@ -131,6 +132,15 @@ class MoE(nn.Module):
         if self.z_loss_coef:
             total = total + self.z_loss_coef * router_z_loss(logits)
         return AttachAuxLoss.apply(y, total, self.loss_scale) if total.requires_grad else y
+
+
+    def _rows_bound(self, batch: int, time: int) -> int | None:
+        """The most rows any rank can send any peer, when every rank of the EP group routes ``batch`` sequences
+        (training under the trainer: equal shards and microbatches); None otherwise (evaluation)."""
+        if not (self.training and batch == self.placement.sequences):
+            return None
+        slots = capacity(time, self.n_experts, self.top_k, self.capacity_factor)
+        return min(batch * time * self.top_k, self.placement.local * slots * batch)
 
 
 class MoEStats:

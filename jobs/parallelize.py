@@ -62,14 +62,15 @@ def parallelize_tp(model: nn.Module, plan: Mapping[str, str], group: ProcessGrou
     return split_output
 
 
-def parallelize_ep(model: nn.Module, groups: ExpertGroups | None, microbatches: int) -> None:
+def parallelize_ep(model: nn.Module, groups: ExpertGroups | None, microbatches: int, sequences: int = 0) -> None:
     """Shard every MoE layer's experts over the EP group (``parallel.ep``; collective-free), the experts this
-    rank does not hold replaced by ``Elsewhere``; scale their aux losses as the pipeline scales the loss."""
+    rank does not hold replaced by ``Elsewhere``; scale their aux losses as the pipeline scales the loss.
+    ``sequences``: what every rank routes per training forward (its share of a microbatch)."""
     for name, layer in moe_layers(model):
         layer.loss_scale = 1.0 / microbatches
         if groups is None:
             continue
-        layer.placement = groups.placement(layer.n_experts)
+        layer.placement = groups.placement(layer.n_experts, sequences)
         for index in range(layer.n_experts):
             if not layer.placement.holds(index):
                 layer.experts[index] = Elsewhere(f"{name}.experts.{index}", "expert-parallel")

@@ -67,7 +67,8 @@ class Workload:
         self.moe_names = [name for name, _ in moe_layers(model)]  # every MoE layer, before the pipeline cut
         self.moe_experts = max((layer.n_experts for _, layer in moe_layers(model)), default=0)
         self.expert_groups: ExpertGroups | None = build_expert_groups(mesh, par.ep) if par.ep > 1 else None
-        parallelize_ep(model, self.expert_groups, par.microbatches)
+        parallelize_ep(model, self.expert_groups, par.microbatches,
+                       spec.data.batch_size // (mesh.size("dp") * par.microbatches))
         if getattr(model, "pipeline_parts", None) is None:
             self.chunks = [Stage([model], train.bf16_autocast)]
         else:

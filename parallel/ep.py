@@ -20,6 +20,7 @@ group hold the same stage and run the same schedule, so their all-to-alls match.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from torch.distributed import ProcessGroup
 
 from hpc.runtime.mesh import Mesh, expert_group_ranks
 
+PADDED_LIMIT = 1 << 20  # bytes a rank sends at most in a one-round padded exchange (latency-bound below this)
+
 
 @dataclass(frozen=True)
 class ExpertPlacement:
@@ -39,6 +42,7 @@ class ExpertPlacement:
     group: ProcessGroup | None = None
     rank: int = 0
     size: int = 1
+    sequences: int = 0  # what every rank of the group routes per training forward (0: unknown)
 
     @property
     def local(self) -> int:
@@ -62,10 +66,10 @@ class ExpertGroups:
     replica_group: ProcessGroup | None
     dp_size: int
 
-    def placement(self, n_experts: int) -> ExpertPlacement:
+    def placement(self, n_experts: int, sequences: int = 0) -> ExpertPlacement:
         if n_experts % self.ep_size:
             raise ValueError(f"{n_experts} experts cannot be sharded over parallel.ep={self.ep_size} ranks")
-        return ExpertPlacement(n_experts, self.ep_group, self.ep_rank, self.ep_size)
+        return ExpertPlacement(n_experts, self.ep_group, self.ep_rank, self.ep_size, sequences)
 
 
 def build_expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
@@ -88,6 +92,61 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Proces
     return out
 
 
+def _exchange(x: torch.Tensor, counts: torch.Tensor, group: ProcessGroup,
+              max_rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``counts[d].sum()`` of ``x`` to rank d (in order) with the header ``counts[d]`` (``[n, h]`` int64);
+    returns the rows received, by source, and the headers received ``[n, h]``. With ``max_rows`` (a bound on
+    the rows to any peer that every rank agrees on) and a small exchange, one round: padded messages with the
+    header inside. Otherwise two: the headers, then the rows with uneven splits."""
+    n, h = counts.shape
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
+    send = counts.sum(1)
+    if max_rows is not None and n * (8 * h + max_rows * row_bytes) <= PADDED_LIMIT:
+        if int(send.max()) > max_rows:
+            raise ValueError(f"all-to-all: {int(send.max())} rows for one peer, over the agreed bound of {max_rows}")
+        return _padded_exchange(x, counts, max_rows, row_bytes, group)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    return _all_to_all(x, send.tolist(), received.sum(1).tolist(), group), received
+
+
+def _padded_exchange(x: torch.Tensor, counts: torch.Tensor, max_rows: int, row_bytes: int,
+                     group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """One equal-split all-to-all: to each peer its header rows, then its rows padded to ``max_rows``; moved
+    as the widest integers dividing a row (copies of 1-byte elements are several times slower)."""
+    n, h = counts.shape
+    unit = next(dtype for dtype in (torch.int64, torch.int32, torch.uint8) if row_bytes % dtype.itemsize == 0)
+    header_rows = -(-8 * h // row_bytes)
+    per_peer = header_rows + max_rows
+    message = torch.empty(n, per_peer, row_bytes // unit.itemsize, dtype=unit)  # padding: whatever was there
+    message.view(torch.uint8).view(n, per_peer * row_bytes)[:, :8 * h] = counts.contiguous().view(torch.uint8)
+    data = x.contiguous().view(len(x), row_bytes // x.element_size()).view(torch.uint8).view(unit)
+    start = 0
+    for peer, rows in enumerate(counts.sum(1).tolist()):
+        message[peer, header_rows:header_rows + rows] = data[start:start + rows]
+        start += rows
+    arrived = torch.empty_like(message)
+    dist.all_to_all_single(arrived, message, group=group)
+    received = arrived.view(torch.uint8).view(n, per_peer * row_bytes)[:, :8 * h].contiguous().view(torch.int64)
+    rows = torch.cat([arrived[s, header_rows:header_rows + r] for s, r in enumerate(received.sum(1).tolist())])
+    return rows.view(torch.uint8).view(x.dtype).view(-1, *x.shape[1:]), received
+
+
+class Dispatch(torch.autograd.Function):
+    """Forward: ``_exchange``. Backward: the gradient rows sent back, their split sizes now known."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, counts: torch.Tensor, group: ProcessGroup, max_rows: int | None):
+        rows, received = _exchange(x.detach(), counts, group, max_rows)
+        ctx.send, ctx.recv, ctx.group = counts.sum(1).tolist(), received.sum(1).tolist(), group
+        ctx.mark_non_differentiable(received)
+        return rows, received
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _received):
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
 class AllToAll(torch.autograd.Function):
     """Rows ``send[i]`` to rank i, ``recv[i]`` rows from rank i; backward sends the gradient rows back."""
 
@@ -101,14 +160,14 @@ class AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
-def all_to_all(x: torch.Tensor, send: Sequence[int], group: ProcessGroup) -> tuple[torch.Tensor, list[int]]:
-    """Rows ``send[i]`` of ``x`` to rank i (uneven splits): the rows received and how many came from each rank.
-    The split sizes travel first in a small all-to-all of their own (differentiable in ``x``)."""
-    send = [int(n) for n in send]
-    counts = torch.tensor(send, dtype=torch.int64)
-    recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts, group=group)
-    return AllToAll.apply(x, send, recv.tolist(), group), recv.tolist()
+def all_to_all(x: torch.Tensor, send: Sequence[int], group: ProcessGroup,
+               max_rows: int | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Rows ``send[i]`` of ``x`` to rank i (uneven splits): the rows received and how many came from each rank
+    (differentiable in ``x``). The split sizes travel first in a small all-to-all of their own, unless every
+    rank passes the same ``max_rows`` (at least any split) and the padded exchange is small: then one round."""
+    counts = torch.tensor([int(n) for n in send], dtype=torch.int64).view(-1, 1)
+    rows, received = Dispatch.apply(x, counts, group, max_rows)
+    return rows, received.flatten().tolist()
 
 
 def _apply(experts: Sequence[nn.Module], x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
@@ -126,17 +185,16 @@ def _expert_major(counts: torch.Tensor) -> torch.Tensor:
 
 
 def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, experts: Sequence[nn.Module],
-                placement: ExpertPlacement) -> torch.Tensor:
-    """Each row of ``x`` through expert ``expert_ids[row]`` (sorted ascending), wherever that expert lives."""
+                placement: ExpertPlacement, max_rows: int | None = None) -> torch.Tensor:
+    """Each row of ``x`` through expert ``expert_ids[row]`` (sorted ascending), wherever that expert lives;
+    ``max_rows``: a bound on the rows any rank sends any peer, the same on every rank (see ``all_to_all``)."""
     counts = torch.bincount(expert_ids, minlength=placement.n_experts)
     if placement.size == 1:
         return _apply(experts, x, counts.tolist())
     group, local = placement.group, placement.local
     per_rank = counts.view(placement.size, local)
-    received_counts = torch.empty_like(per_rank)
-    dist.all_to_all_single(received_counts, per_rank, group=group)  # [source, my local expert]
+    received, received_counts = Dispatch.apply(x, per_rank, group, max_rows)  # counts: [source, my local expert]
     send, recv = per_rank.sum(1).tolist(), received_counts.sum(1).tolist()
-    received = AllToAll.apply(x, send, recv, group)
     order = _expert_major(received_counts)
     held = [experts[placement.first + i] for i in range(local)]
     outputs = _apply(held, received[order], received_counts.sum(0).tolist())

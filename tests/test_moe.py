@@ -206,15 +206,16 @@ def test_moe_settings_that_disagree_are_one_error_naming_the_field(overrides, me
         spec_from_dict(overrides)
 
 
-def test_all_to_all_with_uneven_splits_and_its_backward() -> None:
-    results = run_ranks(3, _exchange, timeout=60)
+@pytest.mark.parametrize("max_rows", [None, 5], ids=["sizes-first", "padded-one-round"])
+def test_all_to_all_with_uneven_splits_and_its_backward(max_rows) -> None:
+    results = run_ranks(3, _exchange, max_rows, timeout=60)
     for rank, (received, recv, grad) in enumerate(results):
         assert recv == [rank + 1 + source for source in range(3)]  # rank s sends s + d + 1 rows to rank d
         assert received == [float(100 * source + rank) for source in range(3) for _ in range(rank + 1 + source)]
         assert grad == [float(dest) for dest in range(3) for _ in range(rank + dest + 1)]  # d(rows to d) = d
 
 
-def _exchange(world):
+def _exchange(world, max_rows):
     import torch.distributed as dist
 
     from parallel.ep import all_to_all
@@ -222,7 +223,7 @@ def _exchange(world):
     rank = dist.get_rank()
     send = [rank + dest + 1 for dest in range(3)]
     x = torch.cat([torch.full((n,), float(100 * rank + dest)) for dest, n in enumerate(send)]).requires_grad_()
-    received, recv = all_to_all(x.unsqueeze(1), send, dist.group.WORLD)
+    received, recv = all_to_all(x.unsqueeze(1), send, dist.group.WORLD, max_rows)
     weights = torch.cat([torch.full((n,), float(rank)) for n in recv])  # rows from source s weighted by me
     (received.squeeze(1) * weights).sum().backward()
     return received.squeeze(1).tolist(), recv, x.grad.tolist()

@@ -2,8 +2,10 @@
 
 Every rank sends each peer a different number of rows (rank r sends rank d a share
 proportional to ``1 + (r + d) % n``, as a router's uneven load would), ``size`` bytes in
-all. Ours learns the split sizes it receives in a small all-to-all of its own, then
-sends the rows in one ``all_to_all_single`` with uneven splits: what an MoE layer calls.
+all. Ours is given the bound torch's padded call needs anyway (the widest split, an MoE
+layer's capacity): below ``parallel.ep.PADDED_LIMIT`` it sends padded messages with the
+split sizes in a header, one round; above, it sends the sizes in a small all-to-all of
+their own, then the rows in one ``all_to_all_single`` with uneven splits.
 The peers, in the same run, interleaved iteration by iteration with ours so a noisy
 machine shifts them alike:
 
@@ -13,7 +15,8 @@ machine shifts them alike:
 - ``torch-single``: ``all_to_all_single`` with the receive splits given (known in
   advance, which a router's caller does not know): the floor ours builds on.
 
-A row's time is the slowest rank's mean; ``speed_vs_torch`` is torch's time over the row's.
+A row's time is the median over iterations of the slowest rank's; ``speed_vs_torch`` is torch's time over
+the row's.
 """
 
 from __future__ import annotations
@@ -41,18 +44,20 @@ def uneven_splits(rows: int, rank: int, n: int) -> list[int]:
 
 
 def _timed_rounds(ops: dict[str, Callable[[], object]], iters: int, warmup: int) -> dict[str, float]:
-    """Mean seconds per call of each op on the slowest rank, the ops interleaved within every round."""
-    totals = dict.fromkeys(ops, 0.0)
+    """Each op's median over iterations of the slowest rank's time, the ops interleaved within every round,
+    which one goes first rotating from round to round (the median: other processes on a shared machine
+    stretch single iterations, not the typical one)."""
+    names = list(ops)
+    times = torch.zeros(len(names), iters, dtype=torch.float64)
     for i in range(warmup + iters):
-        for name, op in ops.items():
+        for k in [*range(i % len(names), len(names)), *range(i % len(names))]:
             dist.barrier()
             start = time.perf_counter()
-            op()
+            ops[names[k]]()
             if i >= warmup:
-                totals[name] += time.perf_counter() - start
-    slowest = torch.tensor([totals[name] / iters for name in ops], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return dict(zip(ops, slowest.tolist(), strict=True))
+                times[k, i - warmup] = time.perf_counter() - start
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return dict(zip(names, times.median(dim=1).values.tolist(), strict=True))
 
 
 def _ops(nbytes: int, group: dist.ProcessGroup) -> dict[str, Callable[[], object]]:
@@ -66,10 +71,11 @@ def _ops(nbytes: int, group: dist.ProcessGroup) -> dict[str, Callable[[], object
     for padded, rows in zip(padded_in, x.split(send), strict=True):
         padded[: len(rows)] = rows
     padded_out = [x.new_empty(widest, ROW_FLOATS) for _ in range(n)]
-    ours, _ = all_to_all(x, send, group)
-    torch.testing.assert_close(ours, _torch_single(x, out, send, recv, group))  # the same rows, in the same order
+    expected = _torch_single(x, out, send, recv, group).clone()
+    for bound in (None, widest):  # two rounds, and one when the padded exchange is small
+        torch.testing.assert_close(all_to_all(x, send, group, bound)[0], expected)  # the same rows, same order
     return {
-        "ours": lambda: all_to_all(x, send, group),
+        "ours": lambda: all_to_all(x, send, group, widest),
         "torch": lambda: dist.all_to_all(padded_out, padded_in, group=group),
         "torch-single": lambda: _torch_single(x, out, send, recv, group),
     }
