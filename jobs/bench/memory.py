@@ -16,8 +16,10 @@ after every backward and step, over its size before the model was built (after
 keeps no peak counter, and ``ru_maxrss`` is a high-water mark over the whole process,
 which earlier rows would hide. It includes
 activations, communication buffers and the allocator's slack. ``step_s`` is the median
-over the timed steps of the slowest rank's step; ``step_vs_zero0`` and ``step_vs_fsdp2`` divide it by
-``ours`` zero 0's and by FSDP2's. ``expect_*`` is the ZeRO paper's fp32
+over the timed steps of the slowest rank's step, from a second pass in which every implementation is built at
+once and they step in turn (so a shared machine's load changes fall on all alike; ``step_alone_s`` is the
+first pass's); ``step_vs_zero0`` and ``step_vs_fsdp2`` divide it by ``ours`` zero 0's and by FSDP2's.
+``expect_*`` is the ZeRO paper's fp32
 Adam count: parameters 4Ψ, gradients 4Ψ, optimizer 8Ψ, each divided by dp once the stage
 shards it (1: optimizer; 2: + gradients; 3: + parameters).
 """
@@ -115,24 +117,30 @@ def _fsdp2(group: ProcessGroup):
     return model, model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def _measure(build: Callable[[], tuple], group: ProcessGroup, steps: int, warmup: int) -> dict:
-    """Bytes held and step time of one implementation; the model is gone when this returns."""
+def _step(forward, optimizer, inputs: torch.Tensor, targets: torch.Tensor, group: ProcessGroup) -> tuple[float, int]:
+    """One timed training step, all ranks starting together; returns its seconds and the RSS after backward."""
     from jobs.gpt import lm_loss
 
+    optimizer.zero_grad(set_to_none=True)
+    dist.barrier(group=group)
+    started = time.perf_counter()
+    lm_loss(forward(inputs), targets).backward()
+    after_backward = _rss()
+    optimizer.step()
+    return time.perf_counter() - started, after_backward
+
+
+def _measure(build: Callable[[], tuple], group: ProcessGroup, steps: int, warmup: int) -> dict:
+    """Bytes held and step time of one implementation; the model is gone when this returns."""
     _trim()
     dist.barrier(group=group)
     base = peak = _rss()
     model, forward, optimizer = build()
     times = []
     for inputs, targets in _batches(warmup + steps, dist.get_rank(group)):
-        optimizer.zero_grad(set_to_none=True)
-        dist.barrier(group=group)
-        started = time.perf_counter()
-        lm_loss(forward(inputs), targets).backward()
-        peak = max(peak, _rss())
-        optimizer.step()
-        times.append(time.perf_counter() - started)
-        peak = max(peak, _rss())
+        seconds, after_backward = _step(forward, optimizer, inputs, targets, group)
+        times.append(seconds)
+        peak = max(peak, after_backward, _rss())
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's state there
     state = [t for s in local.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     held = (_nbytes(_local(p) for p in model.parameters()),
@@ -147,6 +155,25 @@ def _measure(build: Callable[[], tuple], group: ProcessGroup, steps: int, warmup
     params, grads, optim, peak_bytes = (int(v) for v in values.tolist())
     return {"param_bytes": params, "grad_bytes": grads, "optim_bytes": optim, "peak_bytes": peak_bytes,
             "step_s": statistics.median(slowest.tolist())}
+
+
+def _interleaved_step_s(builds: Sequence[Callable[[], tuple]], group: ProcessGroup, steps: int,
+                        warmup: int) -> list[float]:
+    """Each implementation's median step (of the slowest rank), all built at once and stepped in turn, so the load
+    of a shared machine falls on all of them alike: the ratios between rows are this pass's."""
+    built = [build() for build in builds]
+    times: list[list[float]] = [[] for _ in built]
+    for i, (inputs, targets) in enumerate(_batches(warmup + steps, dist.get_rank(group))):
+        for k, (_, forward, optimizer) in enumerate(built):
+            seconds, _ = _step(forward, optimizer, inputs, targets, group)
+            if i >= warmup:
+                times[k].append(seconds)
+    for _, _, optimizer in built:
+        if hasattr(optimizer, "close"):
+            optimizer.close()
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return [statistics.median(row) for row in slowest.tolist()]
 
 
 def expected(zero: int, dp: int, numel: int) -> dict:
@@ -175,6 +202,9 @@ def bench_memory(group: ProcessGroup, zeros: Sequence[int], impls: Sequence[str]
     for impl, zero, build in runs:
         measured = _measure(build, group, steps, warmup)
         rows.append({"impl": impl, "zero": zero, "dp": dp, **measured, **expected(zero, dp, numel)})
+    for row, step_s in zip(rows, _interleaved_step_s([build for _, _, build in runs], group, steps, warmup),
+                           strict=True):
+        row["step_alone_s"], row["step_s"] = row["step_s"], step_s
     for key, impl, zero in (("step_vs_zero0", "ours", 0), ("step_vs_fsdp2", "fsdp2", 3)):
         base = next((r["step_s"] for r in rows if r["impl"] == impl and r["zero"] == zero), None)
         for row in rows:
