@@ -92,59 +92,62 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Proces
     return out
 
 
-def _exchange(x: torch.Tensor, counts: torch.Tensor, group: ProcessGroup,
-              max_rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``counts[d].sum()`` of ``x`` to rank d (in order) with the header ``counts[d]`` (``[n, h]`` int64);
-    returns the rows received, by source, and the headers received ``[n, h]``. With ``max_rows`` (a bound on
-    the rows to any peer that every rank agrees on) and a small exchange, one round: padded messages with the
-    header inside. Otherwise two: the headers, then the rows with uneven splits."""
+def _exchange(x: torch.Tensor, counts: torch.Tensor, send: list[int], group: ProcessGroup,
+              max_rows: int | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``send[d]`` rows of ``x`` to rank d (in order) with the header ``counts[d]`` (``[n, h]`` int64, each row
+    summing to ``send[d]``); returns the rows received, by source, the headers received and their sums. With
+    ``max_rows`` (a bound on the rows to any peer that every rank agrees on) and a small exchange, one round:
+    padded messages with the header inside. Otherwise two: the headers, then the rows with uneven splits."""
     n, h = counts.shape
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
-    send = counts.sum(1)
     if max_rows is not None and n * (8 * h + max_rows * row_bytes) <= PADDED_LIMIT:
-        if int(send.max()) > max_rows:
-            raise ValueError(f"all-to-all: {int(send.max())} rows for one peer, over the agreed bound of {max_rows}")
-        return _padded_exchange(x, counts, max_rows, row_bytes, group)
+        if max(send) > max_rows:
+            raise ValueError(f"all-to-all: {max(send)} rows for one peer, over the agreed bound of {max_rows}")
+        return _padded_exchange(x, counts, send, max_rows, row_bytes, group)
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
-    return _all_to_all(x, send.tolist(), received.sum(1).tolist(), group), received
+    recv = received.sum(1).tolist()
+    return _all_to_all(x, send, recv, group), received, recv
 
 
-def _padded_exchange(x: torch.Tensor, counts: torch.Tensor, max_rows: int, row_bytes: int,
-                     group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_exchange(x: torch.Tensor, counts: torch.Tensor, send: list[int], max_rows: int, row_bytes: int,
+                     group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """One equal-split all-to-all: to each peer its header rows, then its rows padded to ``max_rows``; moved
     as the widest integers dividing a row (copies of 1-byte elements are several times slower)."""
     n, h = counts.shape
     unit = next(dtype for dtype in (torch.int64, torch.int32, torch.uint8) if row_bytes % dtype.itemsize == 0)
     header_rows = -(-8 * h // row_bytes)
-    per_peer = header_rows + max_rows
-    message = torch.empty(n, per_peer, row_bytes // unit.itemsize, dtype=unit)  # padding: whatever was there
-    message.view(torch.uint8).view(n, per_peer * row_bytes)[:, :8 * h] = counts.contiguous().view(torch.uint8)
+    message = torch.empty(n, header_rows + max_rows, row_bytes // unit.itemsize, dtype=unit)  # padding: any
+    headers = message[:, :header_rows].view(torch.uint8).view(n, header_rows * row_bytes)[:, :8 * h]
+    headers.copy_(counts.view(torch.uint8))
     data = x.contiguous().view(len(x), row_bytes // x.element_size()).view(torch.uint8).view(unit)
     start = 0
-    for peer, rows in enumerate(counts.sum(1).tolist()):
+    for peer, rows in enumerate(send):
         message[peer, header_rows:header_rows + rows] = data[start:start + rows]
         start += rows
     arrived = torch.empty_like(message)
     dist.all_to_all_single(arrived, message, group=group)
-    received = arrived.view(torch.uint8).view(n, per_peer * row_bytes)[:, :8 * h].contiguous().view(torch.int64)
-    rows = torch.cat([arrived[s, header_rows:header_rows + r] for s, r in enumerate(received.sum(1).tolist())])
-    return rows.view(torch.uint8).view(x.dtype).view(-1, *x.shape[1:]), received
+    received = arrived[:, :header_rows].view(torch.uint8).view(n, header_rows * row_bytes)[:, :8 * h]
+    received = received.contiguous().view(torch.int64)
+    recv = received.sum(1).tolist()
+    rows = torch.cat([arrived[source, header_rows:header_rows + r] for source, r in enumerate(recv)])
+    return rows.view(torch.uint8).view(x.dtype).view(-1, *x.shape[1:]), received, recv
 
 
 class Dispatch(torch.autograd.Function):
     """Forward: ``_exchange``. Backward: the gradient rows sent back, their split sizes now known."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, counts: torch.Tensor, group: ProcessGroup, max_rows: int | None):
-        rows, received = _exchange(x.detach(), counts, group, max_rows)
-        ctx.send, ctx.recv, ctx.group = counts.sum(1).tolist(), received.sum(1).tolist(), group
+    def forward(ctx, x: torch.Tensor, counts: torch.Tensor, send: list[int], group: ProcessGroup,
+                max_rows: int | None):
+        rows, received, recv = _exchange(x.detach(), counts, send, group, max_rows)
+        ctx.send, ctx.recv, ctx.group = send, recv, group
         ctx.mark_non_differentiable(received)
         return rows, received
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _received):
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None
 
 
 class AllToAll(torch.autograd.Function):
@@ -165,9 +168,13 @@ def all_to_all(x: torch.Tensor, send: Sequence[int], group: ProcessGroup,
     """Rows ``send[i]`` of ``x`` to rank i (uneven splits): the rows received and how many came from each rank
     (differentiable in ``x``). The split sizes travel first in a small all-to-all of their own, unless every
     rank passes the same ``max_rows`` (at least any split) and the padded exchange is small: then one round."""
-    counts = torch.tensor([int(n) for n in send], dtype=torch.int64).view(-1, 1)
-    rows, received = Dispatch.apply(x, counts, group, max_rows)
-    return rows, received.flatten().tolist()
+    send = [int(n) for n in send]
+    counts = torch.tensor(send, dtype=torch.int64).view(-1, 1)
+    if torch.is_grad_enabled() and x.requires_grad:
+        rows, received = Dispatch.apply(x, counts, send, group, max_rows)
+        return rows, received.view(-1).tolist()
+    rows, _, recv = _exchange(x, counts, send, group, max_rows)
+    return rows, recv
 
 
 def _apply(experts: Sequence[nn.Module], x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
@@ -193,8 +200,9 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, experts: Sequence[nn.
         return _apply(experts, x, counts.tolist())
     group, local = placement.group, placement.local
     per_rank = counts.view(placement.size, local)
-    received, received_counts = Dispatch.apply(x, per_rank, group, max_rows)  # counts: [source, my local expert]
-    send, recv = per_rank.sum(1).tolist(), received_counts.sum(1).tolist()
+    send = per_rank.sum(1).tolist()
+    received, received_counts = Dispatch.apply(x, per_rank, send, group, max_rows)  # [source, my local expert]
+    recv = received_counts.sum(1).tolist()
     order = _expert_major(received_counts)
     held = [experts[placement.first + i] for i in range(local)]
     outputs = _apply(held, received[order], received_counts.sum(0).tolist())

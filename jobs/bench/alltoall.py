@@ -12,6 +12,9 @@ machine shifts them alike:
 - ``torch``: ``torch.distributed.all_to_all`` (a list of tensors). Gloo's requires
   every tensor of a call to have the same shape, so it sends each peer the largest
   split, padded: what a caller without uneven splits has to do;
+- ``torch+copies``: the same, with what its caller has to do around it to move uneven rows:
+  pad them into the equal tensors, then keep the real rows of what arrives (given the
+  receive splits in advance);
 - ``torch-single``: ``all_to_all_single`` with the receive splits given (known in
   advance, which a router's caller does not know): the floor ours builds on.
 
@@ -74,11 +77,24 @@ def _ops(nbytes: int, group: dist.ProcessGroup) -> dict[str, Callable[[], object
     expected = _torch_single(x, out, send, recv, group).clone()
     for bound in (None, widest):  # two rounds, and one when the padded exchange is small
         torch.testing.assert_close(all_to_all(x, send, group, bound)[0], expected)  # the same rows, same order
+    torch.testing.assert_close(_torch_with_copies(x, send, recv, widest, group), expected)
     return {
         "ours": lambda: all_to_all(x, send, group, widest),
         "torch": lambda: dist.all_to_all(padded_out, padded_in, group=group),
+        "torch+copies": lambda: _torch_with_copies(x, send, recv, widest, group),
         "torch-single": lambda: _torch_single(x, out, send, recv, group),
     }
+
+
+def _torch_with_copies(x, send, recv, widest, group) -> torch.Tensor:
+    """What a caller of torch's all_to_all does to move uneven rows: pad them, exchange, keep the real rows."""
+    n = len(send)
+    padded = x.new_zeros(n, widest, x.shape[1])
+    for peer, rows in enumerate(x.split(send)):
+        padded[peer, : len(rows)] = rows
+    arrived = x.new_empty(n, widest, x.shape[1])
+    dist.all_to_all(list(arrived.unbind(0)), list(padded.unbind(0)), group=group)
+    return torch.cat([arrived[source, :rows] for source, rows in enumerate(recv)])
 
 
 def _torch_single(x, out, send, recv, group) -> torch.Tensor:
