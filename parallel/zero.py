@@ -1,5 +1,5 @@
-"""ZeRO stages 1 and 2 over a data-parallel group: each replica keeps optimizer state (and, at 2, gradients)
-for its share of the parameters.
+"""ZeRO stages 1-3 over a data-parallel group: each replica keeps optimizer state (at 2 gradients, at 3
+parameters too) for its share of the parameters.
 
 Why: every DP replica holding Adam's two moments for every parameter is 8 of the 16 bytes
 per parameter of fp32 training; sharding them over the dp replicas of a (tp, pp)
@@ -34,6 +34,21 @@ and LAMB's layer norms across ranks. top-k and PowerSGD reduce in ways of their 
 (all-gather, power iteration): under stage 2 they all-reduce as before and then drop the
 gradients other ranks own, so their memory is stage 2's after the reduction but their
 traffic is stage 1's.
+
+Stage 3 (P_os+g+p) also shards the parameters, with the same owners as stage 2: between
+steps a rank holds only its own; the others are views into one buffer per bucket
+(``_Unit.full``, chunk r holding rank r's parameters) whose storage is resized to nothing
+when freed and back when gathered, so autograd's saved views of them stay valid.
+``ShardedParameters`` hooks the modules: a bucket is gathered (the ring's all-gather, on
+the optimizer's communication thread) before a module holding its parameters runs forward,
+the next bucket is prefetched meanwhile, and it is freed once every module holding it has
+run; before the module's backward (a hook on its outputs' gradients) it is gathered again,
+the next backward bucket prefetched, and freed once its gradients are accumulated. The
+gradients then go as at stage 2 and the step touches only owned parameters; nothing is
+broadcast after it. The balance argument above matters more here (parameters are the
+memory), so buckets are assigned largest parameter first, each starting from the loads
+the earlier ones left. Whole parameters keep what stages 1 and 2 keep: checkpoints (each
+owner writes its parameters), LAMB's layer norms; the price is, again, granularity.
 """
 
 from __future__ import annotations
