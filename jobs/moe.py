@@ -127,7 +127,8 @@ class MoE(nn.Module):
         if not self.training:
             return y
         aux = load_balancing_loss(probs, routing.expert[..., 0])
-        self.stats.add(expert_ids, routing.kept.numel(), aux.detach())
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward (activation checkpointing)
+            self.stats.add(expert_ids, routing.kept.numel(), aux.detach())
         total = self.aux_loss_coef * aux
         if self.z_loss_coef:
             total = total + self.z_loss_coef * router_z_loss(logits)

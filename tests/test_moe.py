@@ -41,27 +41,29 @@ def moe_spec(run_dir: str, name: str, layout, capacity_factor: float = NO_DROP, 
         "job": {"run_dir": run_dir, "name": name, "seed": 5},
         "model": {**TINY_MOE, "moe_capacity_factor": capacity_factor},
         "data": {"name": "licenses", "batch_size": 8},
-        "train": {"steps": steps, "lr": LR, "optimizer": "adam", "grad_clip": CLIP, "log_every": 100},
+        "train": {"steps": steps, "lr": LR, "optimizer": "adam", "grad_clip": CLIP, "log_every": 100,
+                  **sections.get("train", {})},
         "parallel": {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "microbatches": 2 if pp > 1 else 1},
         "checkpoint": sections.get("checkpoint", {"every_steps": 0}),
     })
 
 
 def _train(world, run_dir: str, cases):
-    """Each case (name, (dp, tp, pp, ep), capacity factor, steps, checkpoint table) trained; its pieces back."""
+    """Each case (name, (dp, tp, pp, ep), capacity factor, steps, checkpoint and train tables) trained; its
+    pieces back."""
     from jobs.train import train
 
     results = []
-    for name, layout, factor, steps, checkpoint in cases:
-        spec = moe_spec(run_dir, name, layout, factor, steps, checkpoint=checkpoint)
+    for name, layout, factor, steps, checkpoint, options in cases:
+        spec = moe_spec(run_dir, name, layout, factor, steps, checkpoint=checkpoint, train=options)
         mesh = build_mesh(MeshShape(*layout[:3]), world.rank)
         _, model = train(spec, world, mesh)
         results.append(pieces_as_numpy(model, mesh))
     return results
 
 
-def _case(name, layout, factor=NO_DROP, steps=STEPS, checkpoint=None):
-    return name, layout, factor, steps, checkpoint or {"every_steps": 0}
+def _case(name, layout, factor=NO_DROP, steps=STEPS, checkpoint=None, **train):
+    return name, layout, factor, steps, checkpoint or {"every_steps": 0}, train
 
 
 def _records(run_dir: Path, name: str) -> list[dict]:
@@ -119,10 +121,11 @@ EIGHT_RANKS = [
 
 
 def test_ep2_alone_trains_like_one_process(reference, tmp_path) -> None:
-    cases = [_case("ep2", (2, 1, 1, 2)), _case("ep2-small", (2, 1, 1, 2), 0.5)]
+    cases = [_case("ep2", (2, 1, 1, 2)), _case("ep2-recompute", (2, 1, 1, 2), activation_checkpointing=True),
+             _case("ep2-small", (2, 1, 1, 2), 0.5)]
     params = _run(2, tmp_path, cases)
-    _check(reference, tmp_path, cases[:1], params[:1])
-    _check(reference, tmp_path, cases[1:], params[1:], "small")  # the same choices dropped, step after step
+    _check(reference, tmp_path, cases[:2], params[:2])  # recomputed blocks: the same, their routing counted once
+    _check(reference, tmp_path, cases[2:], params[2:], "small")  # the same choices dropped, step after step
 
 
 def test_ep_with_dp_tp_and_pp_on_four_ranks_trains_like_one_process(reference, tmp_path) -> None:
