@@ -111,6 +111,7 @@ class Estimate:
     pp_s: float  # the bubble and the point-to-point sends
     dp_s: float  # exposed (not hidden behind backward)
     optimizer_s: float
+    overhead_s: float  # the step's fixed cost and its one-number all-reduces
     memory_bytes: float
     tokens_per_s: float
     tflops_per_gpu: float  # FLOPs executed (recomputation included), per GPU and second
@@ -118,7 +119,7 @@ class Estimate:
 
     def shares(self) -> dict[str, float]:
         parts = {"compute": self.compute_s, "tp": self.tp_s, "pp": self.pp_s, "dp": self.dp_s,
-                 "optimizer": self.optimizer_s}
+                 "optimizer": self.optimizer_s, "overhead": self.overhead_s}
         return {name: value / self.step_s for name, value in parts.items()}
 
 
@@ -139,7 +140,9 @@ def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay:
     matmul = (passes * layers * model.layer_flops(tokens) + 3 * model.logit_flops(tokens)) / lay.tp / rate
     # Elementwise work: forward writes the kept activations, backward reads them and writes as much again.
     moved = (passes - 1) * layers * model.activation_bytes(tokens, lay.tp, train.act_bytes)
-    compute = matmul + moved / (cluster.memory_gbps * 1e9)
+    # Fixed cost per layer pass (CPU ranks: the interpreter and dispatcher), the head's counted as one layer's.
+    fixed = (passes / 3 * layers + 1) * cluster.layer_overhead_us * 1e-6
+    compute = (matmul + moved / (cluster.memory_gbps * 1e9) + fixed) / cluster.core_share(lay.dp * lay.tp * lay.pp)
     message = tokens * model.hidden * train.act_bytes
     allreduces = layers * (6 if lay.checkpointing else 4)
     tp = allreduces * ring_allreduce_s(message, lay.tp, cluster.link(lay.tp))
@@ -148,6 +151,25 @@ def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay:
         alpha, beta = cluster.link(lay.dp * lay.tp * lay.pp)
         p2p = 2 * lay.virtual_stages * (alpha + message / lay.tp / beta)
     return compute, tp, p2p
+
+
+def fit_overhead_and_rate(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed seconds, FLOP/s) of seconds = fixed + flops / rate, by least squares over (flops, seconds) samples of
+    one layer's forward and backward at several sizes (``hpc plan --calibrate``)."""
+    if len({flops for flops, _ in samples}) < 2:
+        raise ValueError("fitting a fixed cost and a rate needs samples of at least two sizes")
+    n = len(samples)
+    mean_f = sum(f for f, _ in samples) / n
+    mean_t = sum(t for _, t in samples) / n
+    slope = (sum((f - mean_f) * (t - mean_t) for f, t in samples) / sum((f - mean_f) ** 2 for f, _ in samples))
+    slope = max(slope, 1e-18)
+    return max(0.0, mean_t - slope * mean_f), 1.0 / slope
+
+
+def stage_tensors(model: Transformer, lay: Layout) -> float:
+    """Parameter tensors on the rank holding the most (what the optimizer's per-tensor cost counts): 11 per block
+    (two layer norms, QKV, two projections, the MLP's two layers), the embedding's 2 and the head's 3."""
+    return model.layers / lay.pp * 11 + (5 if lay.pp == 1 else 3)
 
 
 def stage_params(model: Transformer, lay: Layout) -> float:
@@ -171,7 +193,7 @@ def memory_bytes(model: Transformer, train: Training, cluster: Cluster, lay: Lay
     in_flight = {"gpipe": m, "1f1b": min(m, p), "interleaved": min(m, p + (p - 1) / v)}[lay.schedule]
     activations = model.layers / p * in_flight * kept + (layer if lay.checkpointing else 0.0)
     logits = 4.0 * tokens * model.vocab / lay.tp  # fp32 logits of the microbatch for the loss
-    return states + activations + logits
+    return cluster.rank_base_mib * (1 << 20) + states + activations + logits
 
 
 def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> Estimate:
@@ -186,15 +208,22 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     shard = lay.dp if lay.zero >= 1 else 1
     optimizer = stage_params(model, lay) / shard * 2 * (train.param_bytes + train.grad_bytes + train.optimizer_bytes)
     optimizer /= cluster.memory_gbps * 1e9
+    optimizer += stage_tensors(model, lay) / shard * cluster.tensor_overhead_us * 1e-6
+    share = cluster.core_share(lay.dp * lay.tp * lay.pp)
+    optimizer /= share
+    # The step's fixed cost, and the two one-number all-reduces over every rank (gradient norm, loss).
+    overhead = cluster.step_overhead_ms * 1e-3 / share
+    overhead += 2 * ring_allreduce_s(8, lay.dp * lay.tp * lay.pp, cluster.link(lay.dp * lay.tp * lay.pp))
     m = lay.microbatches
-    step = m * slot + bubble + dp + optimizer
+    step = m * slot + bubble + dp + optimizer + overhead
     gpus = lay.dp * lay.tp * lay.pp
     tokens = train.batch * model.seq_len
     model_flops = 3 * (model.layers * model.layer_flops(tokens) + model.logit_flops(tokens))
     executed = model_flops + (model.layers * model.layer_flops(tokens) if lay.checkpointing else 0.0)
     return Estimate(
         layout=lay, step_s=step, compute_s=m * compute, tp_s=m * tp, pp_s=m * p2p + bubble, dp_s=dp,
-        optimizer_s=optimizer, memory_bytes=memory_bytes(model, train, cluster, lay), tokens_per_s=tokens / step,
+        optimizer_s=optimizer, overhead_s=overhead, memory_bytes=memory_bytes(model, train, cluster, lay),
+        tokens_per_s=tokens / step,
         tflops_per_gpu=executed / step / gpus / 1e12, mfu=model_flops / step / gpus / cluster.peak_flops(train.dtype),
     )
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, replace
+from pathlib import Path
 
 from hpc.config import show_text
 from hpc.errors import ConfigError
@@ -35,6 +36,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--calibrate", action="store_true",
                       help="measure this machine (all-reduce alpha and beta with hpc bench allreduce's ring, a rank's "
                            "FLOP rate and memory bandwidth) and write a cluster file")
+    plan.add_argument("--validate", action="store_true",
+                      help="run layouts of the spec briefly with hpc run and print predicted (--cluster) against "
+                           "measured step time and peak memory (jobs/bench/plan_check.py)")
+    plan.add_argument("--layouts", help="--validate: comma-separated layout labels (default: all; see "
+                                        "jobs/bench/plan_check.py)")
+    plan.add_argument("--steps", type=int, default=14, help="--validate: steps per run (default 14)")
+    plan.add_argument("--warmup", type=int, default=4, help="--validate: first steps left out (default 4)")
+    plan.add_argument("--record", help="--validate: also write the cluster, the command, the load and every row "
+                                       "to this JSON file (tests/test_plan.py checks docs/data/plan_local.json)")
     plan.add_argument("-n", "--nprocs", type=int, default=2, help="--calibrate: ranks of this node (default 2)")
     plan.add_argument("--out", default="runs/cluster-local.toml", help="--calibrate: the cluster file written "
                                                                        "(default %(default)s)")
@@ -48,6 +58,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.calibrate:
         return cmd_calibrate(args)
+    if args.validate:
+        return cmd_validate(args)
     if args.cluster is None or args.gpus is None:
         raise ConfigError("hpc plan needs --cluster and --gpus (or --calibrate to write a cluster file)")
     if args.gpus < 1 or args.top < 1:
@@ -190,12 +202,13 @@ def _as_json(model, train, cluster, gpus: int, result, top: int) -> dict:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure this node and write a cluster file: the ring's alpha and beta fitted to ``hpc bench allreduce``
-    rows, one rank's fp32 FLOP rate and copy bandwidth with the cores shared as the ranks would share them."""
+    rows; on one core, a copy's bandwidth, a GPT block's fixed cost and FLOP rate fitted over several sizes and the
+    optimizer's cost per tensor; and a one-rank run of a tiny GPT for a step's fixed cost and a rank's base memory."""
     import os
 
     from hpc.cli.bench import _bench_rank_argv
     from hpc.runtime import launch
-    from jobs.bench.compute import measure_compute
+    from jobs.bench.compute import measure_compute, measure_layers, measure_tensor_overhead
     from parallel.cluster import Cluster
     from parallel.plan import fit_alpha_beta
 
@@ -206,20 +219,57 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                                   _bench_rank_argv("allreduce", options))
     alpha, beta = fit_alpha_beta([(r["bytes"], r["ranks"], r["time_s"]) for r in rows if r["impl"] == "ring"])
     cores = os.cpu_count() or 1
-    rank = measure_compute(threads=max(1, cores // args.nprocs))
+    core = measure_compute(threads=1)
+    overhead, rate = _fit_layers(measure_layers(threads=1), core["memory_gbps"])
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30) / args.nprocs
-    flops = rank["tflops_fp32"]
+    tflops = rate / 1e12
     cluster = Cluster(
-        name=f"{os.uname().nodename} ({args.nprocs} CPU ranks)", source="hpc plan --calibrate",
-        devices_per_node=args.nprocs, memory_gib=round(memory_gib, 2), peak_tflops_fp32=flops, peak_tflops_tf32=flops,
-        peak_tflops_bf16=flops, peak_tflops_fp16=flops, matmul_efficiency=1.0, memory_gbps=rank["memory_gbps"],
-        intra_alpha_us=alpha * 1e6, intra_gbps=beta / 1e9, inter_alpha_us=alpha * 1e6, inter_gbps=beta / 1e9)
+        name=f"{os.uname().nodename} ({cores} cores, CPU ranks)", source="hpc plan --calibrate",
+        devices_per_node=max(64, cores), memory_gib=round(memory_gib, 2), peak_tflops_fp32=tflops,
+        peak_tflops_tf32=tflops, peak_tflops_bf16=tflops, peak_tflops_fp16=tflops, matmul_efficiency=1.0,
+        memory_gbps=core["memory_gbps"], intra_alpha_us=alpha * 1e6, intra_gbps=beta / 1e9,
+        inter_alpha_us=alpha * 1e6, inter_gbps=beta / 1e9, cores_per_node=cores, layer_overhead_us=overhead * 1e6,
+        tensor_overhead_us=measure_tensor_overhead() * 1e6)
+    cluster = _calibrate_floor(cluster, args.launcher)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as handle:
         handle.write(cluster_toml(cluster))
-    print(f"alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s (ring over {args.nprocs} ranks), "
-          f"{flops * 1e3:.1f} GFLOP/s fp32 and {rank['memory_gbps']:.1f} GB/s per rank\nwrote {args.out}")
+    print(f"alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s (ring over {args.nprocs} ranks); one core: "
+          f"{core['tflops_fp32'] * 1e3:.1f} GFLOP/s on a 1024^2 product, {tflops * 1e3:.1f} GFLOP/s and "
+          f"{overhead * 1e6:.0f} us fixed per GPT block forward+backward, {core['memory_gbps']:.1f} GB/s copy, "
+          f"{cluster.tensor_overhead_us:.0f} us per tensor in AdamW; step {cluster.step_overhead_ms:.1f} ms fixed, "
+          f"rank base {cluster.rank_base_mib:.0f} MiB\nwrote {args.out}")
     return 0
+
+
+def _fit_layers(rows: list[dict], memory_gbps: float) -> tuple[float, float]:
+    """(fixed seconds, FLOP/s) of a block's forward and backward: its time less the elementwise bytes the planner
+    charges at the copy bandwidth, fitted as fixed + 3 x layer FLOPs / rate."""
+    from parallel.plan import Transformer, fit_overhead_and_rate
+
+    samples = []
+    for row in rows:
+        layer = Transformer(1, row["hidden"], row["heads"], row["seq_len"], 256)
+        tokens = row["batch"] * row["seq_len"]
+        moved = 2 * layer.activation_bytes(tokens, 1, 4) / (memory_gbps * 1e9)
+        samples.append((3 * layer.layer_flops(tokens), row["seconds"] - moved))
+    return fit_overhead_and_rate(samples)
+
+
+FLOOR = ("model.n_layers=1", "model.d_model=8", "model.n_heads=1", "model.seq_len=8", "data.batch_size=1",
+         "parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1")
+
+
+def _calibrate_floor(cluster, launcher: str | None):
+    """A step's fixed cost and a rank's base memory, from one rank training a GPT too small to cost anything
+    itself: its median step less what the planner already charges, and its peak resident set."""
+    from jobs.bench.plan_check import Case, run_case
+
+    spec = str(Path(__file__).resolve().parents[2] / "jobs" / "examples" / "gpt.toml")
+    row = run_case(spec, Case("floor", 1, FLOOR), [], steps=14, warmup=4, launcher=launcher)
+    charged = predict_case(spec, list(FLOOR), 1, cluster)
+    return replace(cluster, step_overhead_ms=max(0.0, row["step_s"] - charged.step_s) * 1e3,
+                   rank_base_mib=row["peak_bytes"] / 2**20)
 
 
 def cluster_toml(cluster) -> str:
@@ -228,3 +278,77 @@ def cluster_toml(cluster) -> str:
     for key, value in asdict(cluster).items():
         lines.append(f"{key} = {json.dumps(value if not isinstance(value, float) else round(value, 6))}")
     return "\n".join(lines) + "\n"
+
+
+def predict_case(spec_path: str, overrides: list[str], nprocs: int, cluster):
+    """The planner's estimate of ``spec_path`` with ``overrides`` run on ``nprocs`` ranks, as ``hpc run`` lays it
+    out (dp = ranks / (tp pp))."""
+    from hpc.config import load_spec
+    from parallel.plan import Layout, Transformer, estimate
+
+    spec = load_spec(spec_path, overrides)
+    par = spec.parallel
+    model = Transformer(spec.model.n_layers, spec.model.d_model, spec.model.n_heads, spec.model.seq_len,
+                        spec.model.vocab_size)
+    train = _training(spec, argparse.Namespace(batch=None, no_overlap=False))
+    layout = Layout(nprocs // (par.tp * par.pp), par.tp, par.pp, par.microbatches, par.schedule,
+                    par.virtual_stages if par.schedule == "interleaved" else 1, spec.train.activation_checkpointing,
+                    par.zero)
+    return estimate(model, train, cluster, layout)
+
+
+def compare(spec_path: str, rows: list[dict], cluster) -> list[dict]:
+    """Each measured row with the prediction next to it and their ratios (predicted over measured)."""
+    out = []
+    for row in rows:
+        e = predict_case(spec_path, row["overrides"], row["nprocs"], cluster)
+        out.append({**row, "layout": e.layout.label(), "predicted_step_s": e.step_s,
+                    "predicted_peak_bytes": e.memory_bytes, "step_ratio": e.step_s / row["step_s"],
+                    "memory_ratio": e.memory_bytes / row["peak_bytes"]})
+    return out
+
+
+def validation_table(rows: list[dict]) -> str:
+    from hpc.text import format_table
+
+    header = ["layout", "ranks", "predicted", "measured", "ratio", "pred. memory", "measured", "ratio"]
+    return format_table(header, [[r["label"], str(r["nprocs"]), f"{r['predicted_step_s'] * 1e3:.0f} ms",
+                                  f"{r['step_s'] * 1e3:.0f} ms", f"{r['step_ratio']:.2f}",
+                                  f"{r['predicted_peak_bytes'] / 2**20:.0f} MiB", f"{r['peak_bytes'] / 2**20:.0f} MiB",
+                                  f"{r['memory_ratio']:.2f}"] for r in rows])
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Run each layout, then print (and with --record keep) predicted against measured."""
+    import os
+    import sys
+
+    from jobs.bench.plan_check import run_case, select
+    from parallel.cluster import load_cluster
+
+    if not args.spec or args.cluster is None:
+        raise ConfigError("hpc plan --validate needs a job spec and --cluster (hpc plan --calibrate writes one)")
+    if args.steps <= args.warmup:
+        raise ConfigError(f"--steps must exceed --warmup, got {args.steps} and {args.warmup}")
+    cluster = load_cluster(args.cluster)
+    try:
+        cases = select(args.layouts.split(",") if args.layouts else None)
+    except KeyError as error:
+        raise ConfigError(f"--layouts: {error.args[0]}") from None
+    load = [os.getloadavg()[0]]
+    measured = []
+    for case in cases:
+        measured.append(run_case(args.spec, case, list(args.overrides), args.steps, args.warmup, args.launcher))
+        load.append(os.getloadavg()[0])
+    rows = compare(args.spec, measured, cluster)
+    record = {"command": "hpc plan " + " ".join(sys.argv[2:]), "spec": args.spec, "cluster": asdict(cluster),
+              "load_1min": load, "cpus": os.cpu_count(), "rows": rows}
+    if args.record:
+        with open(args.record, "w") as handle:
+            handle.write(json.dumps(record, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(f"{validation_table(rows)}\nload average (1 min) during the runs: "
+              f"{min(load):.1f} to {max(load):.1f} on {os.cpu_count()} CPUs")
+    return 0

@@ -32,3 +32,52 @@ def measure_compute(size: int = 1024, copy_bytes: int = 256 << 20, iters: int = 
     finally:
         torch.set_num_threads(previous)
     return {"tflops_fp32": 2 * size**3 / matmul_s / 1e12, "memory_gbps": 2 * copy_bytes / copy_s / 1e9}
+
+
+def _median_of(op, iters: int) -> float:
+    op()  # warm-up
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+# (hidden, heads, sequences of 64 tokens): small to mid-sized GPT blocks, where a CPU rank's fixed cost per layer
+# and its rate on small matrix products both show.
+LAYER_PROBES = ((64, 4, 1), (128, 4, 2), (128, 4, 16), (256, 4, 8), (256, 4, 32))
+
+
+def measure_layers(threads: int = 1, iters: int = 7, seq_len: int = 64) -> list[dict]:
+    """Median seconds of one GPT block's forward and backward (jobs/gpt.py's Block) at each of LAYER_PROBES, on
+    ``threads`` threads: what ``hpc plan --calibrate`` fits a fixed cost per layer and a FLOP rate to."""
+    from jobs.gpt import Block
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rows = []
+    try:
+        for hidden, heads, batch in LAYER_PROBES:
+            block = Block(hidden, heads, 0.0)
+            x = torch.randn(batch, seq_len, hidden, requires_grad=True)
+            seconds = _median_of(lambda block=block, x=x: block(x).sum().backward(), iters)
+            rows.append({"hidden": hidden, "heads": heads, "batch": batch, "seq_len": seq_len, "seconds": seconds})
+    finally:
+        torch.set_num_threads(previous)
+    return rows
+
+
+def measure_tensor_overhead(tensors: int = 200, iters: int = 7) -> float:
+    """Seconds per parameter tensor of an AdamW step over many one-element tensors (one thread): the optimizer's
+    fixed cost per tensor, which a small model's step pays for each of its weights and biases."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        params = [torch.zeros(1, requires_grad=True) for _ in range(tensors)]
+        for param in params:
+            param.grad = torch.ones(1)
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        return _median_of(optimizer.step, iters) / tensors
+    finally:
+        torch.set_num_threads(previous)

@@ -1,0 +1,82 @@
+"""Measure layouts of a job spec for ``hpc plan --validate``: each runs briefly under ``hpc run`` in a scratch run
+directory; its step time is rank 0's median over the steps after the warm-up, its peak memory the largest peak
+resident set of any rank (runs/<name>/ranks/rank-*.json). Standard library only: the ranks import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout to run: a label, the ranks, and the spec overrides (KEY=VALUE) that make it."""
+
+    label: str
+    nprocs: int
+    overrides: tuple[str, ...]
+
+
+def _dp(codec: str = "none", zero: int = 0) -> tuple[str, ...]:
+    return ("parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1", f"parallel.compression={codec}",
+            f"parallel.zero={zero}")
+
+
+def _pp(schedule: str, tp: int = 1, virtual: int = 1) -> tuple[str, ...]:
+    return (f"parallel.tp={tp}", "parallel.pp=2", "parallel.microbatches=4", f"parallel.schedule={schedule}",
+            f"parallel.virtual_stages={virtual}")
+
+
+# The layouts issue 19 asks for, of jobs/examples/gpt.toml (4 layers, 4 heads): DP with and without a codec and
+# with each ZeRO stage, TP, PP with each schedule, and one rank; two of four ranks on the two cores.
+CASES = (
+    Case("one rank", 1, _dp()),
+    Case("dp=2", 2, _dp()),
+    Case("dp=2 fp16", 2, _dp("fp16")),
+    Case("dp=2 zero=1", 2, _dp(zero=1)),
+    Case("dp=2 zero=2", 2, _dp(zero=2)),
+    Case("dp=2 zero=3", 2, _dp(zero=3)),
+    Case("tp=2", 2, ("parallel.tp=2", "parallel.pp=1", "parallel.microbatches=1")),
+    Case("pp=2 gpipe", 2, _pp("gpipe")),
+    Case("pp=2 1f1b", 2, _pp("1f1b")),
+    Case("pp=2 interleaved", 2, _pp("interleaved", virtual=2)),
+    Case("dp=4", 4, _dp()),
+    Case("tp=2 pp=2 1f1b", 4, _pp("1f1b", tp=2)),
+)
+
+
+def select(labels: list[str] | None) -> tuple[Case, ...]:
+    """The named cases (all when ``labels`` is empty); an unknown label raises KeyError naming the known ones."""
+    if not labels:
+        return CASES
+    known = {case.label: case for case in CASES}
+    missing = [label for label in labels if label not in known]
+    if missing:
+        raise KeyError(f"no layout {missing[0]!r}; known: {', '.join(known)}")
+    return tuple(known[label] for label in labels)
+
+
+def run_case(spec: str, case: Case, extra: list[str], steps: int, warmup: int, launcher: str | None = None) -> dict:
+    """Run ``case`` for ``steps`` steps; the median step time after ``warmup`` steps and the peak memory."""
+    with tempfile.TemporaryDirectory(prefix="hpc-plan-check-") as scratch:
+        sets = [*extra, *case.overrides, f"job.run_dir={scratch}", "job.name=check", f"train.steps={steps}",
+                f"train.log_every={steps}", "checkpoint.every_steps=0"]
+        argv = [sys.executable, "-m", "hpc.cli.main", "run", "-n", str(case.nprocs), spec]
+        if launcher:
+            argv += ["--launcher", launcher]
+        for item in sets:
+            argv += ["--set", item]
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{case.label}: hpc run exited {done.returncode}: {done.stderr.strip()[-800:]}")
+        run = Path(scratch) / "check"
+        steps_s = [json.loads(line)["step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        peaks = [json.loads(path.read_text())["peak_memory_bytes"] for path in sorted(run.glob("ranks/rank-*.json"))]
+    kept = sorted(steps_s[warmup:])
+    return {"label": case.label, "nprocs": case.nprocs, "overrides": [*extra, *case.overrides],
+            "step_s": kept[len(kept) // 2], "steps_s": steps_s, "peak_bytes": max(peaks), "peaks_bytes": peaks}
