@@ -121,6 +121,9 @@ class ModelConfig:
         """(field, what it must be) when fields disagree; the builder adds the path and value."""
         if self.d_model % self.n_heads:
             return "d_model", f"divisible by n_heads={self.n_heads}"
+        if self.moe_experts and (self.entry or self.kind != "gpt"):
+            return "moe_experts", ("0 with model.entry (your model builds its own jobs.moe.MoE layers)" if self.entry
+                                   else f"0 for model.kind={self.kind!r} (only the gpt has MoE blocks)")
         if self.moe_experts and self.moe_top_k > self.moe_experts:
             return "moe_top_k", f"at most moe_experts={self.moe_experts}"
         if self.moe_experts and self.moe_every > self.n_layers:
@@ -276,7 +279,8 @@ class JobSpec:
     def field_conflict(self) -> tuple[str, str] | None:
         """Settings of different tables that disagree (dotted field, what it must be)."""
         ep, experts = self.parallel.ep, self.model.moe_experts
-        if ep > 1 and (not experts or experts % ep):
+        # a model.entry's own MoE layers are checked when the trainer shards them
+        if ep > 1 and not self.model.entry and (not experts or experts % ep):
             return "parallel.ep", f"a divisor of model.moe_experts={experts} (each rank holds moe_experts/ep experts)"
         if ep > 1 and self.parallel.zero:
             return "parallel.ep", f"1 under parallel.zero={self.parallel.zero} (ZeRO does not shard expert groups)"

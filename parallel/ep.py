@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from hpc.errors import LayoutError
 from hpc.runtime.mesh import Mesh, expert_group_ranks
 
 PADDED_LIMIT = 1 << 20  # bytes a rank sends at most in a one-round padded exchange (latency-bound below this)
@@ -68,7 +69,7 @@ class ExpertGroups:
 
     def placement(self, n_experts: int, sequences: int = 0) -> ExpertPlacement:
         if n_experts % self.ep_size:
-            raise ValueError(f"{n_experts} experts cannot be sharded over parallel.ep={self.ep_size} ranks")
+            raise LayoutError(f"parallel.ep={self.ep_size} does not divide an MoE layer's {n_experts} experts")
         return ExpertPlacement(n_experts, self.ep_group, self.ep_rank, self.ep_size, sequences)
 
 

@@ -38,7 +38,7 @@ FULL = {
         "n_heads": 8,
         "d_model": 256,
         "seq_len": 128,
-        "moe_experts": 8,
+        "moe_experts": 0,
         "moe_top_k": 2,
         "moe_every": 2,
         "moe_capacity_factor": 1.5,

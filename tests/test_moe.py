@@ -198,11 +198,16 @@ def test_expert_groups_are_carved_out_of_each_dp_group() -> None:
 
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"parallel": {"ep": 2}}, "parallel.ep must be a divisor of model.moe_experts=0"),
-    ({"parallel": {"ep": 3, "dp": 3}, "model": {"moe_experts": 8}}, "parallel.ep must be a divisor of model.moe_"),
-    ({"parallel": {"ep": 2, "dp": 3}, "model": {"moe_experts": 8}}, "parallel.ep must be a divisor of dp=3"),
-    ({"parallel": {"ep": 2, "zero": 1}, "model": {"moe_experts": 8}}, "parallel.ep must be 1 under parallel.zero"),
-    ({"model": {"moe_experts": 1, "moe_top_k": 2}}, "model.moe_top_k must be at most moe_experts=1"),
-    ({"model": {"moe_experts": 4, "moe_top_k": 3}}, "model.moe_top_k must be <= 2"),
+    ({"parallel": {"ep": 3, "dp": 3}, "model": {"kind": "gpt", "moe_experts": 8}},
+     "parallel.ep must be a divisor of model.moe_"),
+    ({"parallel": {"ep": 2, "dp": 3}, "model": {"kind": "gpt", "moe_experts": 8}},
+     "parallel.ep must be a divisor of dp=3"),
+    ({"parallel": {"ep": 2, "zero": 1}, "model": {"kind": "gpt", "moe_experts": 8}},
+     "parallel.ep must be 1 under parallel.zero"),
+    ({"model": {"kind": "gpt", "moe_experts": 1, "moe_top_k": 2}}, "model.moe_top_k must be at most moe_experts=1"),
+    ({"model": {"kind": "gpt", "moe_experts": 4, "moe_top_k": 3}}, "model.moe_top_k must be <= 2"),
+    ({"model": {"moe_experts": 4}}, "model.moe_experts must be 0 for model.kind='mlp'"),
+    ({"model": {"entry": "m:f", "moe_experts": 4}}, "model.moe_experts must be 0 with model.entry"),
 ])
 def test_moe_settings_that_disagree_are_one_error_naming_the_field(overrides, message) -> None:
     with pytest.raises(ConfigError, match=f"^<spec>: {message}"):
