@@ -285,3 +285,46 @@ def test_the_moe_example_shards_8_experts_over_4_ranks(capsys) -> None:
     assert check_layout(spec, 4).dp == 4 and spec.parallel.ep == 4 and spec.model.moe_experts == 8
     assert main(["run", "-n", "4", "--launcher", "local", "--dry-run", str(example)]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 4
+
+
+def tiny_moe():
+    """A user's model (``model.entry``) with an MoE layer: the digits as 8 tokens of 8 pixels."""
+    from torch import nn
+
+    from jobs.moe import MoE
+
+    class TinyMoE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Linear(8, 16), nn.Linear(128, 10)
+            self.moe = MoE(16, 4, lambda: nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), top_k=2,
+                           capacity_factor=1.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x.view(-1, 8, 8))
+            return self.head((h + self.moe(h)).flatten(1))
+
+        def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(output, targets)
+
+    return TinyMoE()
+
+
+def _train_user_model(world, run_dir: str, ep: int):
+    from jobs.train import train
+
+    spec = spec_from_dict({
+        "job": {"run_dir": run_dir, "name": f"user-ep{ep}", "seed": 3}, "model": {"entry": "tests.test_moe:tiny_moe"},
+        "data": {"batch_size": 16}, "train": {"steps": STEPS, "lr": 1e-2, "optimizer": "adam", "log_every": 100},
+        "parallel": {"dp": world.size, "ep": ep},
+    })
+    train(spec, world, build_mesh(MeshShape(world.size, 1, 1), world.rank))
+
+
+def test_a_users_model_with_an_moe_layer_trains_under_ep_like_one_process(tmp_path) -> None:
+    run_ranks(1, _train_user_model, str(tmp_path), 1, timeout=120)
+    run_ranks(2, _train_user_model, str(tmp_path), 2, timeout=120)
+    one, two = _records(tmp_path, "user-ep1"), _records(tmp_path, "user-ep2")
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert [r["moe_tokens_per_expert"] for r in two] == [r["moe_tokens_per_expert"] for r in one]
+    assert one[-1]["loss"] < one[0]["loss"] and 0 < one[0]["moe_dropped_fraction"] < 0.5
