@@ -22,6 +22,9 @@ A model is a single-device ``nn.Module`` (built under ``torch.manual_seed(job.se
 - ``metrics(output, targets) -> dict[str, float]`` (optional): batch means reported on
   the held-out set as ``held_out_<name>``.
 
+Mixture-of-experts layers (``jobs.moe.MoE``) anywhere in the model need nothing more: the
+trainer shards their experts over ``parallel.ep`` and reports their routing.
+
 Data is a map-style data set (``len(data)``, ``data[i] -> (input, target)``, e.g. a
 ``torch.utils.data.TensorDataset``), or ``DataSplits(train, held_out)``. Batches are a
 pure function of (seed, step): ``data.batch_indices(step, batch_size, seed)`` when the
