@@ -29,10 +29,14 @@ save in flight, and raises a failed save's error at the next ``save`` or at
 ``finalize``. What the loop would otherwise wait for besides the copy, found by timing
 each part of ``save`` on a loaded 2-core machine: the metadata exchange (two collectives
 and pickling, 2-230 ms when the cores are busy) and starting a thread per save (0.2-650 ms:
-``Thread.start`` waits until the new thread runs). So the flag's all-reduce travels while
-the copy runs (the copy follows the agreed plan; the rare save whose flag says a piece
-list changed agrees anew and copies again), and one writer thread lives as long as the
-checkpointer, woken through a queue.
+``Thread.start`` waits until the new thread runs), and, once those were gone, the
+other rank's writer: a rank done copying early wrote into the page cache at memory
+speed while the slower rank still copied (async stall 1.1-1.9x of the bench's memcpy
+row, 0.75-1.2x once writers wait). So the flag's all-reduce travels while the copy runs
+(the copy follows the agreed plan; the rare save whose flag says a piece list changed
+agrees anew and copies again), one writer thread lives as long as the checkpointer,
+woken through a queue, and it writes only after a barrier that the save posts and
+never waits for.
 """
 
 from __future__ import annotations
@@ -144,7 +148,7 @@ class Checkpointer:
         self._buffers: dict[str, torch.Tensor] = {}
         self._agreed: _Agreement | None = None
         self._since = 0  # saves since the last exchange, counted alike on every rank
-        self._jobs: queue.SimpleQueue[_SaveJob] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[_SaveJob, dist.Work]] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None  # started by the first asynchronous save
         self._written = threading.Event()  # set by the writer when the job in flight is done
         self._in_flight = False
@@ -218,17 +222,22 @@ class Checkpointer:
         ]
 
     def _hand_over(self, job: _SaveJob) -> None:
-        """To the writer thread, started once: a thread per save would cost a start-up the loop waits for."""
+        """To the writer thread, started once: a thread per save would cost a start-up the loop waits for.
+
+        The writer starts once every rank has copied (a barrier this thread posts and does not
+        wait for): a rank done early would otherwise write, at memory speed into the page cache,
+        while a slower rank still copies, and slow that copy down."""
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_jobs, name="ckpt-writer", daemon=True)
             self._writer.start()
         self._written.clear()
         self._in_flight = True
-        self._jobs.put(job)
+        self._jobs.put((job, dist.barrier(group=self.group, async_op=True)))
 
     def _write_jobs(self) -> None:
         while True:
-            self._run_in_background(self._jobs.get())
+            job, copied = self._jobs.get()
+            self._run_in_background(job, copied)
             self._written.set()
 
     def finalize(self) -> Path | None:
@@ -272,8 +281,9 @@ class Checkpointer:
             tensor = tensor.view(torch.uint16)
         return np.ascontiguousarray(tensor.cpu().numpy())
 
-    def _run_in_background(self, job: _SaveJob) -> None:
+    def _run_in_background(self, job: _SaveJob, copied: dist.Work) -> None:
         try:
+            copied.wait()
             final, retired = _write_and_commit(job)
             delete(retired)
             self._outcome = (job.step, final, None)
