@@ -109,6 +109,7 @@ class MoE(nn.Module):
         self.placement = ExpertPlacement(n_experts)  # all experts here until parallelize_ep shards them
         self.loss_scale = 1.0  # 1 / microbatches under the pipeline executor
         self.stats = MoEStats(n_experts)
+        self.last_kept: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, width = x.shape
@@ -129,6 +130,7 @@ class MoE(nn.Module):
         aux = load_balancing_loss(probs, routing.expert[..., 0])
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward (activation checkpointing)
             self.stats.add(expert_ids, routing.kept.numel(), aux.detach())
+            self.last_kept = routing.kept.detach()  # which choices the last training forward kept (for tests)
         total = self.aux_loss_coef * aux
         if self.z_loss_coef:
             total = total + self.z_loss_coef * router_z_loss(logits)

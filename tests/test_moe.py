@@ -4,8 +4,9 @@ Every layout runs the real training loop for 10 steps of Adam with clipping, a t
 whose blocks 1 and 3 are MoE layers of 8 experts (top-2). With a capacity that drops
 nothing, ep = 2 and 4, alone, with DP replicas of the experts, with TP and with PP,
 must give the single process's losses (and parameters); with a small capacity, the
-per-layer, per-expert kept counts of every step (and so the dropped choices) must be
-the single process's too. A checkpoint saved at ep = 4 resumes at ep = 2 and ep = 1.
+per-layer, per-expert kept counts of every step and the very choices kept in the last
+step, sample by sample, must be the single process's too. A checkpoint saved at ep = 4
+loads bit for bit at ep = 2 and ep = 1 and trains on like one process.
 """
 
 from __future__ import annotations
@@ -58,8 +59,29 @@ def _train(world, run_dir: str, cases):
         spec = moe_spec(run_dir, name, layout, factor, steps, checkpoint=checkpoint, train=options)
         mesh = build_mesh(MeshShape(*layout[:3]), world.rank)
         _, model = train(spec, world, mesh)
-        results.append(pieces_as_numpy(model, mesh))
+        results.append(pieces_as_numpy(model, mesh) + _kept_pieces(model, mesh))
     return results
+
+
+def _kept_pieces(model, mesh) -> list[tuple[str, tuple, tuple, np.ndarray]]:
+    """Which choices each MoE layer kept in the last training forward, as pieces of the global batch's mask
+    (without pipeline microbatches: then the last forward is this replica's whole batch)."""
+    from jobs.moe import moe_layers
+
+    if mesh.index("tp") or mesh.size("pp") > 1:
+        return []
+    pieces = []
+    for name, layer in moe_layers(model):
+        if layer.last_kept is not None:
+            kept = layer.last_kept.numpy().astype(np.float32)
+            rows = len(kept)
+            pieces.append((f"kept/{name}", (rows * mesh.size("dp"), *kept.shape[1:]),
+                           (rows * mesh.index("dp"), 0, 0), kept))
+    return pieces
+
+
+def _weights(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {key: value for key, value in params.items() if not key.startswith("kept/")}
 
 
 def _case(name, layout, factor=NO_DROP, steps=STEPS, checkpoint=None, **train):
@@ -86,6 +108,8 @@ def reference(tmp_path_factory):
     assert max(r["grad_norm"] for r in full) > CLIP  # clipping is active
     assert all(r["moe_dropped_fraction"] == 0 for r in full)
     assert min(r["moe_dropped_fraction"] for r in small) > 0.05
+    kept = params[1]["kept/blocks.1.mlp"]
+    assert kept.shape == (8, SEQ_LEN, TOP_K) and 0 < kept.mean() < 1  # the small capacity drops some choices
     for record in full:
         loads = np.array(record["moe_tokens_per_expert"])  # [MoE layer, expert]
         assert loads.shape == (2, EXPERTS) and (loads.sum(1) == 8 * SEQ_LEN * TOP_K).all()
@@ -101,9 +125,11 @@ def _check(reference, run_dir: Path, cases, params, which="single") -> None:
         assert [r["moe_tokens_per_expert"] for r in records] == [r["moe_tokens_per_expert"] for r in ref_records]
         assert [r["moe_aux_loss"] for r in records] == pytest.approx([r["moe_aux_loss"] for r in ref_records],
                                                                      rel=1e-5)
-        assert got.keys() == ref_params.keys()
-        for key, expected in ref_params.items():
+        assert _weights(got).keys() == _weights(ref_params).keys()
+        for key, expected in _weights(ref_params).items():
             np.testing.assert_allclose(got[key], expected, rtol=1e-5, atol=PARAM_ATOL, err_msg=f"{name}: {key}")
+        for key in got.keys() - _weights(got).keys():  # the very choices kept at step 10, sample by sample
+            np.testing.assert_array_equal(got[key], ref_params[key], err_msg=f"{name}: {key}")
 
 
 FOUR_RANKS = [  # (dp, tp, pp, ep)
@@ -149,14 +175,14 @@ def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_ep1(reference, tmp_path) -
         name = f"ep{layout[3]}"
         loaded, resumed = _run(world_size, tmp_path, [_case(f"{name}-load", layout, steps=5, checkpoint=resume),
                                                       _case(f"{name}-resume", layout, checkpoint=resume)])
-        assert loaded.keys() == saved.keys() and any(".experts.7." in key for key in saved)
-        for key, expected in saved.items():
+        assert loaded.keys() == _weights(saved).keys() and any(".experts.7." in key for key in saved)
+        for key, expected in _weights(saved).items():
             np.testing.assert_array_equal(loaded[key], expected, err_msg=f"{name}: {key}")  # bit for bit
         ref_records, ref_params = reference["single"]
         records = _records(tmp_path, f"{name}-resume")
         assert [r["step"] for r in records] == list(range(6, STEPS + 1))
         assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in ref_records[5:]], rel=1e-5)
-        for key, expected in ref_params.items():
+        for key, expected in _weights(ref_params).items():
             np.testing.assert_allclose(resumed[key], expected, rtol=1e-5, atol=PARAM_ATOL, err_msg=f"{name}: {key}")
 
 
