@@ -211,7 +211,8 @@ class StepRunner:
         schedule = build_schedule(self.par.schedule, mesh.size("pp"), self.par.microbatches, self.par.virtual_stages)
         self.actions = schedule[mesh.index("pp")] if uses_pipeline(self.par) else None
         dp = mesh.members["dp"] if self.par.zero >= 2 else ()
-        self.grad_norm_peers = sorted({*mesh.members["tp"], *mesh.members["pp"], *dp})
+        experts = workload.expert_groups.ep_members if workload.expert_groups else ()
+        self.grad_norm_peers = sorted({*mesh.members["tp"], *mesh.members["pp"], *dp, *experts})
         self.everyone = range(mesh.shape.size)
 
     def run(self, step: int) -> StepOutcome:
@@ -228,7 +229,7 @@ class StepRunner:
         optimizer.synchronize()
         groups = self.workload.expert_groups
         if groups is not None:
-            with probe.span("expert gradient all-reduce"):
+            with probe.collective("expert gradient all-reduce", "expert-grad", groups.replica_members):
                 reduce_expert_gradients(self.workload.expert_params, groups)
         with probe.collective("gradient norm", "grad-norm", self.grad_norm_peers):
             grad_norm = clip_gradients(self.workload.model, self.mesh, cfg.grad_clip or math.inf, optimizer,

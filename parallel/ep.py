@@ -66,6 +66,8 @@ class ExpertGroups:
     ep_size: int
     replica_group: ProcessGroup | None
     dp_size: int
+    ep_members: tuple[int, ...] = ()  # global ranks, for stall reports
+    replica_members: tuple[int, ...] = ()
 
     def placement(self, n_experts: int, sequences: int = 0) -> ExpertPlacement:
         if n_experts % self.ep_size:
@@ -83,8 +85,8 @@ def build_expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
             if mesh.rank in ranks:
                 mine[kind] = (group, ranks)
     group, ranks = mine["ep"]
-    replica = mine.get("replica", (None, ()))[0]
-    return ExpertGroups(group, ranks.index(mesh.rank), ep, replica, mesh.shape.dp)
+    replica, replica_ranks = mine.get("replica", (None, (mesh.rank,)))
+    return ExpertGroups(group, ranks.index(mesh.rank), ep, replica, mesh.shape.dp, ranks, replica_ranks)
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup) -> torch.Tensor:
