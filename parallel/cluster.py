@@ -42,8 +42,8 @@ class Cluster:
     inter_alpha_us: float = _field(10.0, "inter-node link: latency of one message, microseconds", min=0)
     inter_gbps: float = _field(25.0, "inter-node link: bandwidth per device and direction, GB/s", gt=0)
     # CPU terms (docs/PLANNER.md, "CPU ranks"): zero on GPU clusters, where they vanish behind the kernels.
-    cores_per_node: int = _field(0, "CPU cores the ranks of a node share (0: every device computes on its own); more "
-                                    "ranks than cores slow each by cores/ranks", min=0)
+    cores_per_node: int = _field(0, "CPU cores the ranks of a node share (0: every device computes on its own); a rank "
+                                    "computes at cores/ranks times the one-core rate", min=0)
     layer_overhead_us: float = _field(0.0, "fixed time of one layer's forward and backward on one rank, whatever its "
                                            "size (interpreter, dispatcher, autograd)", min=0)
     tensor_overhead_us: float = _field(0.0, "the optimizer step's fixed time per parameter tensor", min=0)
@@ -57,10 +57,9 @@ class Cluster:
         return getattr(self, f"peak_tflops_{dtype}") * 1e12
 
     def core_share(self, ranks: int) -> float:
-        """The share of its full speed a rank computes at when ``ranks`` ranks of a node run at once: cores/ranks
-        when they outnumber the cores (time-sharing), else 1."""
-        on_node = min(ranks, self.devices_per_node)
-        return min(1.0, self.cores_per_node / on_node) if self.cores_per_node else 1.0
+        """How many cores' worth a rank computes at when ``ranks`` ranks of a node run at once: cores / ranks (hpc
+        run gives each rank that many threads; fewer than one: time-sharing); 1 on GPUs."""
+        return self.cores_per_node / min(ranks, self.devices_per_node) if self.cores_per_node else 1.0
 
     def link(self, span: int) -> tuple[float, float]:
         """(alpha seconds, beta bytes/s) of a group whose ranks span ``span`` consecutive devices: inside one node

@@ -154,16 +154,32 @@ def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay:
 
 
 def fit_overhead_and_rate(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """(fixed seconds, FLOP/s) of seconds = fixed + flops / rate, by least squares over (flops, seconds) samples of
-    one layer's forward and backward at several sizes (``hpc plan --calibrate``)."""
+    """(fixed seconds, FLOP/s) of seconds = fixed + flops / rate, fitted to (flops, seconds) samples of one layer's
+    forward and backward at several sizes (``hpc plan --calibrate``) by least squares on the relative error (weights
+    1/seconds^2), so that the small layers, which show the fixed cost, count as much as the large ones."""
     if len({flops for flops, _ in samples}) < 2:
         raise ValueError("fitting a fixed cost and a rate needs samples of at least two sizes")
-    n = len(samples)
-    mean_f = sum(f for f, _ in samples) / n
-    mean_t = sum(t for _, t in samples) / n
-    slope = (sum((f - mean_f) * (t - mean_t) for f, t in samples) / sum((f - mean_f) ** 2 for f, _ in samples))
-    slope = max(slope, 1e-18)
+    weights = [1.0 / max(t, 1e-12) ** 2 for _, t in samples]
+    total = sum(weights)
+    mean_f = sum(w * f for w, (f, _) in zip(weights, samples, strict=True)) / total
+    mean_t = sum(w * t for w, (_, t) in zip(weights, samples, strict=True)) / total
+    covariance = sum(w * (f - mean_f) * (t - mean_t) for w, (f, t) in zip(weights, samples, strict=True))
+    variance = sum(w * (f - mean_f) ** 2 for w, (f, _) in zip(weights, samples, strict=True))
+    slope = max(covariance / variance, 1e-18)
     return max(0.0, mean_t - slope * mean_f), 1.0 / slope
+
+
+def dp_comm_s(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> tuple[float, float]:
+    """(seconds that may run behind backward, seconds that cannot) of the DP group's traffic by ZeRO stage
+    (parallel/zero.py): 0 and 1 all-reduce the gradients, 2 and 3 reduce-scatter them (half the ring's volume);
+    1 and 2 then all-gather the updated parameters (each owner broadcasts its share), 3 gathers them before the
+    forward and again before the backward (Rajbhandari et al. SC20: 1.5 x the all-reduce's volume)."""
+    params = stage_params(model, lay)
+    allreduce = ring_allreduce_s(params * train.grad_bytes * train.wire_ratio, lay.dp, cluster.link(lay.dp * lay.tp))
+    gather = ring_allreduce_s(params * train.param_bytes, lay.dp, cluster.link(lay.dp * lay.tp)) / 2
+    if lay.zero <= 1:
+        return allreduce, gather if lay.zero == 1 else 0.0
+    return allreduce / 2, gather * (1 if lay.zero == 2 else 2)
 
 
 def stage_tensors(model: Transformer, lay: Layout) -> float:
@@ -201,10 +217,10 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     compute, tp, p2p = microbatch_parts(model, train, cluster, lay)
     slot = compute + tp + p2p
     bubble = (lay.pp - 1) / lay.virtual_stages * slot
-    grads = stage_params(model, lay) * train.grad_bytes * train.wire_ratio * (1.5 if lay.zero >= 3 else 1.0)
-    dp = ring_allreduce_s(grads, lay.dp, cluster.link(lay.dp * lay.tp))
+    behind, exposed = dp_comm_s(model, train, cluster, lay)
     if train.dp_overlap:
-        dp = max(0.0, dp - compute * (0.5 if lay.checkpointing else 2 / 3))  # behind the last backward
+        behind = max(0.0, behind - compute * (0.5 if lay.checkpointing else 2 / 3))  # behind the last backward
+    dp = behind + exposed
     shard = lay.dp if lay.zero >= 1 else 1
     optimizer = stage_params(model, lay) / shard * 2 * (train.param_bytes + train.grad_bytes + train.optimizer_bytes)
     optimizer /= cluster.memory_gbps * 1e9

@@ -266,7 +266,7 @@ def _calibrate_floor(cluster, launcher: str | None):
     from jobs.bench.plan_check import Case, run_case
 
     spec = str(Path(__file__).resolve().parents[2] / "jobs" / "examples" / "gpt.toml")
-    row = run_case(spec, Case("floor", 1, FLOOR), [], steps=14, warmup=4, launcher=launcher)
+    row = run_case(spec, Case("floor", 1, FLOOR), [], steps=24, warmup=4, launcher=launcher)
     charged = predict_case(spec, list(FLOOR), 1, cluster)
     return replace(cluster, step_overhead_ms=max(0.0, row["step_s"] - charged.step_s) * 1e3,
                    rank_base_mib=row["peak_bytes"] / 2**20)

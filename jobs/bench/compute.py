@@ -8,14 +8,19 @@ import time
 import torch
 
 
-def _best_of(op, iters: int) -> float:
+def _median_of(op, iters: int, window_s: float = 0.2) -> float:
+    """Median over ``iters`` windows of the mean seconds of ``op`` repeated for at least ``window_s``: a window as
+    long as a small model's training step, so that on a shared machine the probe gets the share of the cores a step
+    gets (a millisecond's op timed alone slips between other processes' time slices)."""
     op()  # warm-up
-    best = float("inf")
+    times = []
     for _ in range(iters):
-        start = time.perf_counter()
-        op()
-        best = min(best, time.perf_counter() - start)
-    return best
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < window_s or count == 0:
+            op()
+            count += 1
+        times.append(elapsed / count)
+    return sorted(times)[len(times) // 2]
 
 
 def measure_compute(size: int = 1024, copy_bytes: int = 256 << 20, iters: int = 5, threads: int = 1) -> dict:
@@ -25,23 +30,13 @@ def measure_compute(size: int = 1024, copy_bytes: int = 256 << 20, iters: int = 
     torch.set_num_threads(threads)
     try:
         a, b = torch.randn(size, size), torch.randn(size, size)
-        matmul_s = _best_of(lambda: torch.mm(a, b), iters)
+        matmul_s = _median_of(lambda: torch.mm(a, b), iters)
         source = torch.empty(copy_bytes // 4)
         target = torch.empty_like(source)
-        copy_s = _best_of(lambda: target.copy_(source), iters)
+        copy_s = _median_of(lambda: target.copy_(source), iters)
     finally:
         torch.set_num_threads(previous)
     return {"tflops_fp32": 2 * size**3 / matmul_s / 1e12, "memory_gbps": 2 * copy_bytes / copy_s / 1e9}
-
-
-def _median_of(op, iters: int) -> float:
-    op()  # warm-up
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 # (hidden, heads, sequences of 64 tokens): small to mid-sized GPT blocks, where a CPU rank's fixed cost per layer
@@ -49,7 +44,7 @@ def _median_of(op, iters: int) -> float:
 LAYER_PROBES = ((64, 4, 1), (128, 4, 2), (128, 4, 16), (256, 4, 8), (256, 4, 32))
 
 
-def measure_layers(threads: int = 1, iters: int = 7, seq_len: int = 64) -> list[dict]:
+def measure_layers(threads: int = 1, iters: int = 5, seq_len: int = 64) -> list[dict]:
     """Median seconds of one GPT block's forward and backward (jobs/gpt.py's Block) at each of LAYER_PROBES, on
     ``threads`` threads: what ``hpc plan --calibrate`` fits a fixed cost per layer and a FLOP rate to."""
     from jobs.gpt import Block
@@ -68,7 +63,7 @@ def measure_layers(threads: int = 1, iters: int = 7, seq_len: int = 64) -> list[
     return rows
 
 
-def measure_tensor_overhead(tensors: int = 200, iters: int = 7) -> float:
+def measure_tensor_overhead(tensors: int = 200, iters: int = 5) -> float:
     """Seconds per parameter tensor of an AdamW step over many one-element tensors (one thread): the optimizer's
     fixed cost per tensor, which a small model's step pays for each of its weights and biases."""
     previous = torch.get_num_threads()
