@@ -41,6 +41,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                            "measured step time and peak memory (jobs/bench/plan_check.py)")
     plan.add_argument("--layouts", help="--validate: comma-separated layout labels (default: all; see "
                                         "jobs/bench/plan_check.py)")
+    plan.add_argument("--testbed", metavar="RATE", help="--validate on the namespace testbed (slurm/testbed/netns.py; "
+                      "root): one rank per virtual host, links shaped to RATE, e.g. 1gbit; default layouts dp=2 and "
+                      "dp=2 fp16, predicted with --cluster's node and the link at RATE")
     plan.add_argument("--steps", type=int, default=14, help="--validate: steps per run (default 14)")
     plan.add_argument("--warmup", type=int, default=4, help="--validate: first steps left out (default 4)")
     plan.add_argument("--record", help="--validate: also write the cluster, the command, the load and every row "
@@ -318,12 +321,24 @@ def validation_table(rows: list[dict]) -> str:
                                   f"{r['memory_ratio']:.2f}"] for r in rows])
 
 
+def testbed_cluster(cluster, rate: str):
+    """The namespace testbed as the planner sees it: one rank and one of this machine's cores per virtual host,
+    hosts joined by links shaped to ``rate`` (tc's units: 1gbit, 100mbit), alpha as measured here."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+    unit = next((u for u in units if rate.endswith(u)), None)
+    if unit is None or not rate[: -len(unit)].replace(".", "", 1).isdigit():
+        raise ConfigError(f"--testbed: expected a rate such as 1gbit or 100mbit, got {show_text(rate)}")
+    gbps = float(rate[: -len(unit)]) * units[unit] / 8 / 1e9
+    return replace(cluster, name=f"namespace testbed at {rate}", devices_per_node=1, cores_per_node=1,
+                   inter_gbps=gbps)
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     """Run each layout, then print (and with --record keep) predicted against measured."""
     import os
     import sys
 
-    from jobs.bench.plan_check import run_case, select
+    from jobs.bench.plan_check import run_case, run_testbed_case, select
     from parallel.cluster import load_cluster
 
     if not args.spec or args.cluster is None:
@@ -331,14 +346,21 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.steps <= args.warmup:
         raise ConfigError(f"--steps must exceed --warmup, got {args.steps} and {args.warmup}")
     cluster = load_cluster(args.cluster)
+    labels = args.layouts.split(",") if args.layouts else (["dp=2", "dp=2 fp16"] if args.testbed else None)
     try:
-        cases = select(args.layouts.split(",") if args.layouts else None)
+        cases = select(labels)
     except KeyError as error:
         raise ConfigError(f"--layouts: {error.args[0]}") from None
+    if args.testbed:
+        cluster = testbed_cluster(cluster, args.testbed)
     load = [os.getloadavg()[0]]
     measured = []
     for case in cases:
-        measured.append(run_case(args.spec, case, list(args.overrides), args.steps, args.warmup, args.launcher))
+        if args.testbed:
+            measured.append(run_testbed_case(args.spec, case, list(args.overrides), args.steps, args.warmup,
+                                             args.testbed))
+        else:
+            measured.append(run_case(args.spec, case, list(args.overrides), args.steps, args.warmup, args.launcher))
         load.append(os.getloadavg()[0])
     rows = compare(args.spec, measured, cluster)
     record = {"command": "hpc plan " + " ".join(sys.argv[2:]), "spec": args.spec, "cluster": asdict(cluster),

@@ -6,6 +6,7 @@ resident set of any rank (runs/<name>/ranks/rank-*.json). Standard library only:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -61,22 +62,53 @@ def select(labels: list[str] | None) -> tuple[Case, ...]:
     return tuple(known[label] for label in labels)
 
 
-def run_case(spec: str, case: Case, extra: list[str], steps: int, warmup: int, launcher: str | None = None) -> dict:
-    """Run ``case`` for ``steps`` steps; the median step time after ``warmup`` steps and the peak memory."""
-    with tempfile.TemporaryDirectory(prefix="hpc-plan-check-") as scratch:
-        sets = [*extra, *case.overrides, f"job.run_dir={scratch}", "job.name=check", f"train.steps={steps}",
-                f"train.log_every={steps}", "checkpoint.every_steps=0"]
-        argv = [sys.executable, "-m", "hpc.cli.main", "run", "-n", str(case.nprocs), spec]
-        if launcher:
-            argv += ["--launcher", launcher]
-        for item in sets:
-            argv += ["--set", item]
-        done = subprocess.run(argv, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{case.label}: hpc run exited {done.returncode}: {done.stderr.strip()[-800:]}")
-        run = Path(scratch) / "check"
-        steps_s = [json.loads(line)["step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-        peaks = [json.loads(path.read_text())["peak_memory_bytes"] for path in sorted(run.glob("ranks/rank-*.json"))]
+def _sets(case: Case, extra: list[str], steps: int, scratch: str) -> list[str]:
+    sets = [*extra, *case.overrides, f"job.run_dir={scratch}", "job.name=check", f"train.steps={steps}",
+            f"train.log_every={steps}", "checkpoint.every_steps=0"]
+    return [arg for item in sets for arg in ("--set", item)]
+
+
+def _measured(case: Case, extra: list[str], run: Path, warmup: int) -> dict:
+    steps_s = [json.loads(line)["step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    peaks = [json.loads(path.read_text())["peak_memory_bytes"] for path in sorted(run.glob("ranks/rank-*.json"))]
     kept = sorted(steps_s[warmup:])
     return {"label": case.label, "nprocs": case.nprocs, "overrides": [*extra, *case.overrides],
             "step_s": kept[len(kept) // 2], "steps_s": steps_s, "peak_bytes": max(peaks), "peaks_bytes": peaks}
+
+
+def run_case(spec: str, case: Case, extra: list[str], steps: int, warmup: int, launcher: str | None = None) -> dict:
+    """Run ``case`` for ``steps`` steps; the median step time after ``warmup`` steps and the peak memory."""
+    with tempfile.TemporaryDirectory(prefix="hpc-plan-check-") as scratch:
+        argv = [sys.executable, "-m", "hpc.cli.main", "run", "-n", str(case.nprocs), spec]
+        argv += ["--launcher", launcher] if launcher else []
+        done = subprocess.run([*argv, *_sets(case, extra, steps, scratch)], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{case.label}: hpc run exited {done.returncode}: {done.stderr.strip()[-800:]}")
+        return _measured(case, extra, Path(scratch) / "check", warmup)
+
+
+def run_testbed_case(spec: str, case: Case, extra: list[str], steps: int, warmup: int, rate: str = "1gbit",
+                     prefix: str = "hpcplan", subnet: str = "10.77.3") -> dict:
+    """Run ``case`` with one rank per virtual host of the namespace testbed (slurm/testbed/netns.py, links shaped to
+    ``rate``), torchrun-style as slurm/testbed/bench.sh starts them, one thread each; the namespaces are removed
+    after, also on failure. Needs root."""
+    netns = [sys.executable, "-m", "slurm.testbed.netns", "--prefix", prefix]
+    subprocess.run([*netns, "create", str(case.nprocs), "--rate", rate, "--subnet", subnet], check=True,
+                   capture_output=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="hpc-plan-check-") as scratch:
+            ranks = []
+            for rank in range(case.nprocs):
+                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(case.nprocs), "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "GROUP_WORLD_SIZE": str(case.nprocs),
+                       "MASTER_ADDR": f"{subnet}.1", "MASTER_PORT": "29517", "OMP_NUM_THREADS": "1"}
+                argv = [*netns, "exec", str(rank), "--", sys.executable, "-m", "hpc.cli.rank", spec,
+                        *_sets(case, extra, steps, scratch)]
+                ranks.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                              text=True))
+            failed = [(proc.wait(), proc.stderr.read()) for proc in ranks]
+            if any(code for code, _ in failed):
+                raise RuntimeError(f"{case.label} on the testbed: {[err[-400:] for _, err in failed]}")
+            return _measured(case, extra, Path(scratch) / "check", warmup)
+    finally:
+        subprocess.run([*netns, "destroy"], capture_output=True)
