@@ -31,8 +31,8 @@ each part of ``save`` on a loaded 2-core machine: the metadata exchange (two col
 and pickling, 2-230 ms when the cores are busy) and starting a thread per save (0.2-650 ms:
 ``Thread.start`` waits until the new thread runs), and, once those were gone, the
 other rank's writer: a rank done copying early wrote into the page cache at memory
-speed while the slower rank still copied (async stall 1.1-1.9x of the bench's memcpy
-row, 0.75-1.2x once writers wait). So the flag's all-reduce travels while the copy runs
+speed while the slower rank still copied (async stall 0.6-1.9x of the bench's memcpy
+row over 9 loaded runs, 0.2-1.2x over 8 once writers wait). So the flag's all-reduce travels while the copy runs
 (the copy follows the agreed plan; the rare save whose flag says a piece list changed
 agrees anew and copies again), one writer thread lives as long as the checkpointer,
 woken through a queue, and it writes only after a barrier that the save posts and
