@@ -13,14 +13,16 @@ instead of in the optimizer) and ``comm/steps_synchronized``, which decides when
 ``compression_warmup_steps`` end. Under ZeRO stage 1 a rank holds, and so writes, only the
 optimizer state of the parameters it owns; the index still shows each state tensor whole.
 And the attributes ``layout_dp``, ``layout_tp``,
-``layout_pp`` and ``job_spec`` (JSON).
+``layout_pp``, ``layout_ep`` (absent before expert parallelism: 1) and ``job_spec`` (JSON).
 
 The data position is the step itself: a batch is a pure function of (seed, step)
 (``jobs.datasets.global_batch_indices``). A rank restores its own RNG and communication
-state when the checkpoint was saved under the same (dp, tp, pp) layout; under another one
+state when the checkpoint was saved under the same (dp, tp, pp, ep) layout; under another one
 the ranks keep their fresh state, since rank r no longer holds what rank r held (its
 residuals and velocities describe other buckets), except ``steps_synchronized``, which
-every rank shares and which is taken from rank 0.
+every rank shares and which is taken from rank 0. ep counts as much as dp: at ep > 1 the
+sharded experts are outside the DP optimizer (``parallel.ep`` reduces them), so a change
+of ep, even at the same dp, puts other parameters in each bucket.
 """
 
 from __future__ import annotations
@@ -42,6 +44,18 @@ from parallel.tensor_parallel import tp_split_dims
 
 COMM = "comm/"
 SHARED_COMM = COMM + "steps_synchronized"
+LAYOUT_AXES = ("dp", "tp", "pp", "ep")
+
+
+def layout_attrs(mesh: Mesh, ep: int = 1) -> dict[str, int]:
+    """The layout a checkpoint records: ``layout_<axis>`` for each of :data:`LAYOUT_AXES`."""
+    return {"layout_dp": mesh.shape.dp, "layout_tp": mesh.shape.tp, "layout_pp": mesh.shape.pp, "layout_ep": ep}
+
+
+def saved_layout(attrs) -> tuple[int | None, ...]:
+    """The (dp, tp, pp, ep) a checkpoint was saved under; ep 1 when it predates expert parallelism."""
+    values = (attrs.get(f"layout_{axis}", 1 if axis == "ep" else None) for axis in LAYOUT_AXES)
+    return tuple(int(value) if value is not None else None for value in values)  # HDF5 gives numpy integers
 
 
 def model_pieces(model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1) -> list[Piece]:
@@ -67,12 +81,14 @@ def restore(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     mesh: Mesh | None = None,
+    ep: int = 1,
 ) -> int:
     """Load a checkpoint into a freshly built model and optimizer; returns its step.
 
     ``mesh`` places this rank's share (its TP shards; its stages are what ``model``
-    holds) and decides whether rank-private state applies; None is one process holding
-    the whole model, which takes rank ``rank``'s private state whatever the saved layout.
+    holds) and, with ``ep`` (``parallel.ep``), decides whether rank-private state applies; None
+    is one process holding the whole model, which takes rank ``rank``'s private state whatever
+    the saved layout.
     A distributed optimizer (``parallel.optimizer``) gets its communication state back, and under
     ZeRO (``parallel.zero``) reads only the optimizer state of the parameters this rank owns.
     """
@@ -82,9 +98,13 @@ def restore(
     holds = optimizer.holds_state if distributed else None
     with optimizer.parameters_allocated() if distributed else contextlib.nullcontext():  # ZeRO-3: others' dropped
         state.load_state(index, model, optimizer, tp_split_dims(model), tp_rank, tp_size, holds)
-    saved_layout = tuple(index.attrs.get(f"layout_{axis}") for axis in ("dp", "tp", "pp"))
-    same_layout = mesh is None or saved_layout == (mesh.shape.dp, mesh.shape.tp, mesh.shape.pp)
+    saved, current = saved_layout(index.attrs), saved_layout(layout_attrs(mesh, ep)) if mesh else None
+    same_layout = mesh is None or saved == current
     private = load_rank_state(index, rank) if same_layout else load_rank_state(index, 0, only=(SHARED_COMM,))
+    if not same_layout and rank == 0:
+        print(f"note: {step_dir} was saved under (dp, tp, pp, ep) = {saved}, this run is {current}: "
+              "every rank starts with a fresh RNG and communication state (codec residuals, warm starts, "
+              "velocities)", flush=True)
     if RNG in private:
         torch.set_rng_state(private[RNG])
     comm = {key.removeprefix(COMM): value for key, value in private.items() if key.startswith(COMM)}
@@ -106,10 +126,7 @@ class TrainingCheckpoints:
     ) -> None:
         self.spec, self.group, self.model, self.optimizer = spec, group, model, optimizer
         self.mesh, self.rank = mesh, dist.get_rank(group)
-        self.attrs = {
-            "layout_dp": mesh.shape.dp, "layout_tp": mesh.shape.tp, "layout_pp": mesh.shape.pp,
-            "job_spec": json.dumps(spec_to_dict(spec)),
-        }
+        self.attrs = {**layout_attrs(mesh, spec.parallel.ep), "job_spec": json.dumps(spec_to_dict(spec))}
         cfg = spec.checkpoint
         self.checkpointer = (
             Checkpointer(spec.checkpoint_path, group, keep=cfg.keep, async_save=cfg.async_save,
@@ -123,7 +140,7 @@ class TrainingCheckpoints:
         path = state.choose_resume(self.spec.checkpoint.resume, self.spec.checkpoint_path, self.group)
         if path is None:
             return 0
-        step = restore(path, self.rank, self.model, self.optimizer, self.mesh)
+        step = restore(path, self.rank, self.model, self.optimizer, self.mesh, self.spec.parallel.ep)
         if self.rank == 0:
             print(f"resumed from {path} at step {step}", flush=True)
         return step

@@ -44,7 +44,8 @@ def moe_spec(run_dir: str, name: str, layout, capacity_factor: float = NO_DROP, 
         "data": {"name": "licenses", "batch_size": 8},
         "train": {"steps": steps, "lr": LR, "optimizer": "adam", "grad_clip": CLIP, "log_every": 100,
                   **sections.get("train", {})},
-        "parallel": {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "microbatches": 2 if pp > 1 else 1},
+        "parallel": {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "microbatches": 2 if pp > 1 else 1,
+                     **sections.get("parallel", {})},
         "checkpoint": sections.get("checkpoint", {"every_steps": 0}),
     })
 
@@ -354,3 +355,41 @@ def test_a_users_model_with_an_moe_layer_trains_under_ep_like_one_process(tmp_pa
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["moe_tokens_per_expert"] for r in two] == [r["moe_tokens_per_expert"] for r in one]
     assert one[-1]["loss"] < one[0]["loss"] and 0 < one[0]["moe_dropped_fraction"] < 0.5
+
+
+def _resume_int8_under_another_ep(world, run_dir: str):
+    """Save at dp=2, ep=2 with int8 (residuals of the dense buckets only: the experts are outside the DP
+    optimizer), restore into fresh optimizers at ep=2 and at ep=1 (whose buckets hold the experts too): the
+    communication state each keeps; then train on at ep=1."""
+    from hpc.observe.probe import Probe
+    from jobs.checkpointing import restore
+    from jobs.train import build_data_parallel_optimizer, train
+    from jobs.workloads import Workload
+
+    mesh = build_mesh(MeshShape(2, 1, 1), world.rank)
+    root = Path(run_dir) / "ckpt"
+    int8 = {"compression": "int8"}
+    train(moe_spec(run_dir, "int8-ep2", (2, 1, 1, 2), steps=2, checkpoint={"every_steps": 2, "dir": str(root)},
+                   parallel=int8), world, mesh)
+    resume = {"every_steps": 0, "resume": str(root / "step-00000002")}
+    comm = {}
+    for ep in (2, 1):
+        spec = moe_spec(run_dir, f"int8-ep{ep}-resume", (2, 1, 1, ep), steps=3, checkpoint=resume, parallel=int8)
+        workload = Workload(spec, mesh)
+        optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, Probe(), exclude=workload.expert_params)
+        assert restore(resume["resume"], world.rank, workload.model, optimizer, mesh, ep=ep) == 2
+        comm[ep] = {key: value.tolist() if key == "steps_synchronized" else tuple(value.shape)
+                    for key, value in optimizer.comm_state_dict().items()}
+        optimizer.close()
+    result, _ = train(spec, world, mesh)  # ep=1 trains on from the ep=2 checkpoint
+    return comm, result.start_step, result.final_loss
+
+
+def test_a_change_of_ep_restores_no_codec_residuals_of_other_buckets(tmp_path) -> None:
+    """At ep=2 the experts are outside the DP optimizer, at ep=1 inside: bucket 0 is another set of
+    parameters, so like a change of dp, a change of ep drops the per-rank communication state."""
+    results = run_ranks(2, _resume_int8_under_another_ep, str(tmp_path), timeout=120)
+    for comm, start_step, final_loss in results:
+        assert comm[2]["steps_synchronized"] == 2 and any(key.startswith("residual/") for key in comm[2])  # kept
+        assert comm[1] == {"steps_synchronized": 2}  # another layout: only the shared step count
+        assert start_step == 2 and np.isfinite(final_loss)
