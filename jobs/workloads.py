@@ -120,12 +120,18 @@ class Workload:
 
     def evaluate(self) -> dict[str, float]:
         """Mean loss (and the model's ``metrics``) on up to ``EVAL_SAMPLES`` held-out samples, split over
-        the DP replicas; the same on every rank (collective). Empty without a held-out set."""
+        the DP replicas; the same on every rank (collective). Empty without a held-out set.
+
+        A replica left without samples (fewer than dp) skips the forward, unless its experts are sharded:
+        its EP peers' all-to-alls need it, so it runs one sample (the first) and does not count it."""
         held_out = self.data.held_out
         if held_out is None:
             return {}
         picks = np.linspace(0, len(held_out) - 1, min(EVAL_SAMPLES, len(held_out))).astype(int)
         local = np.array_split(picks, self.mesh.size("dp"))[self.mesh.index("dp")]
+        counted = len(local) > 0
+        if not counted and self.expert_groups is not None:
+            local = picks[:1]
         sums: dict[str, float] = {}
         if len(local):  # the same on every TP and PP rank of this replica, so their collectives match
             inputs, targets = fetch(held_out, local)
@@ -135,7 +141,7 @@ class Workload:
                                                 self.activation_shape(len(local)))
                 if output is not None:  # every TP rank: a loss on vocabulary-split logits is collective
                     measures = self._measures(output, targets, len(local))
-                    sums = measures if self.mesh.index("tp") == 0 else {}
+                    sums = measures if self.mesh.index("tp") == 0 and counted else {}
             self.model.train()
         return _mean_over_reports(sums)
 

@@ -337,24 +337,42 @@ def tiny_moe():
     return TinyMoE()
 
 
+def digits_one_held_out():
+    """The digits with a single held-out image: fewer than the DP ranks, so one rank has none to evaluate."""
+    from torch.utils.data import TensorDataset
+
+    from jobs.datasets import digits
+
+    splits = digits()
+    inputs, targets = splits.held_out.tensors
+    return type(splits)(splits.train, TensorDataset(inputs[:1], targets[:1]))
+
+
 def _train_user_model(world, run_dir: str, ep: int):
     from jobs.train import train
 
     spec = spec_from_dict({
         "job": {"run_dir": run_dir, "name": f"user-ep{ep}", "seed": 3}, "model": {"entry": "tests.test_moe:tiny_moe"},
-        "data": {"batch_size": 16}, "train": {"steps": STEPS, "lr": 1e-2, "optimizer": "adam", "log_every": 100},
+        "data": {"batch_size": 16, "entry": "tests.test_moe:digits_one_held_out"},
+        "train": {"steps": STEPS, "lr": 1e-2, "optimizer": "adam", "log_every": 100},
         "parallel": {"dp": world.size, "ep": ep},
     })
-    train(spec, world, build_mesh(MeshShape(world.size, 1, 1), world.rank))
+    result, _ = train(spec, world, build_mesh(MeshShape(world.size, 1, 1), world.rank))
+    return result.evaluation
 
 
 def test_a_users_model_with_an_moe_layer_trains_under_ep_like_one_process(tmp_path) -> None:
-    run_ranks(1, _train_user_model, str(tmp_path), 1, timeout=120)
-    run_ranks(2, _train_user_model, str(tmp_path), 2, timeout=120)
+    """Also evaluates on one held-out sample: the DP rank without one still takes part in its EP group's
+    all-to-alls (else its peer waits for it forever)."""
+    (single,) = run_ranks(1, _train_user_model, str(tmp_path), 1, timeout=120)
+    evaluations = run_ranks(2, _train_user_model, str(tmp_path), 2, timeout=120)
     one, two = _records(tmp_path, "user-ep1"), _records(tmp_path, "user-ep2")
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["moe_tokens_per_expert"] for r in two] == [r["moe_tokens_per_expert"] for r in one]
     assert one[-1]["loss"] < one[0]["loss"] and 0 < one[0]["moe_dropped_fraction"] < 0.5
+    assert single.keys() == {"held_out_loss"}
+    for evaluation in evaluations:  # the one sample's loss, on every rank
+        assert evaluation == pytest.approx(single, rel=1e-5)
 
 
 def _resume_int8_under_another_ep(world, run_dir: str):
