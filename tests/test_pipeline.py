@@ -51,7 +51,7 @@ def _train(world, shape: MeshShape, cases: list[tuple[str, int, int]]):
     return [_train_case(mesh, *case) for case in cases]
 
 
-def _train_case(mesh, schedule: str, m: int, v: int):
+def _train_case(mesh, schedule: str, m: int, v: int, lookahead: int = 4):
     import torch.distributed as dist
 
     from parallel.pipeline import run_pipeline_step
@@ -69,7 +69,7 @@ def _train_case(mesh, schedule: str, m: int, v: int):
         optimizer.zero_grad()
         stats = run_pipeline_step(
             actions, chunks, mesh.group("pp"), activation_shape=(rows // m, WIDTH), loss_fn=nn.functional.mse_loss,
-            inputs=x.chunk(m), targets=y.chunk(m),
+            inputs=x.chunk(m), targets=y.chunk(m), lookahead=lookahead,
         )
         loss = stats.loss
         if shape.dp > 1:
@@ -121,6 +121,18 @@ def test_pipeline_matches_single_process(dp, pp) -> None:
     for index, (schedule, m, v) in enumerate(LAYOUTS[dp, pp]):
         print(f"checking {schedule} m={m} v={v}")
         _check_matches_single_process([per_rank[index] for per_rank in results], shape, v)
+
+
+@pytest.mark.slow
+def test_one_receive_posted_ahead_trains_the_same() -> None:
+    """The receive look-ahead changes when messages are posted, never what is computed."""
+    shape = MeshShape(dp=1, tp=1, pp=2)
+    results = run_ranks(shape.size, _train, shape, [("interleaved", 4, 2, 1)], timeout=120)
+    _check_matches_single_process([per_rank[0] for per_rank in results], shape, 2)
+    with pytest.raises(ValueError, match="lookahead must be at least 1"):
+        from parallel.pipeline import run_pipeline_step
+
+        run_pipeline_step([], [], None, activation_shape=(1,), loss_fn=nn.functional.mse_loss, lookahead=0)
 
 
 def test_a_model_that_does_not_divide_into_stages_is_a_layout_error() -> None:
