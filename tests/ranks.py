@@ -1,7 +1,9 @@
 """Run a function on N Gloo ranks in separate processes: the helper every multi-rank test uses.
 
 Ranks are forked from a forkserver that has already imported torch, so a rank
-costs a fork instead of a 2-second import (4 imports at once take ~7 s on 2 cores).
+costs a fork instead of a 2-second import (4 imports at once take ~7 s on 2 cores);
+and torch._dynamo, which the first optimizer a rank builds imports (``torch.optim``'s
+``_disable_dynamo``): another ~1.5 s of CPU per rank, ~6 s of an 8-rank launch on 2 cores.
 Each rank joins through ``hpc.runtime.bootstrap.init`` exactly as a launched rank does,
 with one torch thread. The first failure is re-raised naming its rank; a rank
 that dies without reporting, or a run past its timeout, fails the test too.
@@ -26,7 +28,7 @@ class RankError(AssertionError):
 
 def _context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     return ctx
 
 
