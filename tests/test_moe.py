@@ -7,6 +7,10 @@ must give the single process's losses (and parameters); with a small capacity, t
 per-layer, per-expert kept counts of every step and the very choices kept in the last
 step, sample by sample, must be the single process's too. A checkpoint saved at ep = 4
 loads bit for bit at ep = 2 and ep = 1 and trains on like one process.
+
+A launch costs seconds on 2 cores where 10 steps of this model cost a fraction of one, so
+the tests of one world size share one launch (the module fixtures ``reference``,
+``two_ranks``, ``four_ranks``, ``three_ranks``); a failure in one shows in each test using it.
 """
 
 from __future__ import annotations
@@ -93,16 +97,37 @@ def _records(run_dir: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (run_dir / name / "metrics.jsonl").open()]
 
 
+def _several(world, calls):
+    """Several tests' work on one set of ranks, in turn."""
+    return [fn(world, *args) for fn, *args in calls]
+
+
+def _launch(world_size: int, *calls, timeout: float = 300) -> list[list]:
+    """Each call ``(fn, *args)`` on ``world_size`` ranks, all in one launch: on 2 cores, a launch costs
+    seconds (forks, imports, rendezvous, first use) where 10 steps of the tiny model cost a fraction of one.
+    Per call, its result on each rank."""
+    per_rank = run_ranks(world_size, _several, calls, timeout=timeout)
+    return [[results[i] for results in per_rank] for i in range(len(calls))]
+
+
+def _assembled(per_rank) -> list[dict[str, np.ndarray]]:
+    """``_train``'s results from every rank: per case, the single-device tensors."""
+    return [assemble([results[i] for results in per_rank]) for i in range(len(per_rank[0]))]
+
+
 def _run(world_size: int, run_dir: Path, cases) -> list[dict[str, np.ndarray]]:
-    per_rank = run_ranks(world_size, _train, str(run_dir), cases, timeout=300)
-    return [assemble([results[i] for results in per_rank]) for i in range(len(cases))]
+    return _assembled(_launch(world_size, (_train, str(run_dir), cases))[0])
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The single process, without drops and with a small capacity (dropping about a fifth)."""
+    """The single process, without drops and with a small capacity (dropping about a fifth); and the user's
+    model at ep=1 (``user``: its held-out evaluation)."""
     run_dir = tmp_path_factory.mktemp("single")
-    params = _run(1, run_dir, [_case("single", (1, 1, 1, 1)), _case("small", (1, 1, 1, 1), 0.5)])
+    trained, (user,) = _launch(1, (_train, str(run_dir), [_case("single", (1, 1, 1, 1)),
+                                                         _case("small", (1, 1, 1, 1), 0.5)]),
+                               (_train_user_model, str(run_dir), 1))
+    params = _assembled(trained)
     full, small = _records(run_dir, "single"), _records(run_dir, "small")
     assert [r["step"] for r in full] == list(range(1, STEPS + 1))
     assert full[-1]["loss"] < full[0]["loss"] - 0.3  # it learns
@@ -115,7 +140,7 @@ def reference(tmp_path_factory):
         loads = np.array(record["moe_tokens_per_expert"])  # [MoE layer, expert]
         assert loads.shape == (2, EXPERTS) and (loads.sum(1) == 8 * SEQ_LEN * TOP_K).all()
         assert record["moe_aux_loss"] >= 1.0  # Switch's loss is 1 at a perfectly even load, more otherwise
-    return {"single": (full, params[0]), "small": (small, params[1])}
+    return {"single": (full, params[0]), "small": (small, params[1]), "user": (run_dir, user)}
 
 
 def _check(reference, run_dir: Path, cases, params, which="single") -> None:
@@ -133,8 +158,9 @@ def _check(reference, run_dir: Path, cases, params, which="single") -> None:
             np.testing.assert_array_equal(got[key], ref_params[key], err_msg=f"{name}: {key}")
 
 
+CHECKPOINT_AT = 5
 FOUR_RANKS = [  # (dp, tp, pp, ep)
-    _case("ep4", (4, 1, 1, 4)),
+    _case("ep4", (4, 1, 1, 4), checkpoint={"every_steps": CHECKPOINT_AT}),  # saved for the resumes at ep2, ep1
     _case("ep2-dp2", (4, 1, 1, 2)),  # two replicas of each expert
     _case("ep2-tp2", (2, 2, 1, 2)),
     _case("ep2-pp2", (2, 1, 2, 2)),
@@ -145,20 +171,54 @@ EIGHT_RANKS = [
     _case("ep4-tp2", (4, 2, 1, 4)),
     _case("ep4-pp2", (4, 1, 2, 4)),
 ]
+TWO_RANKS = [
+    _case("ep2", (2, 1, 1, 2)),
+    _case("ep2-recompute", (2, 1, 1, 2), activation_checkpointing=True),
+    _case("ep2-small", (2, 1, 1, 2), 0.5),
+]
 
 
-def test_ep2_alone_trains_like_one_process(reference, tmp_path) -> None:
-    cases = [_case("ep2", (2, 1, 1, 2)), _case("ep2-recompute", (2, 1, 1, 2), activation_checkpointing=True),
-             _case("ep2-small", (2, 1, 1, 2), 0.5)]
-    params = _run(2, tmp_path, cases)
-    _check(reference, tmp_path, cases[:2], params[:2])  # recomputed blocks: the same, their routing counted once
-    _check(reference, tmp_path, cases[2:], params[2:], "small")  # the same choices dropped, step after step
+def _resume_cases(ep: int, step_dir: Path):
+    """Loaded only (``steps`` = the checkpoint's step), and resumed to the end."""
+    resume = {"every_steps": 0, "resume": str(step_dir)}
+    layout = (ep, 1, 1, ep)
+    return [_case(f"ep{ep}-load", layout, steps=CHECKPOINT_AT, checkpoint=resume),
+            _case(f"ep{ep}-resume", layout, checkpoint=resume)]
 
 
-def test_ep_with_dp_tp_and_pp_on_four_ranks_trains_like_one_process(reference, tmp_path) -> None:
-    params = _run(4, tmp_path, FOUR_RANKS)
-    _check(reference, tmp_path, FOUR_RANKS[:-1], params[:-1])
-    _check(reference, tmp_path, FOUR_RANKS[-1:], params[-1:], "small")
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """FOUR_RANKS trained: the run directory and each case's tensors."""
+    run_dir = tmp_path_factory.mktemp("four")
+    return run_dir, _run(4, run_dir, FOUR_RANKS)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, four_ranks):
+    """Every 2-rank test's work in one launch: TWO_RANKS, the ep4 checkpoint loaded and resumed at ep2, the user's
+    model at ep2, the int8 checkpoint resumed under another ep."""
+    run_dir = tmp_path_factory.mktemp("two")
+    cases = TWO_RANKS + _resume_cases(2, _ep4_checkpoint(four_ranks))
+    trained, user, int8 = _launch(2, (_train, str(run_dir), cases), (_train_user_model, str(run_dir), 2),
+                                  (_resume_int8_under_another_ep, str(run_dir)))
+    return {"run_dir": run_dir, "params": dict(zip([name for name, *_ in cases], _assembled(trained), strict=True)),
+            "user": user, "int8": int8}
+
+
+def _ep4_checkpoint(four_ranks) -> Path:
+    return four_ranks[0] / "ep4" / "checkpoints" / f"step-{CHECKPOINT_AT:08d}"
+
+
+def test_ep2_alone_trains_like_one_process(reference, two_ranks) -> None:
+    run_dir, params = two_ranks["run_dir"], [two_ranks["params"][name] for name, *_ in TWO_RANKS]
+    _check(reference, run_dir, TWO_RANKS[:2], params[:2])  # recomputed blocks: the same, their routing counted once
+    _check(reference, run_dir, TWO_RANKS[2:], params[2:], "small")  # the same choices dropped, step after step
+
+
+def test_ep_with_dp_tp_and_pp_on_four_ranks_trains_like_one_process(reference, four_ranks) -> None:
+    run_dir, params = four_ranks
+    _check(reference, run_dir, FOUR_RANKS[:-1], params[:-1])
+    _check(reference, run_dir, FOUR_RANKS[-1:], params[-1:], "small")
 
 
 def test_ep4_with_dp_tp_and_pp_on_eight_ranks_trains_like_one_process(reference, tmp_path) -> None:
@@ -166,25 +226,26 @@ def test_ep4_with_dp_tp_and_pp_on_eight_ranks_trains_like_one_process(reference,
     _check(reference, tmp_path, EIGHT_RANKS, params)
 
 
-def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_ep1(reference, tmp_path) -> None:
-    saved_dir = tmp_path / "ep4-ckpt"
-    (saved,) = _run(4, tmp_path, [_case("ep4-save", (4, 1, 1, 4), steps=5,
-                                        checkpoint={"every_steps": 5, "dir": str(saved_dir)})])
-    step5 = str(saved_dir / "step-00000005")
-    resume = {"every_steps": 0, "resume": step5}
-    for world_size, layout in ((2, (2, 1, 1, 2)), (1, (1, 1, 1, 1))):
-        name = f"ep{layout[3]}"
-        loaded, resumed = _run(world_size, tmp_path, [_case(f"{name}-load", layout, steps=5, checkpoint=resume),
-                                                      _case(f"{name}-resume", layout, checkpoint=resume)])
-        assert loaded.keys() == _weights(saved).keys() and any(".experts.7." in key for key in saved)
-        for key, expected in _weights(saved).items():
-            np.testing.assert_array_equal(loaded[key], expected, err_msg=f"{name}: {key}")  # bit for bit
-        ref_records, ref_params = reference["single"]
-        records = _records(tmp_path, f"{name}-resume")
-        assert [r["step"] for r in records] == list(range(6, STEPS + 1))
-        assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in ref_records[5:]], rel=1e-5)
+def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_ep1(reference, four_ranks, two_ranks, tmp_path) -> None:
+    from hpc.checkpoint.load import open_checkpoint, read_tensor
+
+    index = open_checkpoint(_ep4_checkpoint(four_ranks))
+    assert index.attrs["layout_ep"] == 4
+    saved = {name: read_tensor(index, name).numpy() for name in index.tensors if name.startswith("model/")}
+    assert any(".experts.7." in key for key in saved)
+    loaded_at = {2: (two_ranks["run_dir"], two_ranks["params"]["ep2-load"], two_ranks["params"]["ep2-resume"])}
+    loaded_at[1] = (tmp_path, *_run(1, tmp_path, _resume_cases(1, _ep4_checkpoint(four_ranks))))
+    ref_records, ref_params = reference["single"]
+    for ep, (run_dir, loaded, resumed) in loaded_at.items():
+        assert loaded.keys() == saved.keys()
+        for key, expected in saved.items():
+            np.testing.assert_array_equal(loaded[key], expected, err_msg=f"ep{ep}: {key}")  # bit for bit
+        records = _records(run_dir, f"ep{ep}-resume")
+        assert [r["step"] for r in records] == list(range(CHECKPOINT_AT + 1, STEPS + 1))
+        assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in ref_records[CHECKPOINT_AT:]],
+                                                             rel=1e-5)
         for key, expected in _weights(ref_params).items():
-            np.testing.assert_allclose(resumed[key], expected, rtol=1e-5, atol=PARAM_ATOL, err_msg=f"{name}: {key}")
+            np.testing.assert_allclose(resumed[key], expected, rtol=1e-5, atol=PARAM_ATOL, err_msg=f"ep{ep}: {key}")
 
 
 # --- pure functions ---------------------------------------------------------------------------
@@ -241,9 +302,16 @@ def test_moe_settings_that_disagree_are_one_error_naming_the_field(overrides, me
         spec_from_dict(overrides)
 
 
+@pytest.fixture(scope="module")
+def three_ranks():
+    """One launch of 3 ranks: the exchange in both modes, then the bench."""
+    sizes_first, padded, bench = _launch(3, (_exchange, None), (_exchange, 5), (_bench,), timeout=60)
+    return {None: sizes_first, 5: padded, "bench": bench}
+
+
 @pytest.mark.parametrize("max_rows", [None, 5], ids=["sizes-first", "padded-one-round"])
-def test_all_to_all_with_uneven_splits_and_its_backward(max_rows) -> None:
-    results = run_ranks(3, _exchange, max_rows, timeout=60)
+def test_all_to_all_with_uneven_splits_and_its_backward(three_ranks, max_rows) -> None:
+    results = three_ranks[max_rows]
     for rank, (received, recv, grad) in enumerate(results):
         assert recv == [rank + 1 + source for source in range(3)]  # rank s sends s + d + 1 rows to rank d
         assert received == [float(100 * source + rank) for source in range(3) for _ in range(rank + 1 + source)]
@@ -271,11 +339,11 @@ def test_expert_parallel_placement_holds_a_contiguous_share() -> None:
     assert [e for e in range(8) if placement.holds(e)] == [4, 5] and placement.local == 2
 
 
-def test_the_alltoall_bench_times_ours_against_torch_on_the_same_rows() -> None:
+def test_the_alltoall_bench_times_ours_against_torch_on_the_same_rows(three_ranks) -> None:
     from jobs.bench.alltoall import format_table, uneven_splits
 
     assert uneven_splits(10, 0, 3) == [1, 3, 6] and sum(uneven_splits(1000, 2, 4)) == 1000
-    rows = run_ranks(3, _bench, timeout=60)[0]  # the bench checks that ours receives what torch-single does
+    rows = three_ranks["bench"][0]  # the bench checks that ours receives what torch-single does
     assert [r["impl"] for r in rows] == ["ours", "torch", "torch+copies", "torch-single"]
     assert all(r["time_s"] > 0 and r["ranks"] == 3 and r["bytes"] == 1 << 16 for r in rows)
     assert rows[1]["speed_vs_torch"] == 1.0 and "speed vs torch" in format_table(rows)
@@ -361,12 +429,12 @@ def _train_user_model(world, run_dir: str, ep: int):
     return result.evaluation
 
 
-def test_a_users_model_with_an_moe_layer_trains_under_ep_like_one_process(tmp_path) -> None:
+def test_a_users_model_with_an_moe_layer_trains_under_ep_like_one_process(reference, two_ranks) -> None:
     """Also evaluates on one held-out sample: the DP rank without one still takes part in its EP group's
     all-to-alls (else its peer waits for it forever)."""
-    (single,) = run_ranks(1, _train_user_model, str(tmp_path), 1, timeout=120)
-    evaluations = run_ranks(2, _train_user_model, str(tmp_path), 2, timeout=120)
-    one, two = _records(tmp_path, "user-ep1"), _records(tmp_path, "user-ep2")
+    one_dir, single = reference["user"]
+    evaluations = two_ranks["user"]
+    one, two = _records(one_dir, "user-ep1"), _records(two_ranks["run_dir"], "user-ep2")
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["moe_tokens_per_expert"] for r in two] == [r["moe_tokens_per_expert"] for r in one]
     assert one[-1]["loss"] < one[0]["loss"] and 0 < one[0]["moe_dropped_fraction"] < 0.5
@@ -403,11 +471,10 @@ def _resume_int8_under_another_ep(world, run_dir: str):
     return comm, result.start_step, result.final_loss
 
 
-def test_a_change_of_ep_restores_no_codec_residuals_of_other_buckets(tmp_path) -> None:
+def test_a_change_of_ep_restores_no_codec_residuals_of_other_buckets(two_ranks) -> None:
     """At ep=2 the experts are outside the DP optimizer, at ep=1 inside: bucket 0 is another set of
     parameters, so like a change of dp, a change of ep drops the per-rank communication state."""
-    results = run_ranks(2, _resume_int8_under_another_ep, str(tmp_path), timeout=120)
-    for comm, start_step, final_loss in results:
+    for comm, start_step, final_loss in two_ranks["int8"]:
         assert comm[2]["steps_synchronized"] == 2 and any(key.startswith("residual/") for key in comm[2])  # kept
         assert comm[1] == {"steps_synchronized": 2}  # another layout: only the shared step count
         assert start_step == 2 and np.isfinite(final_loss)
