@@ -410,10 +410,11 @@ def digits_one_held_out():
     from torch.utils.data import TensorDataset
 
     from jobs.datasets import digits
+    from jobs.protocol import DataSplits
 
     splits = digits()
     inputs, targets = splits.held_out.tensors
-    return type(splits)(splits.train, TensorDataset(inputs[:1], targets[:1]))
+    return DataSplits(splits.train, TensorDataset(inputs[:1], targets[:1]))
 
 
 def _train_user_model(world, run_dir: str, ep: int):
