@@ -189,6 +189,7 @@ def build_data_parallel_optimizer(spec: JobSpec, model: torch.nn.Module, mesh: M
         probe=probe,
         zero=par.zero,
         module=model,
+        bucket_views=True,
     )
 
 

@@ -57,6 +57,38 @@ class CommStats:
     wait_seconds: float = 0.0  # the training loop blocked on reductions: what overlap did not hide
 
 
+class BucketViews:
+    """Gradients as views of one flat buffer per bucket, as DDP's ``gradient_as_bucket_view``: the ring
+    reduces that buffer in place, with no copy into a bucket and back and no fresh allocation (page
+    faults) per step; ``zero_grad`` zeroes the buffers instead of dropping the gradients, and autograd
+    accumulates into the views. A bucket mixing dtypes or devices keeps plain gradients."""
+
+    def __init__(self, buckets: list[Bucket]):
+        self.buffers: list[torch.Tensor] = []
+        self.views: dict[torch.nn.Parameter, torch.Tensor] = {}
+        for bucket in buckets:
+            first = bucket.params[0]
+            if any(p.dtype != first.dtype or p.device != first.device for p in bucket.params):
+                continue
+            flat = torch.zeros(sum(p.numel() for p in bucket.params), dtype=first.dtype, device=first.device)
+            self.buffers.append(flat)
+            for param, view in zip(bucket.params, flat.split([p.numel() for p in bucket.params]), strict=True):
+                self.views[param] = view.view_as(param)
+
+    def adopt(self, param: torch.nn.Parameter) -> None:
+        """A gradient autograd allocated (the first backward, or after ``zero_grad``) moves into its view."""
+        view = self.views.get(param)
+        if view is not None and param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+
+    def reset(self) -> None:
+        for flat in self.buffers:
+            flat.zero_()
+        for param, view in self.views.items():
+            param.grad = view
+
+
 def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[Bucket]:
     """Greedy packing in the given order; a parameter larger than the threshold gets its own bucket."""
     buckets: list[Bucket] = []
@@ -90,6 +122,7 @@ class DistributedOptimizerMixin:
         probe: Probe,
         zero: int = 0,
         module: torch.nn.Module | None = None,
+        bucket_views: bool = False,
     ) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -100,6 +133,8 @@ class DistributedOptimizerMixin:
         self.backward_passes_per_step = backward_passes_per_step
         self.buckets = make_buckets(list(reversed(params)), bucket_bytes)
         self._bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
+        # ZeRO-2/3 drop the gradients others own: their buckets are not kept whole
+        self._views = BucketViews(self.buckets) if bucket_views and zero < 2 else None
         self._passes = dict.fromkeys(params, 0)
         self._next_launch = 0
         self._futures: list[Future] = []
@@ -120,6 +155,8 @@ class DistributedOptimizerMixin:
                                              self._executor, probe, self._peers)
 
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
+        if self._views is not None:
+            self._views.adopt(param)
         self._passes[param] += 1
         if self._passes[param] != self.backward_passes_per_step:
             return
@@ -262,6 +299,8 @@ class DistributedOptimizerMixin:
                 "optimizer.synchronize(); with backward_passes_per_step > 1 call step() after the last pass"
             )
         super().zero_grad(set_to_none=set_to_none)
+        if self._views is not None:
+            self._views.reset()
 
     def close(self) -> None:
         """Remove the hooks and stop the communication thread."""
@@ -287,6 +326,7 @@ def distributed_optimizer(
     probe: Probe | None = None,
     zero: int = 0,
     module: torch.nn.Module | None = None,
+    bucket_views: bool = False,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so its gradients are reduced over ``transport``'s group (the DP group).
 
@@ -297,6 +337,8 @@ def distributed_optimizer(
     optimizer state over the group (ZeRO stage 1, ``parallel/zero.py``); ``zero=2`` the gradients too,
     each bucket reduce-scattered to its owners; ``zero=3`` the parameters of ``module`` too, each bucket
     gathered by hooks on its modules when forward or backward needs it (call ``unshard()`` after the last step).
+    ``bucket_views`` keeps the gradients as views of the buckets (``BucketViews``; ignored at zero >= 2):
+    ``zero_grad`` then zeroes them rather than setting them to None.
     """
     if named_parameters is not None:
         params = [p for _, p in named_parameters if p.requires_grad]
@@ -318,5 +360,6 @@ def distributed_optimizer(
         probe or Probe(),
         zero,
         module,
+        bucket_views,
     )
     return wrapped

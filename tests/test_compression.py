@@ -107,3 +107,21 @@ def test_topk_adds_the_gradient_into_the_residual_while_selecting(numel, seed, d
     picked = codec.top_indices(residual, plus=gradient)
     assert torch.equal(residual, total)
     assert torch.equal(total.abs()[picked].sort().values, total.abs().topk(codec.k(numel)).values.sort().values)
+
+
+def test_flatten_is_a_view_of_tensors_back_to_back_in_one_buffer_else_a_copy() -> None:
+    from parallel.compression.base import flatten, unflatten_into
+
+    flat = torch.arange(10.0)
+    parts = [flat[:4].view(2, 2), flat[4:10]]
+    view = flatten(parts)
+    assert view.data_ptr() == flat.data_ptr() and view.numel() == 10
+    view.mul_(2)
+    unflatten_into(view, parts)  # nothing to copy: already in place
+    assert torch.equal(flat, torch.arange(10.0) * 2)
+    gapped = [flat[:4], flat[5:]]
+    copy = flatten(gapped)
+    assert copy.data_ptr() != flat.data_ptr() and copy.numel() == 9
+    copy.zero_()
+    unflatten_into(copy, gapped)
+    assert flat[4] == 8 and flat[:4].eq(0).all() and flat[5:].eq(0).all()

@@ -30,14 +30,15 @@ def _batch(step: int, part: int | None = None, parts: int = 1) -> tuple[torch.Te
     return x.chunk(parts)[part], y.chunk(parts)[part]
 
 
-def _train(world, steps: int, bucket_bytes: int, passes: int, clip: float, overlap: bool, reducer: str = "none"):
+def _train(world, steps: int, bucket_bytes: int, passes: int, clip: float, overlap: bool, reducer: str = "none",
+           views: bool = False):
     """Each rank trains on its slice of the batch (split again into ``passes`` micro-batches)."""
     model = _model()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     optimizer = distributed_optimizer(
         base, TorchTransport(), named_parameters=model.named_parameters(), bucket_bytes=bucket_bytes,
         backward_passes_per_step=passes, overlap=overlap,
-        reducer=make_reducer(reducer, topk_fraction=1.0) if reducer == "topk" else reducer,
+        reducer=make_reducer(reducer, topk_fraction=1.0) if reducer == "topk" else reducer, bucket_views=views,
     )
     parts = world.size * passes
     backward_ends, launches = [], []
@@ -56,6 +57,8 @@ def _train(world, steps: int, bucket_bytes: int, passes: int, clip: float, overl
             optimizer.step()
         launches.append(optimizer.stats.launch_times[0])
     stats = optimizer.stats
+    buffers = {flat.untyped_storage().data_ptr() for flat in (optimizer._views.buffers if views else ())}
+    in_buckets = [p.grad.untyped_storage().data_ptr() in buffers for p in model.parameters()]
     optimizer.close()
     first_launch_before_backward_end = all(a < b for a, b in zip(launches, backward_ends, strict=True))
     return (
@@ -64,6 +67,7 @@ def _train(world, steps: int, bucket_bytes: int, passes: int, clip: float, overl
         len(list(model.parameters())),
         first_launch_before_backward_end,
         isinstance(optimizer, torch.optim.SGD),
+        all(in_buckets) == views,
     )
 
 
@@ -82,21 +86,24 @@ def _reference(steps: int, clip: float) -> dict:
 
 # topk keeping every entry checks the momentum correction: momentum moved in front of the
 # reduction (plain SGD after it) must be momentum SGD exactly.
+# Bucket views: the gradients live in the buckets (reduced in place, accumulated into across passes).
 @pytest.mark.parametrize(
-    ("n", "passes", "clip", "overlap", "reducer"),
-    [(4, 1, 0.0, True, "none"), (2, 2, 0.0, True, "none"), (2, 1, 0.5, False, "none"), (2, 1, 0.0, True, "topk")],
+    ("n", "passes", "clip", "overlap", "reducer", "views"),
+    [(4, 1, 0.0, True, "none", False), (2, 2, 0.0, True, "none", True), (2, 1, 0.5, False, "none", False),
+     (2, 1, 0.0, True, "topk", False), (2, 1, 0.0, True, "topk", True)],
 )
-def test_fused_overlapped_reduction_equals_one_process(n, passes, clip, overlap, reducer) -> None:
+def test_fused_overlapped_reduction_equals_one_process(n, passes, clip, overlap, reducer, views) -> None:
     steps, bucket_bytes = 5, 3 * FEATURES * FEATURES * 4  # a few layers per bucket
     expected = _reference(steps, clip)
-    for params, collectives, num_params, launched_early, is_sgd in run_ranks(
-        n, _train, steps, bucket_bytes, passes, clip, overlap, reducer
+    for params, collectives, num_params, launched_early, is_sgd, grads_in_buckets in run_ranks(
+        n, _train, steps, bucket_bytes, passes, clip, overlap, reducer, views
     ):
         for name, value in expected.items():
             np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
         assert 1 < collectives < num_params  # fused: fewer collectives than parameters
         assert launched_early  # the first bucket's reduction started before backward ended
         assert is_sgd  # the wrapper is still the wrapped optimizer's class
+        assert grads_in_buckets  # with views every gradient is a view of a bucket, without none is
 
 
 def test_buckets_pack_greedily_and_never_split_a_parameter() -> None:

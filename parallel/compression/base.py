@@ -134,14 +134,26 @@ class WithErrorFeedback(Reducer):
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One 1-D tensor over ``tensors``: a view of a single contiguous tensor (reduced in place), else a copy."""
-    if len(tensors) == 1 and tensors[0].is_contiguous():
-        return tensors[0].view(-1)
+    """One 1-D tensor over ``tensors``: a view when they lie back to back in one buffer (a single contiguous
+    tensor, or the optimizer's bucket views), reduced in place; else a copy."""
+    if _back_to_back(tensors):
+        return tensors[0].as_strided((sum(t.numel() for t in tensors),), (1,))
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
+def _back_to_back(tensors: Sequence[torch.Tensor]) -> bool:
+    first = tensors[0]
+    end = first.data_ptr()
+    for tensor in tensors:
+        if (not tensor.is_contiguous() or tensor.dtype != first.dtype or tensor.data_ptr() != end
+                or tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return False
+        end += tensor.numel() * tensor.element_size()
+    return True
+
+
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    if len(tensors) == 1 and flat.data_ptr() == tensors[0].data_ptr():
+    if flat.data_ptr() == tensors[0].data_ptr() and _back_to_back(tensors):
         return  # flatten's view: already in place
     offset = 0
     for tensor in tensors:
