@@ -1,5 +1,9 @@
 """Horovod's DistributedOptimizer on our ring: fused gradient buckets reduced while backward runs.
 
+Buckets go through the reducer of the spec's codec: our ring, which re-encodes at every hop, or
+for an uncompressed bucket on the torch transport the backend's own all-reduce
+(``parallel/compression/casts.py`` says why).
+
 Each parameter gets a hook that fires once its gradient is accumulated. Parameters
 are packed, in reverse registration order (roughly the order backward produces
 their gradients), into buckets of at most ``bucket_bytes``; a bucket whose
