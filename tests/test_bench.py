@@ -69,3 +69,52 @@ def test_bench_memory_zero_shards_per_rank() -> None:
     for zero in (2, 3):
         assert rows[zero]["optim_bytes"] == pytest.approx(rows[0]["optim_bytes"] / 2, rel=0.05)
         assert rows[zero]["grad_bytes"] == pytest.approx(rows[0]["grad_bytes"] / 2, rel=0.05)
+
+
+def _bench_train(*options: str) -> list[dict]:
+    done = subprocess.run(
+        [sys.executable, "-m", "hpc.cli.main", "bench", "train", "-n", "2", "--launcher", "local", "--json",
+         *options],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+@pytest.mark.slow
+def test_bench_train_steps_ours_and_ddp_to_the_same_loss() -> None:
+    rows = {r["impl"]: r for r in _bench_train("--codecs", "none,fp16", "--ddp", "ddp,ddp-fp16", "--steps", "2",
+                                               "--warmup", "1", "--rounds", "1")}
+    assert sorted(rows) == ["ddp", "ddp-fp16", "ours-torch-fp16", "ours-torch-none"]
+    assert rows["ours-torch-none"]["loss"] == pytest.approx(rows["ddp"]["loss"], abs=1e-5)
+    assert rows["ours-torch-fp16"]["loss"] == pytest.approx(rows["ddp"]["loss"], rel=1e-3)
+    for r in rows.values():
+        assert r["steps_per_s"] > 0 and r["weak_scaling"] == pytest.approx(r["steps_per_s"] / r["single_steps_per_s"])
+        assert r["vs_reference"] == pytest.approx(r["steps_per_s"] / rows["ddp"]["steps_per_s"])
+
+
+@pytest.mark.slow
+def test_bench_train_time_to_loss_curves_stop_at_the_target_unless_full(tmp_path) -> None:
+    options = ("--codecs", "none", "--ddp", "ddp", "--width", "32", "--batch", "2", "--eval-every", "2",
+               "--max-steps", "4")
+    reached = _bench_train(*options, "--target-loss", "100", "--plot", str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    for r in reached:  # any loss is under 100: at the target from the start, each row stops at its first evaluation
+        assert [step for _, step, _ in r["curve"]] == [0, 2] and r["time_to_loss_s"] == 0.0
+    full = {r["impl"]: r for r in _bench_train(*options, "--target-loss", "100", "--full")}
+    for r in full.values():
+        assert [step for _, step, _ in r["curve"]] == [0, 2, 4] and r["curve"][2][0] > r["curve"][1][0] > 0
+    assert full["ours-torch-none"]["final_loss"] == pytest.approx(full["ddp"]["final_loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--ddp", "ddp,ddp-int4"], "--ddp: unknown ddp-int4"),
+    (["--full"], "--full is for time to loss"),
+    (["--target-loss", "2", "--batch", "0"], "--batch must be positive"),
+    (["--transports", "nccl"], "--transports: unknown nccl"),
+])
+def test_bench_train_rejects_bad_options(argv, message, capsys) -> None:
+    from hpc.cli.main import main
+
+    assert main(["bench", "train", "--launcher", "local", *argv]) == 2
+    assert message in capsys.readouterr().err

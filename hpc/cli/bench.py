@@ -131,6 +131,8 @@ def _add_train_parser(kinds: argparse._SubParsersAction) -> None:
              "width": "GPT width", "layers": "GPT blocks", "batch": "sequences per rank per step"}
     for option, default in TIME_TO_LOSS_DEFAULTS.items():
         loss.add_argument(f"--{option}", type=int, default=default, help=f"{helps[option]} (default {default})")
+    loss.add_argument("--full", action="store_true",
+                      help="train every row all --max-steps (not to the target), so final losses compare")
     loss.add_argument("--plot", metavar="PATH", help="also write a PNG: held-out loss against wall time")
     bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
     bench.add_argument("--json", action="store_true", help="one JSON object per row")
@@ -305,12 +307,13 @@ def _time_to_loss_options(args: argparse.Namespace) -> list[str]:
     from hpc.errors import ConfigError
 
     if args.target_loss is None:
-        if args.plot:
-            raise ConfigError("--plot draws loss against time: it needs --target-loss")
+        if args.plot or args.full:
+            raise ConfigError(f"{'--plot' if args.plot else '--full'} is for time to loss: it needs --target-loss")
         return []
     sizes = {"max-steps": args.max_steps, "eval-every": args.eval_every, "width": args.width,
              "layers": args.layers, "batch": args.batch}
     small = [f"--{name}" for name, value in sizes.items() if value < 1]
     if args.target_loss <= 0 or small:
         raise ConfigError(f"{', '.join(small) or '--target-loss'} must be positive")
-    return ["--target-loss", str(args.target_loss), *(f"--{name}={value}" for name, value in sizes.items())]
+    full = ["--full"] if args.full else []
+    return ["--target-loss", str(args.target_loss), *full, *(f"--{name}={value}" for name, value in sizes.items())]

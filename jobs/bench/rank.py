@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     for option in ("steps", "warmup", "rounds"):
         train.add_argument(f"--{option}", type=int, required=True)
     train.add_argument("--target-loss", type=float, help="time-to-loss mode: train to this held-out loss")
+    train.add_argument("--full", action="store_true", help="time to loss: every row trains all --max-steps")
     for option, default in TIME_TO_LOSS_DEFAULTS.items():
         train.add_argument(f"--{option}", type=int, default=default)
     alltoall = kinds.add_parser("alltoall", parents=[common])
@@ -119,7 +120,7 @@ def _train(args: argparse.Namespace, group) -> list[dict]:
         size = {**GPT_SIZE, "d_model": args.width, "n_layers": args.layers}
         runs = implementations(args.transports.split(","), args.codecs.split(","), ddp, group, size)
         return bench_time_to_loss(group, runs, args.target_loss, args.max_steps, args.eval_every, args.batch,
-                                  GPT_SIZE["seq_len"])
+                                  GPT_SIZE["seq_len"], full=args.full)
     return bench_train(group, args.transports.split(","), args.codecs.split(","), ddp,
                        steps=args.steps, warmup=args.warmup, rounds=args.rounds)
 

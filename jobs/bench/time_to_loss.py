@@ -57,8 +57,9 @@ def _held_out_loss(model: torch.nn.Module, held_out: tuple[torch.Tensor, torch.T
 
 
 def train_curve(build: Callable[[], tuple], batches: Sequence[tuple], held_out: tuple, eval_every: int,
-                target: float, group: ProcessGroup) -> list[tuple[float, int, float]]:
-    """(training seconds so far, step, held-out loss) every ``eval_every`` steps, until the target or the end."""
+                target: float | None, group: ProcessGroup) -> list[tuple[float, int, float]]:
+    """(training seconds so far, step, held-out loss) every ``eval_every`` steps, until the target (None: all
+    the batches) or the end."""
     from jobs.gpt import lm_loss
 
     model, forward, optimizer = build()
@@ -75,6 +76,8 @@ def train_curve(build: Callable[[], tuple], batches: Sequence[tuple], held_out: 
         if step % eval_every and step != len(batches):
             continue
         curve.append((trained, step, _held_out_loss(model, held_out)))
+        if target is None:
+            continue
         reached[0] = float(curve[-1][2] <= target)
         dist.broadcast(reached, src=dist.get_global_rank(group, 0), group=group)  # rank 0's model decides
         if reached[0]:
@@ -85,14 +88,15 @@ def train_curve(build: Callable[[], tuple], batches: Sequence[tuple], held_out: 
 
 
 def bench_time_to_loss(group: ProcessGroup, runs: dict[str, Callable[[], tuple]], target: float, max_steps: int,
-                       eval_every: int, batch: int, seq_len: int) -> list[dict]:
-    """One row per implementation, with its curve; every rank returns rank 0's rows."""
+                       eval_every: int, batch: int, seq_len: int, full: bool = False) -> list[dict]:
+    """One row per implementation, with its curve; every rank returns rank 0's rows. ``full``: every row trains
+    all ``max_steps`` (the time to the target read off its curve), so final losses compare like for like."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     batches = _train_batches(max_steps, batch, seq_len, rank, n)
     held_out = _held_out(seq_len)
     rows = []
     for name, build in runs.items():
-        curve = train_curve(build, batches, held_out, eval_every, target, group)
+        curve = train_curve(build, batches, held_out, eval_every, None if full else target, group)
         reached = next(((t, s) for t, s, loss in curve if loss <= target), None)
         rows.append({"impl": name, "ranks": n, "target_loss": target, "curve": curve,
                      "time_to_loss_s": reached[0] if reached else None, "steps": curve[-1][1],
