@@ -33,8 +33,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                            help="gradient codecs (default %(default)s)")
     allreduce.add_argument("--transports", help="ring transports: torch, mpi (default: both under mpirun)")
     allreduce.add_argument("--iters", type=int, default=5, help="timed iterations per row (default 5)")
-    allreduce.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
-    allreduce.add_argument("--json", action="store_true", help="one JSON object per row")
+    _launch_options(allreduce)
     allreduce.add_argument("--plot", metavar="PATH",
                            help="also write a PNG: bus bandwidth against message size, a line per implementation")
     allreduce.set_defaults(handler=cmd_bench)
@@ -47,13 +46,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     pipeline.add_argument("--width", type=int, default=1024, help="features per block (default 1024)")
     pipeline.add_argument("--rows", type=int, default=64, help="rows per microbatch (default 64)")
     pipeline.add_argument("--steps", type=int, default=3, help="timed steps per row, after one warm-up (default 3)")
-    pipeline.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
-    pipeline.add_argument("--json", action="store_true", help="one JSON object per row")
+    _launch_options(pipeline)
     pipeline.set_defaults(handler=cmd_bench_pipeline)
     _add_checkpoint_parser(kinds)
     _add_memory_parser(kinds)
     _add_train_parser(kinds)
     _add_alltoall_parser(kinds)
+
+
+def _launch_options(bench: argparse.ArgumentParser) -> None:
+    """What every benchmark takes: how its ranks start and how its rows print."""
+    bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
+    bench.add_argument("--json", action="store_true", help="one JSON object per row")
 
 
 def _add_alltoall_parser(kinds: argparse._SubParsersAction) -> None:
@@ -63,8 +67,7 @@ def _add_alltoall_parser(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
     bench.add_argument("--sizes", default="64K,1M,16M", help="bytes each rank sends (default %(default)s)")
     bench.add_argument("--iters", type=int, default=10, help="timed iterations per row (default 10)")
-    bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
-    bench.add_argument("--json", action="store_true", help="one JSON object per row")
+    _launch_options(bench)
     bench.set_defaults(handler=cmd_bench_alltoall)
 
 
@@ -95,8 +98,7 @@ def _add_checkpoint_parser(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("--size", default="256M", help="bytes of training state, e.g. 64M, 1G (default %(default)s)")
     bench.add_argument("--iters", type=int, default=3, help="timed rounds; each row is the median (default 3)")
     bench.add_argument("--dir", default="runs/bench-checkpoint", help="where to write (default %(default)s)")
-    bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
-    bench.add_argument("--json", action="store_true", help="one JSON object per row")
+    _launch_options(bench)
     bench.set_defaults(handler=cmd_bench_checkpoint)
 
 
@@ -109,8 +111,7 @@ def _add_memory_parser(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("--zero", default="0,1,2,3", help="our ZeRO stages (default %(default)s)")
     bench.add_argument("--impls", default="ours,torch-zero,fsdp2", help="(default %(default)s)")
     bench.add_argument("--steps", type=int, default=3, help="timed steps per row, after one warm-up (default 3)")
-    bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
-    bench.add_argument("--json", action="store_true", help="one JSON object per row")
+    _launch_options(bench)
     bench.set_defaults(handler=cmd_bench_memory)
 
 
@@ -134,8 +135,7 @@ def _add_train_parser(kinds: argparse._SubParsersAction) -> None:
     loss.add_argument("--full", action="store_true",
                       help="train every row all --max-steps (not to the target), so final losses compare")
     loss.add_argument("--plot", metavar="PATH", help="also write a PNG: held-out loss against wall time")
-    bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
-    bench.add_argument("--json", action="store_true", help="one JSON object per row")
+    _launch_options(bench)
     bench.set_defaults(handler=cmd_bench_train)
 
 
@@ -163,9 +163,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             parse_size(size)
     except ValueError as exc:
         raise ConfigError(f"--sizes: {exc}") from None
-    unknown = set(args.codecs.split(",")) - set(CODEC_NAMES)
-    if unknown:
-        raise ConfigError(f"--codecs: unknown {', '.join(sorted(unknown))} (valid: {', '.join(CODEC_NAMES)})")
+    _check_codecs(args.codecs)
     launcher = args.launcher or launch.default_launcher()
     transports = _transports(args.transports, launcher)
     plot = check_png_path(args.plot) if args.plot else None
@@ -175,6 +173,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         save_png(bandwidth_figure(rows), plot)
         print(f"wrote {plot}", file=sys.stderr if args.json else sys.stdout)  # --json: stdout stays JSON lines
     return 0
+
+
+def _check_codecs(text: str) -> None:
+    from hpc.errors import ConfigError
+
+    unknown = set(text.split(",")) - set(CODEC_NAMES)
+    if unknown:
+        raise ConfigError(f"--codecs: unknown {', '.join(sorted(unknown))} (valid: {', '.join(CODEC_NAMES)})")
 
 
 def _transports(asked: str | None, launcher: str) -> str:
@@ -277,9 +283,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     from hpc.observe.plots import check_png_path, save_png
     from hpc.runtime import launch
 
-    unknown = set(args.codecs.split(",")) - set(CODEC_NAMES)
-    if unknown:
-        raise ConfigError(f"--codecs: unknown {', '.join(sorted(unknown))} (valid: {', '.join(CODEC_NAMES)})")
+    _check_codecs(args.codecs)
     hooks = [h for h in args.ddp.split(",") if h]
     if set(hooks) - set(DDP_IMPLS):
         raise ConfigError(f"--ddp: unknown {', '.join(sorted(set(hooks) - set(DDP_IMPLS)))} "
