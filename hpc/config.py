@@ -204,7 +204,8 @@ class ParallelConfig:
     powersgd_rank: int = _field(4, "powersgd: the rank of the P Q^T approximation", min=1)
     compression_warmup_steps: int = _field(0, "exact reduction for this many steps before compression starts", min=0)
     transport: Literal["torch", "mpi"] = _field(
-        "torch", "the ring's point-to-point messages: torch (Gloo/NCCL) or mpi (mpi4py; needs mpirun or srun)")
+        "torch", "the ring's and the pipeline's point-to-point messages: torch (Gloo/NCCL) or mpi (mpi4py; needs "
+        "mpirun or srun; on CPU the faster: shared memory, no progress thread competing with compute)")
     bucket_mb: float = _field(25.0, "gradient fusion: MiB per bucket reduced as one message", gt=0)
     overlap: bool = _field(True, "reduce buckets while backward still runs")
     zero: int = _field(

@@ -42,7 +42,7 @@ from parallel.compression.registry import make_reducer
 from parallel.ep import ExpertGroups, reduce_expert_gradients
 from parallel.optimizer import distributed_optimizer
 from parallel.pipeline import run_pipeline_step
-from parallel.ring import make_transport
+from parallel.ring import Transport, make_transport
 from parallel.schedule import Action, build_schedule
 from parallel.tensor_parallel import tp_split_dims
 
@@ -84,11 +84,11 @@ def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float, optimize
 
 
 def forward_backward(
-    workload: Workload, actions: list[Action] | None, pp_group: dist.ProcessGroup,
+    workload: Workload, actions: list[Action] | None, pp: Transport,
     inputs: torch.Tensor, targets: torch.Tensor, microbatches: int, probe: Probe | None = None,
 ) -> tuple[float | None, float]:
-    """Accumulate this step's gradients. Returns the replica's mean loss on its last pipeline stage
-    (else None) and the seconds spent waiting for pipeline messages."""
+    """Accumulate this step's gradients; ``pp`` carries the pipeline's messages over its group. Returns the
+    replica's mean loss on its last pipeline stage (else None) and the seconds spent waiting for pipeline messages."""
     probe = probe or Probe()
     if actions is None:
         with probe.span("forward"):
@@ -97,8 +97,9 @@ def forward_backward(
             loss.backward()
         return loss.item(), 0.0
     stats = run_pipeline_step(
-        actions, workload.chunks, pp_group, activation_shape=workload.activation_shape(len(inputs) // microbatches),
+        actions, workload.chunks, pp.group, activation_shape=workload.activation_shape(len(inputs) // microbatches),
         loss_fn=workload.loss, inputs=inputs.chunk(microbatches), targets=targets.chunk(microbatches), probe=probe,
+        transport=pp,
     )
     return stats.loss, max(0.0, stats.wall_s - stats.forward_s - stats.backward_s)
 
@@ -211,6 +212,7 @@ class StepRunner:
         self.base_lr = base_learning_rate(spec.train, spec.data.batch_size)
         schedule = build_schedule(self.par.schedule, mesh.size("pp"), self.par.microbatches, self.par.virtual_stages)
         self.actions = schedule[mesh.index("pp")] if uses_pipeline(self.par) else None
+        self.pp = make_transport(self.par.transport, mesh.group("pp"))
         dp = mesh.members["dp"] if self.par.zero >= 2 else ()
         experts = workload.expert_groups.ep_members if workload.expert_groups else ()
         self.grad_norm_peers = sorted({*mesh.members["tp"], *mesh.members["pp"], *dp, *experts})
@@ -225,7 +227,7 @@ class StepRunner:
         with probe.span("data"):
             inputs, targets = self.workload.batch(step)
         optimizer.zero_grad(set_to_none=True)
-        loss, pipeline_wait = forward_backward(self.workload, self.actions, self.mesh.group("pp"), inputs, targets,
+        loss, pipeline_wait = forward_backward(self.workload, self.actions, self.pp, inputs, targets,
                                                self.par.microbatches, probe)
         optimizer.synchronize()
         groups = self.workload.expert_groups

@@ -11,12 +11,13 @@ and runs its optimizer after it.
 Every tensor crossing a stage boundary has the same ``activation_shape`` and dtype, given
 per call (true of stacks of equal blocks, which is what we cut into stages), so a
 receive allocates its buffer without a shape exchange. Messages travel as isend/irecv
-on the explicit pipeline group, tagged by the message they carry. The schedule's next
-``lookahead`` receives are always posted, so a message lands while this rank computes
-and its sender never waits for us to ask for it; sends and receives due between two
-computes are queued and posted in one ``batch_isend_irecv`` right before the next compute
-or wait (one launch where the backend coalesces, NCCL), so a send never holds up the next
-compute; sends are awaited only at the end of the step. Nothing is copied: a stage's
+through a ``parallel.ring`` transport of the pipeline group (torch.distributed by default,
+or MPI), tagged by the message they carry. The schedule's next ``lookahead`` receives are
+always posted, so a message lands while this rank computes and its sender never waits for
+us to ask for it; sends and receives due between two computes are queued and posted as one
+batch right before the next compute or wait (one ``batch_isend_irecv`` launch where the
+backend coalesces, NCCL), so a send never holds up the next compute; sends are awaited only
+at the end of the step. Nothing is copied: a stage's
 output and its input's gradient are sent as they are, received buffers become the next
 stage's input or output gradient. We drive torch.distributed point-to-point
 ourselves instead of torch.distributed.pipelining so that the schedule executed is
@@ -36,6 +37,7 @@ from torch.distributed import ProcessGroup
 
 from hpc.errors import LayoutError
 from hpc.observe.probe import Probe
+from parallel.ring import Pending, PointToPoint, TorchTransport, Transport
 from parallel.schedule import Action, Message, stage_bounds
 
 
@@ -72,6 +74,7 @@ def run_pipeline_step(
     device: torch.device | str = "cpu",
     probe: Probe | None = None,
     lookahead: int = 4,
+    transport: Transport | None = None,
 ) -> StepStats:
     """Run this rank's actions once: forward and backward of every microbatch, grads accumulated.
 
@@ -79,12 +82,13 @@ def run_pipeline_step(
     the last stage (p-1). The group's size is the number of pipeline ranks. The loss comes
     back on the last stage's rank only, None elsewhere: sharing it costs a collective that
     only the caller knows whether it needs. ``probe`` sees every compute, send and receive wait
-    (timeline, stall inspector).
+    (timeline, stall inspector). ``transport`` carries the messages, over ``group``
+    (default: torch.distributed's point-to-point).
     """
     if lookahead < 1:
         raise ValueError(f"lookahead must be at least 1 posted receive, got {lookahead}")
     step = _Step(actions, chunks, group, tuple(activation_shape), loss_fn, inputs, targets,
-                 dtype or torch.float32, device, probe or Probe(), lookahead)
+                 dtype or torch.float32, device, probe or Probe(), lookahead, transport or TorchTransport(group))
     return step.run()
 
 
@@ -92,9 +96,10 @@ class _Step:
     """One rank during one step: messages posted and in hand, activations kept for backward."""
 
     def __init__(
-        self, actions, chunks, group, activation_shape, loss_fn, inputs, targets, dtype, device, probe, lookahead
+        self, actions, chunks, group, activation_shape, loss_fn, inputs, targets, dtype, device, probe, lookahead,
+        transport,
     ) -> None:
-        self.actions, self.chunks, self.group, self.probe = actions, chunks, group, probe
+        self.actions, self.chunks, self.group, self.probe, self.transport = actions, chunks, group, probe, transport
         self.activation_shape, self.loss_fn, self.inputs, self.targets = activation_shape, loss_fn, inputs, targets
         self.dtype, self.device = dtype, device
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -103,9 +108,9 @@ class _Step:
         self.m = 1 + max(action.microbatch for action in actions)
         self.upcoming = iter([action for action in actions if action.kind in ("RECV_F", "RECV_B")])
         self.lookahead = lookahead
-        self.batch: list[tuple[dist.P2POp, Message | None]] = []  # posted together before the next compute or wait
+        self.batch: list[tuple[PointToPoint, Message | None]] = []  # posted together before the next compute or wait
         self.buffers: dict[Message, torch.Tensor] = {}  # receive buffers of the messages in self.posted
-        self.posted: dict[Message, dist.Work] = {}  # message -> pending irecv
+        self.posted: dict[Message, Pending] = {}  # message -> pending irecv
         self.inbox: dict[Message, torch.Tensor] = {}  # received or handed over, not yet consumed
         self.outbox: dict[Message, torch.Tensor] = {}  # computed, not yet sent
         self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, stage) -> (input, output, bytes kept)
@@ -143,14 +148,13 @@ class _Step:
             buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
             self.buffers[action.message] = buffer
             tag = message_tag(action.message, self.num_stages)
-            self.batch.append((dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=action.peer, tag=tag),
-                               action.message))
+            self.batch.append((PointToPoint(False, buffer, action.peer, tag), action.message))
 
     def _flush(self) -> None:
         """Post the queued sends and receives as one batch (one launch on backends that coalesce, NCCL)."""
         if not self.batch:
             return
-        works = dist.batch_isend_irecv([op for op, _ in self.batch])
+        works = self.transport.post([op for op, _ in self.batch])
         for (_, message), work in zip(self.batch, works, strict=True):
             if message is None:
                 self.sends.append(work)
@@ -177,7 +181,7 @@ class _Step:
         message = action.message
         tensor = self.outbox.pop(message)
         tag = message_tag(message, self.num_stages)
-        self.batch.append((dist.P2POp(dist.isend, tensor, group=self.group, group_peer=action.peer, tag=tag), None))
+        self.batch.append((PointToPoint(True, tensor, action.peer, tag), None))
         self.probe.sent(f"send {message.direction} mb{message.microbatch} stage{message.stage}",
                         self._link(self.rank, action.peer))
 

@@ -22,7 +22,8 @@ InfiniBand transports beat Gloo's TCP on CPU clusters.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -39,13 +40,25 @@ class Pending(Protocol):
     def wait(self) -> object: ...
 
 
+@dataclass(frozen=True)
+class PointToPoint:
+    """One send or receive of a batch (``Transport.post``); ``peer`` is a rank within the transport's group."""
+
+    is_send: bool
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+
+
 class Transport(Protocol):
     name: str
     group: ProcessGroup | None
 
-    def send(self, tensor: torch.Tensor, peer: int) -> Pending: ...
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending: ...
 
-    def recv(self, tensor: torch.Tensor, peer: int) -> Pending: ...
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending: ...
+
+    def post(self, ops: Sequence[PointToPoint]) -> list[Pending]: ...
 
 
 class TorchTransport:
@@ -56,11 +69,19 @@ class TorchTransport:
     def __init__(self, group: ProcessGroup | None = None):
         self.group = group
 
-    def send(self, tensor: torch.Tensor, peer: int) -> Pending:
-        return dist.isend(tensor, group=self.group, group_dst=peer)
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending:
+        return dist.isend(tensor, group=self.group, group_dst=peer, tag=tag)
 
-    def recv(self, tensor: torch.Tensor, peer: int) -> Pending:
-        return dist.irecv(tensor, group=self.group, group_src=peer)
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending:
+        return dist.irecv(tensor, group=self.group, group_src=peer, tag=tag)
+
+    def post(self, ops: Sequence[PointToPoint]) -> list[Pending]:
+        """One ``batch_isend_irecv``: a single launch where the backend coalesces (NCCL)."""
+        return dist.batch_isend_irecv([
+            dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, group=self.group, group_peer=op.peer,
+                       tag=op.tag)
+            for op in ops
+        ])
 
 
 class MpiTransport:
@@ -87,11 +108,16 @@ class MpiTransport:
     def _peer(self, peer: int) -> int:
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer
 
-    def send(self, tensor: torch.Tensor, peer: int) -> Pending:
-        return self.comm.Isend(tensor.view(torch.uint8).numpy(), dest=self._peer(peer))
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending:
+        return self.comm.Isend(tensor.view(torch.uint8).numpy(), dest=self._peer(peer), tag=tag)
 
-    def recv(self, tensor: torch.Tensor, peer: int) -> Pending:
-        return self.comm.Irecv(tensor.view(torch.uint8).numpy(), source=self._peer(peer))
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending:
+        return self.comm.Irecv(tensor.view(torch.uint8).numpy(), source=self._peer(peer), tag=tag)
+
+    def post(self, ops: Sequence[PointToPoint]) -> list[Pending]:
+        """Each posted at once: MPI moves a posted message inside the receiver's own MPI calls (shared
+        memory: one copy when it waits), so no progress thread has to win a busy core first."""
+        return [(self.send if op.is_send else self.recv)(op.tensor, op.peer, op.tag) for op in ops]
 
 
 def make_transport(name: str, group: ProcessGroup | None) -> Transport:

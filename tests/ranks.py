@@ -86,3 +86,36 @@ def run_ranks(n: int, fn: Callable, *args: Any, timeout: float = 120.0) -> list[
                 proc.kill()
                 proc.join()
     return [collected[r] for r in range(n)]
+
+
+_MPI_RANK = """
+import importlib, pickle, sys
+import torch
+import hpc
+torch.set_num_threads(1)
+world = hpc.init("gloo")
+module, name = sys.argv[1].split(":")
+result = getattr(importlib.import_module(module), name)(world, *pickle.loads(bytes.fromhex(sys.argv[2])))
+with open(f"{sys.argv[3]}/rank-{world.rank}.pickle", "wb") as handle:
+    pickle.dump(result, handle)
+hpc.shutdown()
+"""
+
+
+def run_under_mpirun(n: int, fn: Callable, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """``fn(world, *args)`` on n Gloo ranks started by Open MPI's mpirun (for what only MPI-started ranks
+    can do: the mpi4py transport); returns each rank's result by rank. ``fn`` must be importable by name."""
+    import pickle
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from hpc.runtime import launch
+
+    with tempfile.TemporaryDirectory() as out:
+        argv = (sys.executable, "-c", _MPI_RANK, f"{fn.__module__}:{fn.__name__}", pickle.dumps(args).hex(), out)
+        command = launch.mpirun_command(n, argv, os.environ, is_root=os.geteuid() == 0)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parents[1])
+        assert done.returncode == 0, done.stderr
+        return [pickle.loads((Path(out) / f"rank-{rank}.pickle").read_bytes()) for rank in range(n)]

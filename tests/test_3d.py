@@ -167,6 +167,7 @@ def _clip_once(world, layout, max_norm: float):
     from jobs.layout import uses_pipeline
     from jobs.train import clip_gradients, forward_backward
     from jobs.workloads import Workload
+    from parallel.ring import TorchTransport
     from parallel.schedule import build_schedule
 
     spec = gpt_spec("unused", "clip", layout, "1f1b", microbatches=2)
@@ -174,7 +175,7 @@ def _clip_once(world, layout, max_norm: float):
     workload = Workload(spec, mesh)
     actions = build_schedule("1f1b", layout[2], 2)[mesh.index("pp")] if uses_pipeline(spec.parallel) else None
     inputs, targets = workload.batch(0)
-    forward_backward(workload, actions, mesh.group("pp"), inputs, targets, microbatches=2)
+    forward_backward(workload, actions, TorchTransport(mesh.group("pp")), inputs, targets, microbatches=2)
     model = workload.model
     norm = clip_gradients(model, mesh, max_norm)
     grads = dict(model.named_parameters())

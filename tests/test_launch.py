@@ -219,6 +219,34 @@ def test_killed_rank_stops_the_job_fast_and_is_named(tmp_path, launcher) -> None
 
 
 @pytest.mark.slow
+@needs_mpi
+def test_pipeline_messages_over_mpi_train_the_gpt_like_torch_transport(tmp_path) -> None:
+    gpt = EXAMPLE.with_name("gpt.toml")
+    layout = ("parallel.tp=1", "parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+              "parallel.microbatches=4", "train.steps=6", f"job.run_dir={tmp_path}")
+    summaries = {}
+    for transport in ("torch", "mpi"):
+        done = _run("run", "-n", "2", "--launcher", "mpirun", str(gpt), "--set", f"parallel.transport={transport}",
+                    *(arg for setting in layout for arg in ("--set", setting)))
+        assert done.returncode == 0, done.stderr
+        summaries[transport] = re.search(r"final loss (\S+) \| held-out loss (\S+)", done.stdout)[0]
+    assert summaries["mpi"] == summaries["torch"]
+
+
+@pytest.mark.slow
+def test_a_rank_aborted_by_a_library_names_itself_and_shows_where_its_threads_were(tmp_path) -> None:
+    script = tmp_path / "abort_on_rank1.py"
+    script.write_text("import os\nimport hpc\n\nwith hpc.session() as run:\n"
+                      "    if run.rank == 1:\n        os.abort()  # what a C++ std::terminate ends in\n"
+                      "    run.finish()\n")
+    done = _run("run", "-n", "2", "--launcher", "local", str(script), timeout=90)
+    assert done.returncode != 0
+    assert "rank 1 was killed by SIGABRT" in done.stderr, done.stderr
+    assert "[1] Fatal Python error: Aborted" in done.stderr, done.stderr
+    assert re.search(r"^\[1\] .*File \".*abort_on_rank1.py\", line 6", done.stderr, re.M), done.stderr
+
+
+@pytest.mark.slow
 def test_dry_run_prints_commands_and_starts_nothing(tmp_path) -> None:
     done = _run("run", "-n", "2", "--launcher", "local", "--dry-run", str(EXAMPLE), "--set", "train.lr=0.01",
                 "--set", f"job.run_dir={tmp_path}")

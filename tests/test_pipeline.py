@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 from hpc.errors import LayoutError
+from hpc.runtime import launch
 from hpc.runtime.mesh import MeshShape, build_mesh
 from parallel.pipeline import _forward_keeping, split_into_stages
 from parallel.schedule import build_schedule, theoretical_bubble
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, run_under_mpirun
 
 WIDTH, LAYERS, BATCH, STEPS, LR = 8, 8, 24, 10, 0.2
 
@@ -44,17 +45,18 @@ def _single_process() -> tuple[list[float], list[list[torch.Tensor]]]:
     return losses, [[t.detach().clone() for t in block.parameters()] for block in blocks]
 
 
-def _train(world, shape: MeshShape, cases: list[tuple[str, int, int]]):
+def _train(world, shape: MeshShape, cases: list[tuple[str, int, int]], transport: str = "torch"):
     """Each (schedule, m, v) in turn from the same initial model, one pipeline per data-parallel
     replica, each replica taking its share of every batch; one launch for all cases keeps it fast."""
     mesh = build_mesh(shape, world.rank)
-    return [_train_case(mesh, *case) for case in cases]
+    return [_train_case(mesh, *case, transport=transport) for case in cases]
 
 
-def _train_case(mesh, schedule: str, m: int, v: int, lookahead: int = 4):
+def _train_case(mesh, schedule: str, m: int, v: int, lookahead: int = 4, transport: str = "torch"):
     import torch.distributed as dist
 
     from parallel.pipeline import run_pipeline_step
+    from parallel.ring import make_transport
 
     shape = mesh.shape
     p, stage_rank, replica = shape.pp, mesh.index("pp"), mesh.index("dp")
@@ -70,6 +72,7 @@ def _train_case(mesh, schedule: str, m: int, v: int, lookahead: int = 4):
         stats = run_pipeline_step(
             actions, chunks, mesh.group("pp"), activation_shape=(rows // m, WIDTH), loss_fn=nn.functional.mse_loss,
             inputs=x.chunk(m), targets=y.chunk(m), lookahead=lookahead,
+            transport=make_transport(transport, mesh.group("pp")),
         )
         loss = stats.loss
         if shape.dp > 1:
@@ -124,6 +127,15 @@ def test_pipeline_matches_single_process(dp, pp) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not launch.has_open_mpi(), reason="Open MPI is not installed")
+def test_pipeline_over_the_mpi_transport_matches_single_process() -> None:
+    results = run_under_mpirun(2, _train, MeshShape(dp=1, tp=1, pp=2), LAYOUTS[1, 2], "mpi")
+    for index, (schedule, m, v) in enumerate(LAYOUTS[1, 2]):
+        print(f"checking {schedule} m={m} v={v} over mpi")
+        _check_matches_single_process([per_rank[index] for per_rank in results], MeshShape(dp=1, tp=1, pp=2), v)
+
+
+@pytest.mark.slow
 def test_one_receive_posted_ahead_trains_the_same() -> None:
     """The receive look-ahead changes when messages are posted, never what is computed."""
     shape = MeshShape(dp=1, tp=1, pp=2)
@@ -162,7 +174,8 @@ def test_bench_pipeline_json_rows() -> None:
     rows = {r["schedule"]: r for r in map(json.loads, done.stdout.splitlines())}
     assert list(rows) == ["gpipe", "1f1b", "interleaved"]
     for name, r in rows.items():
-        assert (r["stages"], r["microbatches"], r["virtual"]) == (2, 4, 2 if name == "interleaved" else 1)
+        assert (r["transport"], r["stages"], r["microbatches"]) == ("torch", 2, 4)
+        assert r["virtual"] == (2 if name == "interleaved" else 1)
         assert r["bubble_theory"] == theoretical_bubble(name, 2, 4, r["virtual"])
         assert 0 <= r["bubble_measured"] < 1 and r["step_s"] > 0
         assert r["message_s"] > 0 and r["chunk_compute_s"] > 0  # what one message costs, against one compute

@@ -1,11 +1,6 @@
 """The ring all-reduce against torch's all_reduce, and its compressed variants against their bounds."""
 
 import itertools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +11,7 @@ from hpc.runtime import launch
 from parallel.compression.base import ErrorFeedback
 from parallel.compression.registry import make_codec
 from parallel.ring import TorchTransport, make_transport, ring_allreduce
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, run_under_mpirun
 
 SIZES = [0, 1, 3, 7, 1000, 4099]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -122,28 +117,15 @@ def test_error_feedback_keeps_the_running_sum_on_track(name) -> None:
     assert drift["ef"] < drift["plain"] / 3
 
 
-MPI_PROBE = """
-import json, sys, torch
-import hpc
-from tests.test_ring import compare_with_torch
-torch.set_num_threads(1)
-world = hpc.init("gloo")
-report = {"rank": world.rank, "launcher": world.info.launcher.value,
-          "rendezvous": world.rendezvous.source, "mismatches": compare_with_torch(world, "mpi")}
-with open(f"{sys.argv[1]}/rank-{world.rank}.json", "w") as handle:
-    json.dump(report, handle)
-hpc.shutdown()
-"""
+def _mpi_report(world) -> dict:
+    return {"rank": world.rank, "launcher": world.info.launcher.value, "rendezvous": world.rendezvous.source,
+            "mismatches": compare_with_torch(world, "mpi")}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not launch.has_open_mpi(), reason="Open MPI is not installed")
-def test_mpi_transport_under_mpirun_equals_torch_all_reduce(tmp_path) -> None:
-    argv = (sys.executable, "-c", MPI_PROBE, str(tmp_path))
-    command = launch.mpirun_command(3, argv, os.environ, is_root=os.geteuid() == 0)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
-    assert done.returncode == 0, done.stderr
-    reports = [json.loads(path.read_text()) for path in tmp_path.glob("rank-*.json")]
+def test_mpi_transport_under_mpirun_equals_torch_all_reduce() -> None:
+    reports = run_under_mpirun(3, _mpi_report)
     assert sorted(r["rank"] for r in reports) == [0, 1, 2]
     for report in reports:
         assert report == {**report, "launcher": "openmpi", "rendezvous": "mpi", "mismatches": []}

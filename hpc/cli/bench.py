@@ -46,6 +46,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     pipeline.add_argument("--width", type=int, default=1024, help="features per block (default 1024)")
     pipeline.add_argument("--rows", type=int, default=64, help="rows per microbatch (default 64)")
     pipeline.add_argument("--steps", type=int, default=3, help="timed steps per row, after one warm-up (default 3)")
+    pipeline.add_argument("--transports", help="message transports: torch, mpi (default: both under mpirun)")
     _launch_options(pipeline)
     pipeline.set_defaults(handler=cmd_bench_pipeline)
     _add_checkpoint_parser(kinds)
@@ -225,6 +226,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
                 build_schedule(name, p, m, v)
     launcher = args.launcher or launch.default_launcher()
     options = ["--microbatches", args.microbatches, "--schedules", args.schedules,
+               "--transports", _transports(args.transports, launcher),
                *(arg for option in PIPELINE_SIZES for arg in (f"--{option}", str(getattr(args, option))))]
     rows = [row for p in stages for row in launch.launch_for_rows(p, launcher, _bench_rank_argv("pipeline", options))]
     if args.json:

@@ -144,10 +144,17 @@ def init(
     timeout_s: float = 300.0,
     environ: Mapping[str, str] | None = None,
 ) -> World:
-    """Create the default process group for this rank and return its view of the world."""
+    """Create the default process group for this rank and return its view of the world.
+
+    A rank killed by a fatal signal (SIGABRT from a C++ library, SIGSEGV) prints every thread's
+    Python stack first (``faulthandler``), so the launcher's "rank r was killed by SIGABRT" comes
+    with where each thread was."""
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable()
     environ = os.environ if environ is None else environ
     info = detect_rank_info(environ)
     endpoint = rendezvous_from_env(info, environ)

@@ -19,7 +19,8 @@ The model is a stack of square Linear+Tanh blocks, by default 16 blocks 1024 wid
 64 rows per microbatch: a stage computes for tens of milliseconds per microbatch while an
 activation (256 KiB) crosses in a fraction of a millisecond, the proportion of a
 transformer stage on a GPU against its link (the interleaved schedule, whose chunks are
-half a stage, feels a message's latency most). It is cut into p*v equal stages, and the
+half a stage, feels a message's latency most). It is cut into p*v equal stages (the first
+stage's input asks for its gradient, so that stage computes what the others do), and the
 microbatch size is fixed, so more microbatches mean more work per step, as when the
 global batch grows.
 """
@@ -37,31 +38,37 @@ from torch.distributed import ProcessGroup
 
 from hpc import text
 from parallel.pipeline import run_pipeline_step, split_into_stages
+from parallel.ring import Transport, make_transport
 from parallel.schedule import build_schedule, simulate, theoretical_bubble
 
 COLUMNS = (
-    "schedule", "stages", "microbatches", "virtual", "bubble_measured", "bubble_theory", "bubble_simulated",
-    "peak_activation_bytes", "step_s", "chunk_compute_s", "message_s",
+    "transport", "schedule", "stages", "microbatches", "virtual", "bubble_measured", "bubble_theory",
+    "bubble_simulated", "peak_activation_bytes", "step_s", "chunk_compute_s", "message_s",
 )
-HEADER = ("schedule", "p", "m", "v", "bubble", "theory", "sim+msg", "peak act MiB", "step(ms)", "F+B(ms)", "msg(ms)")
+HEADER = ("transport", "schedule", "p", "m", "v", "bubble", "theory", "sim+msg", "peak act MiB", "step(ms)", "F+B(ms)",
+          "msg(ms)")
 PING_PONGS = 10
 
 
 def bench_pipeline(
     group: ProcessGroup, schedules: Sequence[str], microbatches: Sequence[int], virtual: int, *,
-    layers: int = 16, width: int = 1024, rows: int = 64, steps: int = 3, warmup: int = 1,
+    transports: Sequence[str] = ("torch",), layers: int = 16, width: int = 1024, rows: int = 64, steps: int = 3,
+    warmup: int = 1,
 ) -> list[dict]:
-    """One row per (schedule, m) on the ranks of ``group``; every rank returns the same rows."""
-    p = dist.get_world_size(group)
-    message = message_seconds(group, (rows, width))
-    return [
-        _bench_one(group, name, p, m, virtual if name == "interleaved" else 1, layers, width, rows, steps, warmup,
-                   message)
-        for name in schedules for m in microbatches
-    ]
+    """One row per (transport, schedule, m) on the ranks of ``group``; every rank returns the same rows."""
+    p, rows_out = dist.get_world_size(group), []
+    for transport in (make_transport(name, group) for name in transports):
+        message = message_seconds(group, (rows, width), transport)
+        rows_out += [
+            {"transport": transport.name,
+             **_bench_one(group, transport, name, p, m, virtual if name == "interleaved" else 1, layers, width, rows,
+                          steps, warmup, message)}
+            for name in schedules for m in microbatches
+        ]
+    return rows_out
 
 
-def message_seconds(group: ProcessGroup, shape: Sequence[int]) -> float:
+def message_seconds(group: ProcessGroup, shape: Sequence[int], transport: Transport) -> float:
     """One-way time of one activation from pipeline rank 0 to 1: half the median ping-pong, the same on every rank.
 
     Ranks past 1 only wait for the result; 0.0 for a single rank."""
@@ -72,11 +79,11 @@ def message_seconds(group: ProcessGroup, shape: Sequence[int]) -> float:
         for _ in range(PING_PONGS + 1) if rank < 2 else ():
             started = time.perf_counter()
             if rank == 0:
-                dist.send(payload, group=group, group_dst=1)
-                dist.recv(payload, group=group, group_src=1)
+                transport.send(payload, 1).wait()
+                transport.recv(payload, 1).wait()
             else:
-                dist.recv(payload, group=group, group_src=0)
-                dist.send(payload, group=group, group_dst=0)
+                transport.recv(payload, 0).wait()
+                transport.send(payload, 0).wait()
             trips.append(time.perf_counter() - started)
         if rank == 0:
             seconds[0] = statistics.median(trips[1:]) / 2  # the first trip warms the connection up
@@ -85,14 +92,17 @@ def message_seconds(group: ProcessGroup, shape: Sequence[int]) -> float:
 
 
 def _bench_one(
-    group: ProcessGroup, name: str, p: int, m: int, v: int, layers: int, width: int, rows: int, steps: int,
-    warmup: int, message: float,
+    group: ProcessGroup, transport: Transport, name: str, p: int, m: int, v: int, layers: int, width: int,
+    rows: int, steps: int, warmup: int, message: float,
 ) -> dict:
     rank = dist.get_rank(group)
     torch.manual_seed(0)
     chunks = split_into_stages([nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)], p, v)[rank]
     actions = build_schedule(name, p, m, v)[rank]
-    inputs, targets = torch.randn(m, rows, width).unbind(), torch.randn(m, rows, width).unbind()
+    # The first stage's backward computes its input's gradient too, as every other stage's does:
+    # without it, rank 0 does one matmul fewer per microbatch and the stages are unequal.
+    inputs = torch.randn(m, rows, width, requires_grad=True).unbind()
+    targets = torch.randn(m, rows, width).unbind()
     compute, wall, peak, f_and_b = [], [], 0, []
     for step in range(warmup + steps):
         for chunk in chunks:
@@ -100,7 +110,7 @@ def _bench_one(
         dist.barrier(group=group)
         stats = run_pipeline_step(
             actions, chunks, group, activation_shape=(rows, width), loss_fn=nn.functional.mse_loss,
-            inputs=inputs, targets=targets,
+            inputs=inputs, targets=targets, transport=transport,
         )
         if step >= warmup:
             compute.append(stats.forward_s + stats.backward_s)
@@ -119,7 +129,7 @@ def _bench_one(
     simulated = simulate(build_schedule(name, p, m, v), forward, backward, message).bubble
     values = (name, p, m, v, bubble.item() / p, theoretical_bubble(name, p, m, v), simulated,
               int(peak_bytes.item()), makespans.mean().item(), forward + backward, message)
-    return dict(zip(COLUMNS, values, strict=True))
+    return dict(zip(COLUMNS[1:], values, strict=True))  # the caller adds the transport
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -127,6 +137,6 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def _cells(r: dict) -> tuple[object, ...]:
-    return (r["schedule"], r["stages"], r["microbatches"], r["virtual"], f"{r['bubble_measured']:.3f}",
+    return (r["transport"], r["schedule"], r["stages"], r["microbatches"], r["virtual"], f"{r['bubble_measured']:.3f}",
             f"{r['bubble_theory']:.3f}", f"{r['bubble_simulated']:.3f}", f"{r['peak_activation_bytes'] / 2**20:.2f}",
             f"{r['step_s'] * 1e3:.1f}", f"{r['chunk_compute_s'] * 1e3:.1f}", f"{r['message_s'] * 1e3:.3f}")

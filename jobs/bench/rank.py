@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     pipeline = kinds.add_parser("pipeline", parents=[common])
     pipeline.add_argument("--microbatches", required=True)
     pipeline.add_argument("--schedules", required=True)
+    pipeline.add_argument("--transports", required=True)
     for option in PIPELINE_SIZES:
         pipeline.add_argument(f"--{option}", type=int, required=True)
     checkpoint = kinds.add_parser("checkpoint", parents=[common])
@@ -92,7 +93,7 @@ def _pipeline(args: argparse.Namespace, group) -> list[dict]:
 
     return bench_pipeline(
         group, args.schedules.split(","), [int(m) for m in args.microbatches.split(",")], args.virtual,
-        layers=args.layers, width=args.width, rows=args.rows, steps=args.steps,
+        transports=args.transports.split(","), layers=args.layers, width=args.width, rows=args.rows, steps=args.steps,
     )
 
 
