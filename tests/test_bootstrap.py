@@ -66,3 +66,28 @@ def test_rank_that_cannot_rendezvous_fails_fast_naming_itself_and_the_address() 
 def test_shutdown_without_init_is_harmless() -> None:
     bootstrap.shutdown()
     bootstrap.shutdown()
+
+
+
+def test_shutdown_lets_a_thread_waiting_for_the_gil_finish_before_the_group_goes(monkeypatch) -> None:
+    """What a Gloo worker does after a collective (free its Python tensors: take the GIL) must happen before
+    destroy_process_group joins the workers or the interpreter finalizes (caught under gdb: an abort at exit)."""
+    import threading
+
+    import torch.distributed as dist
+
+    released, freed, seen_at_destroy = threading.Lock(), [], []
+    released.acquire()
+
+    def worker() -> None:
+        with released:  # blocked without the GIL, like a worker inside a collective
+            freed.append(True)  # needs the GIL, like freeing a tensor Python made
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: seen_at_destroy.append(bool(freed)))
+    released.release()  # the collective completes; the main thread goes on holding the GIL
+    bootstrap.shutdown()
+    thread.join()
+    assert seen_at_destroy == [True]
