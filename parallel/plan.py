@@ -15,7 +15,8 @@ with its source, in docs/PLANNER.md; the names below follow it:
   Narayanan et al. SC21 section 2.2), and a point-to-point send of b s h / t bytes forward and backward per
   microbatch and model chunk (the scatter/gather optimization, ibid. section 4.1).
 - data parallelism: a ring all-reduce of the stage's gradients (ZeRO-3: 1.5 times that volume, Rajbhandari et
-  al. SC20), times the codec's wire ratio; with overlap it hides behind the last microbatch's backward.
+  al. SC20), times the codec's wire ratio; with overlap it hides behind the last microbatch's backward, bucket
+  by bucket: the last bucket is ready only when backward ends, so its share is never hidden (one bucket: none is).
 - memory per rank: parameters, gradients and optimizer state per parameter (ZeRO's 2 + 2 + 12 bytes for mixed
   precision Adam, each sharded over dp from stage 3, 2 and 1), and activations of the microbatches in flight
   (GPipe m, 1F1B min(m, p), interleaved p + (p-1)/v).
@@ -23,6 +24,7 @@ with its source, in docs/PLANNER.md; the names below follow it:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -77,6 +79,7 @@ class Training:
     optimizer_bytes: int = 12  # fp32 master weights and Adam's two moments
     wire_ratio: float = 1.0  # the codec's bytes on the wire over grad_bytes
     dp_overlap: bool = True  # DP communication runs behind backward (parallel/optimizer.py)
+    bucket_bytes: float = 25 * 2**20  # gradients fused per all-reduce (parallel.bucket_mb; DDP's default too)
 
 
 MIXED_ADAM = Training(batch=1)  # Megatron-LM and ZeRO: fp16/bf16 weights and gradients, fp32 Adam state
@@ -218,8 +221,10 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     slot = compute + tp + p2p
     bubble = (lay.pp - 1) / lay.virtual_stages * slot
     behind, exposed = dp_comm_s(model, train, cluster, lay)
-    if train.dp_overlap:
-        behind = max(0.0, behind - compute * (0.5 if lay.checkpointing else 2 / 3))  # behind the last backward
+    if train.dp_overlap:  # behind the last backward, bucket by bucket: the last one starts when backward ends
+        buckets = max(1, math.ceil(stage_params(model, lay) * train.grad_bytes / train.bucket_bytes))
+        window = compute * (0.5 if lay.checkpointing else 2 / 3) * (buckets - 1) / buckets
+        behind = max(behind / buckets, behind - window)
     dp = behind + exposed
     shard = lay.dp if lay.zero >= 1 else 1
     optimizer = stage_params(model, lay) / shard * 2 * (train.param_bytes + train.grad_bytes + train.optimizer_bytes)

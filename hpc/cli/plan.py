@@ -46,6 +46,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                       "dp=2 fp16, predicted with --cluster's node and the link at RATE")
     plan.add_argument("--steps", type=int, default=14, help="--validate: steps per run (default 14)")
     plan.add_argument("--warmup", type=int, default=4, help="--validate: first steps left out (default 4)")
+    plan.add_argument("--repeats", type=int, default=3,
+                      help="--validate: runs per layout, in rounds; a row's step time is the median of the runs' "
+                           "medians (default 3)")
     plan.add_argument("--record", help="--validate: also write the cluster, the command, the load and every row "
                                        "to this JSON file (tests/test_plan.py checks docs/data/plan_local.json)")
     plan.add_argument("-n", "--nprocs", type=int, default=2, help="--calibrate: ranks of this node (default 2)")
@@ -122,7 +125,8 @@ def _training(spec, args: argparse.Namespace):
     batch = _positive("--batch", args.batch) if args.batch is not None else spec.data.batch_size
     return Training(batch=batch, dtype="bf16" if half else "fp32", act_bytes=2 if half else 4, param_bytes=4,
                     grad_bytes=4, optimizer_bytes=state, wire_ratio=ratio,
-                    dp_overlap=spec.parallel.overlap and not args.no_overlap)
+                    dp_overlap=spec.parallel.overlap and not args.no_overlap,
+                    bucket_bytes=spec.parallel.bucket_mb * 2**20)
 
 
 def _positive(name: str, value: int) -> int:
@@ -321,16 +325,19 @@ def validation_table(rows: list[dict]) -> str:
                                   f"{r['memory_ratio']:.2f}"] for r in rows])
 
 
-def testbed_cluster(cluster, rate: str):
+def testbed_cluster(cluster, rate: str, link: tuple[float, float] | None = None):
     """The namespace testbed as the planner sees it: one rank and one of this machine's cores per virtual host,
-    hosts joined by links shaped to ``rate`` (tc's units: 1gbit, 100mbit), alpha as measured here."""
+    hosts joined by links shaped to ``rate`` (tc's units: 1gbit, 100mbit): at that rate and this node's alpha,
+    or at ``link`` = (alpha s, beta B/s) when measured across the testbed."""
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
     unit = next((u for u in units if rate.endswith(u)), None)
     if unit is None or not rate[: -len(unit)].replace(".", "", 1).isdigit():
         raise ConfigError(f"--testbed: expected a rate such as 1gbit or 100mbit, got {show_text(rate)}")
-    gbps = float(rate[: -len(unit)]) * units[unit] / 8 / 1e9
+    alpha_us, gbps = cluster.inter_alpha_us, float(rate[: -len(unit)]) * units[unit] / 8 / 1e9
+    if link is not None:
+        alpha_us, gbps = link[0] * 1e6, link[1] / 1e9
     return replace(cluster, name=f"namespace testbed at {rate}", devices_per_node=1, cores_per_node=1,
-                   inter_gbps=gbps)
+                   inter_alpha_us=alpha_us, inter_gbps=gbps)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -338,7 +345,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     import os
     import sys
 
-    from jobs.bench.plan_check import run_case, run_testbed_case, select
+    from jobs.bench.plan_check import run_case, select
     from parallel.cluster import load_cluster
 
     if not args.spec or args.cluster is None:
@@ -351,17 +358,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
         cases = select(labels)
     except KeyError as error:
         raise ConfigError(f"--layouts: {error.args[0]}") from None
-    if args.testbed:
-        cluster = testbed_cluster(cluster, args.testbed)
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
     load = [os.getloadavg()[0]]
-    measured = []
-    for case in cases:
-        if args.testbed:
-            measured.append(run_testbed_case(args.spec, case, list(args.overrides), args.steps, args.warmup,
-                                             args.testbed))
-        else:
-            measured.append(run_case(args.spec, case, list(args.overrides), args.steps, args.warmup, args.launcher))
-        load.append(os.getloadavg()[0])
+    if args.testbed:
+        cluster, measured = _validate_on_testbed(args, cases, cluster, load)
+    else:
+        measured = _in_rounds(args.repeats, cases, load, lambda case: run_case(
+            args.spec, case, list(args.overrides), args.steps, args.warmup, args.launcher))
     rows = compare(args.spec, measured, cluster)
     record = {"command": "hpc plan " + " ".join(sys.argv[2:]), "spec": args.spec, "cluster": asdict(cluster),
               "load_1min": load, "cpus": os.cpu_count(), "rows": rows}
@@ -374,3 +378,32 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"{validation_table(rows)}\nload average (1 min) during the runs: "
               f"{min(load):.1f} to {max(load):.1f} on {os.cpu_count()} CPUs")
     return 0
+
+
+def _validate_on_testbed(args: argparse.Namespace, cases, cluster, load: list[float]):
+    """The testbed's link measured first (our ring's alpha and beta across it, as --calibrate measures this node's),
+    then each case: (the cluster the predictions use, the measured rows)."""
+    from jobs.bench.plan_check import Testbed
+    from parallel.plan import fit_alpha_beta
+
+    with Testbed(max(case.nprocs for case in cases), args.testbed) as bed:
+        rows = bed.ring_rows("4K,64K,1M,4M,16M")
+        link = fit_alpha_beta([(r["bytes"], r["ranks"], r["time_s"]) for r in rows if r["impl"] == "ring"])
+        measured = _in_rounds(args.repeats, cases, load, lambda case: bed.run_case(
+            args.spec, case, list(args.overrides), args.steps, args.warmup))
+    return testbed_cluster(cluster, args.testbed, link), measured
+
+
+def _in_rounds(repeats: int, cases, load: list[float], measure) -> list[dict]:
+    """Every case once per round, ``repeats`` rounds (a slow minute of the machine then touches one run of each
+    case, not every run of one), merged per case; the load average after each run is appended to ``load``."""
+    import os
+
+    from jobs.bench.plan_check import merge_repeats
+
+    runs: list[list[dict]] = [[] for _ in cases]
+    for _ in range(repeats):
+        for index, case in enumerate(cases):
+            runs[index].append(measure(case))
+            load.append(os.getloadavg()[0])
+    return [merge_repeats(case_runs) for case_runs in runs]

@@ -76,6 +76,15 @@ def _measured(case: Case, extra: list[str], run: Path, warmup: int) -> dict:
             "step_s": kept[len(kept) // 2], "steps_s": steps_s, "peak_bytes": max(peaks), "peaks_bytes": peaks}
 
 
+def merge_repeats(runs: list[dict]) -> dict:
+    """One row from repeated runs of a case: the median of the runs' median step times (a run whose steps a busy
+    machine stretched moves it least), the largest peak memory, and every run's own figures."""
+    medians = sorted(run["step_s"] for run in runs)
+    return {**runs[0], "step_s": medians[len(medians) // 2], "runs_step_s": [run["step_s"] for run in runs],
+            "steps_s": [run["steps_s"] for run in runs], "peak_bytes": max(run["peak_bytes"] for run in runs),
+            "peaks_bytes": [run["peaks_bytes"] for run in runs]}
+
+
 def run_case(spec: str, case: Case, extra: list[str], steps: int, warmup: int, launcher: str | None = None) -> dict:
     """Run ``case`` for ``steps`` steps; the median step time after ``warmup`` steps and the peak memory."""
     with tempfile.TemporaryDirectory(prefix="hpc-plan-check-") as scratch:
@@ -87,28 +96,48 @@ def run_case(spec: str, case: Case, extra: list[str], steps: int, warmup: int, l
         return _measured(case, extra, Path(scratch) / "check", warmup)
 
 
-def run_testbed_case(spec: str, case: Case, extra: list[str], steps: int, warmup: int, rate: str = "1gbit",
-                     prefix: str = "hpcplan", subnet: str = "10.77.3") -> dict:
-    """Run ``case`` with one rank per virtual host of the namespace testbed (slurm/testbed/netns.py, links shaped to
-    ``rate``), torchrun-style as slurm/testbed/bench.sh starts them, one thread each; the namespaces are removed
-    after, also on failure. Needs root."""
-    netns = [sys.executable, "-m", "slurm.testbed.netns", "--prefix", prefix]
-    subprocess.run([*netns, "create", str(case.nprocs), "--rate", rate, "--subnet", subnet], check=True,
-                   capture_output=True)
-    try:
+class Testbed:
+    """The namespace testbed (slurm/testbed/netns.py) with ``nprocs`` virtual hosts, links shaped to ``rate``; ranks
+    start one per host, torchrun-style as slurm/testbed/bench.sh starts them, one thread each. A context manager:
+    the namespaces are removed after, also on failure. Needs root."""
+
+    def __init__(self, nprocs: int, rate: str = "1gbit", prefix: str = "hpcplan", subnet: str = "10.77.3") -> None:
+        self.nprocs, self.rate, self.subnet = nprocs, rate, subnet
+        self.netns = [sys.executable, "-m", "slurm.testbed.netns", "--prefix", prefix]
+
+    def __enter__(self) -> Testbed:
+        subprocess.run([*self.netns, "create", str(self.nprocs), "--rate", self.rate, "--subnet", self.subnet],
+                       check=True, capture_output=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        subprocess.run([*self.netns, "destroy"], capture_output=True)
+
+    def run(self, what: str, *argv: str, n: int | None = None) -> None:
+        """``python *argv`` on the first n hosts (default all) at once; raises naming ``what`` with the failed
+        ranks' last words."""
+        ranks, n = [], n or self.nprocs
+        for rank in range(n):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": "0",
+                   "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "GROUP_WORLD_SIZE": str(n),
+                   "MASTER_ADDR": f"{self.subnet}.1", "MASTER_PORT": "29517", "OMP_NUM_THREADS": "1"}
+            ranks.append(subprocess.Popen([*self.netns, "exec", str(rank), "--", sys.executable, *argv], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        failed = [(proc.wait(), proc.stderr.read()) for proc in ranks]
+        if any(code for code, _ in failed):
+            raise RuntimeError(f"{what} on the testbed: {[err[-400:] for _, err in failed]}")
+
+    def ring_rows(self, sizes: str) -> list[dict]:
+        """``hpc bench allreduce``'s rows of our ring (torch transport, no codec) across the testbed's links."""
+        with tempfile.TemporaryDirectory(prefix="hpc-plan-link-") as scratch:
+            out = os.path.join(scratch, "rows.json")
+            self.run("the all-reduce bench", "-m", "jobs.bench.rank", "allreduce", "--out", out, "--sizes", sizes,
+                     "--codecs", "none", "--transports", "torch", "--iters", "5")
+            with open(out) as handle:
+                return json.load(handle)
+
+    def run_case(self, spec: str, case: Case, extra: list[str], steps: int, warmup: int) -> dict:
+        """``case``, one rank per host, measured like :func:`run_case`."""
         with tempfile.TemporaryDirectory(prefix="hpc-plan-check-") as scratch:
-            ranks = []
-            for rank in range(case.nprocs):
-                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(case.nprocs), "LOCAL_RANK": "0",
-                       "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "GROUP_WORLD_SIZE": str(case.nprocs),
-                       "MASTER_ADDR": f"{subnet}.1", "MASTER_PORT": "29517", "OMP_NUM_THREADS": "1"}
-                argv = [*netns, "exec", str(rank), "--", sys.executable, "-m", "hpc.cli.rank", spec,
-                        *_sets(case, extra, steps, scratch)]
-                ranks.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                              text=True))
-            failed = [(proc.wait(), proc.stderr.read()) for proc in ranks]
-            if any(code for code, _ in failed):
-                raise RuntimeError(f"{case.label} on the testbed: {[err[-400:] for _, err in failed]}")
+            self.run(case.label, "-m", "hpc.cli.rank", spec, *_sets(case, extra, steps, scratch), n=case.nprocs)
             return _measured(case, extra, Path(scratch) / "check", warmup)
-    finally:
-        subprocess.run([*netns, "destroy"], capture_output=True)
