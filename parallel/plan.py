@@ -17,6 +17,10 @@ with its source, in docs/PLANNER.md; the names below follow it:
 - data parallelism: a ring all-reduce of the stage's gradients (ZeRO-3: 1.5 times that volume, Rajbhandari et
   al. SC20), times the codec's wire ratio; with overlap it hides behind the last microbatch's backward, bucket
   by bucket: the last bucket is ready only when backward ends, so its share is never hidden (one bucket: none is).
+- mixture of experts (jobs/moe.py, parallel/ep.py): E experts in every moe_every-th layer's MLP, top_k of them
+  per token (Fedus et al. 2022; Lepikhin et al. 2021): top_k - 1 more MLPs of compute per token and a router;
+  each rank holds E/ep experts; four all-to-alls per MoE layer and microbatch, of top_k copies of its tokens,
+  (k-1) alpha + (k-1)/k n / beta each; expert gradients reduced over the dp/ep replicas.
 - memory per rank: parameters, gradients and optimizer state per parameter (ZeRO's 2 + 2 + 12 bytes for mixed
   precision Adam, each sharded over dp from stage 3, 2 and 1), and activations of the microbatches in flight
   (GPipe m, 1F1B min(m, p), interleaved p + (p-1)/v).
@@ -45,12 +49,31 @@ class Transformer:
     heads: int
     seq_len: int
     vocab: int
+    experts: int = 0  # a mixture of experts in every moe_every-th layer's MLP (jobs/moe.py); 0: dense
+    top_k: int = 1  # experts per token
+    moe_every: int = 1
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers // self.moe_every if self.experts else 0
+
+    @property
+    def expert_params(self) -> int:
+        """One expert: the 4h MLP, 8 h^2 + 5 h."""
+        return 8 * self.hidden**2 + 5 * self.hidden
 
     @property
     def params(self) -> int:
-        """12 l h^2 + 13 l h + (V + s) h (Narayanan et al. SC21, section 5.1)."""
+        """12 l h^2 + 13 l h + (V + s) h (Narayanan et al. SC21, section 5.1); an MoE layer has E experts for its
+        one MLP, and a router of h E."""
         h = self.hidden
-        return 12 * self.layers * h * h + 13 * self.layers * h + (self.vocab + self.seq_len) * h
+        dense = 12 * self.layers * h * h + 13 * self.layers * h + (self.vocab + self.seq_len) * h
+        return dense + self.moe_layers * ((self.experts - 1) * self.expert_params + h * self.experts)
+
+    def moe_extra_flops(self, tokens: int) -> float:
+        """What an MoE layer's forward adds to a dense one's: top_k - 1 more MLPs per token (16 b s h^2 each)
+        and the router's 2 b s h E (capacity only drops tokens, so it is left out)."""
+        return 16.0 * tokens * self.hidden**2 * (self.top_k - 1) + 2.0 * tokens * self.hidden * self.experts
 
     def layer_flops(self, tokens: int) -> float:
         """One layer's forward over ``tokens`` = b s tokens: 24 b s h^2 + 4 b s^2 h."""
@@ -95,12 +118,14 @@ class Layout:
     virtual_stages: int = 1
     checkpointing: bool = False
     zero: int = 0
+    ep: int = 1  # expert parallelism: each MoE layer's experts spread over ep ranks of the dp group
 
     def label(self) -> str:
         sched = f"interleaved/{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
         zero = f" z{self.zero}" if self.zero else ""
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} m={self.microbatches} {sched}"
-                f"{' ckpt' if self.checkpointing else ''}{zero}")
+                f"{' ckpt' if self.checkpointing else ''}{zero}{ep}")
 
 
 @dataclass(frozen=True)
@@ -113,6 +138,7 @@ class Estimate:
     tp_s: float
     pp_s: float  # the bubble and the point-to-point sends
     dp_s: float  # exposed (not hidden behind backward)
+    ep_s: float  # the MoE layers' all-to-alls (dispatch and combine, forward and backward)
     optimizer_s: float
     overhead_s: float  # the step's fixed cost and its one-number all-reduces
     memory_bytes: float
@@ -121,7 +147,7 @@ class Estimate:
     mfu: float  # model FLOPs (no recomputation) over the peak of every GPU
 
     def shares(self) -> dict[str, float]:
-        parts = {"compute": self.compute_s, "tp": self.tp_s, "pp": self.pp_s, "dp": self.dp_s,
+        parts = {"compute": self.compute_s, "tp": self.tp_s, "pp": self.pp_s, "dp": self.dp_s, "ep": self.ep_s,
                  "optimizer": self.optimizer_s, "overhead": self.overhead_s}
         return {name: value / self.step_s for name, value in parts.items()}
 
@@ -134,13 +160,30 @@ def ring_allreduce_s(nbytes: float, ranks: int, link: tuple[float, float]) -> fl
     return 2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * nbytes / beta
 
 
+def all_to_all_s(nbytes: float, ranks: int, link: tuple[float, float]) -> float:
+    """(k-1) alpha + (k-1)/k n / beta: every rank sends each of the k-1 others its share of n bytes."""
+    alpha, beta = link
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * alpha + (ranks - 1) / ranks * nbytes / beta
+
+
+def microbatch_all_to_all_s(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> float:
+    """The MoE layers of a stage, one microbatch: each dispatches its top_k copies of every token to the experts'
+    ranks and combines them back, in forward, and both again in backward (parallel/ep.py): four all-to-alls."""
+    tokens = train.batch // (lay.dp * lay.microbatches) * model.seq_len
+    sent = tokens * model.top_k * model.hidden * train.act_bytes / lay.tp
+    return model.moe_layers / lay.pp * 4 * all_to_all_s(sent, lay.ep, cluster.link(lay.dp * lay.tp))
+
+
 def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> tuple[float, float, float]:
     """(compute, TP, point-to-point) seconds of one microbatch on the slowest (last) stage, all its chunks."""
     tokens = train.batch // (lay.dp * lay.microbatches) * model.seq_len
     passes = 4 if lay.checkpointing else 3  # forward, backward = 2 forwards, recomputed forward
     layers = model.layers / lay.pp
     rate = cluster.peak_flops(train.dtype) * cluster.matmul_efficiency
-    matmul = (passes * layers * model.layer_flops(tokens) + 3 * model.logit_flops(tokens)) / lay.tp / rate
+    moe = model.moe_layers / lay.pp * model.moe_extra_flops(tokens)
+    matmul = (passes * (layers * model.layer_flops(tokens) + moe) + 3 * model.logit_flops(tokens)) / lay.tp / rate
     # Elementwise work: forward writes the kept activations, backward reads them and writes as much again.
     moved = (passes - 1) * layers * model.activation_bytes(tokens, lay.tp, train.act_bytes)
     # Fixed cost per layer pass (CPU ranks: the interpreter and dispatcher), the head's counted as one layer's.
@@ -176,10 +219,13 @@ def dp_comm_s(model: Transformer, train: Training, cluster: Cluster, lay: Layout
     """(seconds that may run behind backward, seconds that cannot) of the DP group's traffic by ZeRO stage
     (parallel/zero.py): 0 and 1 all-reduce the gradients, 2 and 3 reduce-scatter them (half the ring's volume);
     1 and 2 then all-gather the updated parameters (each owner broadcasts its share), 3 gathers them before the
-    forward and again before the backward (Rajbhandari et al. SC20: 1.5 x the all-reduce's volume)."""
-    params = stage_params(model, lay)
-    allreduce = ring_allreduce_s(params * train.grad_bytes * train.wire_ratio, lay.dp, cluster.link(lay.dp * lay.tp))
-    gather = ring_allreduce_s(params * train.param_bytes, lay.dp, cluster.link(lay.dp * lay.tp)) / 2
+    forward and again before the backward (Rajbhandari et al. SC20: 1.5 x the all-reduce's volume). Experts go
+    over their dp/ep replicas only (parallel/ep.py), the rest over dp."""
+    experts = stage_expert_params(model, lay) - model.moe_layers / lay.pp * model.hidden * model.experts / lay.tp
+    dense, link = stage_params(model, lay) - experts, cluster.link(lay.dp * lay.tp)
+    parts = [(dense, lay.dp), *([(experts, lay.dp // lay.ep)] if experts else [])]  # experts: over their replicas
+    allreduce = sum(ring_allreduce_s(n * train.grad_bytes * train.wire_ratio, ranks, link) for n, ranks in parts)
+    gather = sum(ring_allreduce_s(n * train.param_bytes, ranks, link) / 2 for n, ranks in parts)
     if lay.zero <= 1:
         return allreduce, gather if lay.zero == 1 else 0.0
     return allreduce / 2, gather * (1 if lay.zero == 2 else 2)
@@ -193,10 +239,17 @@ def stage_tensors(model: Transformer, lay: Layout) -> float:
 
 def stage_params(model: Transformer, lay: Layout) -> float:
     """Parameters on the rank holding the most: a stage's layers over tp, and the embedding (first stage; the last
-    holds the tied copy for the logits)."""
+    holds the tied copy for the logits); an MoE layer adds its router and its E/ep experts past the first."""
     h = model.hidden
     layers = model.layers / lay.pp * (12 * h * h + 13 * h) / lay.tp
-    return layers + model.vocab * h / lay.tp + (model.seq_len * h if lay.pp == 1 else 2 * h)
+    return layers + model.vocab * h / lay.tp + (model.seq_len * h if lay.pp == 1 else 2 * h) + stage_expert_params(
+        model, lay) - model.moe_layers / lay.pp * model.expert_params / lay.tp
+
+
+def stage_expert_params(model: Transformer, lay: Layout) -> float:
+    """A stage's expert and router parameters on one rank: E/ep experts and the router per MoE layer, over tp."""
+    per_layer = model.experts / lay.ep * model.expert_params + model.hidden * model.experts
+    return model.moe_layers / lay.pp * per_layer / lay.tp
 
 
 def memory_bytes(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> float:
@@ -210,6 +263,9 @@ def memory_bytes(model: Transformer, train: Training, cluster: Cluster, lay: Lay
     kept = tokens * model.hidden * train.act_bytes if lay.checkpointing else layer  # per layer and microbatch
     p, m, v = lay.pp, lay.microbatches, lay.virtual_stages
     in_flight = {"gpipe": m, "1f1b": min(m, p), "interleaved": min(m, p + (p - 1) / v)}[lay.schedule]
+    if not lay.checkpointing:  # an MoE layer keeps top_k MLPs' activations (19 s b h of the 34, Korthikanti) and
+        kept += model.moe_layers / model.layers * tokens * (  # its router's fp32 probabilities
+            19 * model.hidden * (model.top_k - 1) * train.act_bytes / 2 / lay.tp + 4 * model.experts)
     activations = model.layers / p * in_flight * kept + (layer if lay.checkpointing else 0.0)
     logits = 4.0 * tokens * model.vocab / lay.tp  # fp32 logits of the microbatch for the loss
     return cluster.rank_base_mib * (1 << 20) + states + activations + logits
@@ -218,7 +274,8 @@ def memory_bytes(model: Transformer, train: Training, cluster: Cluster, lay: Lay
 def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> Estimate:
     """The predicted step of ``lay``: pipeline slots, exposed DP communication and the optimizer's update."""
     compute, tp, p2p = microbatch_parts(model, train, cluster, lay)
-    slot = compute + tp + p2p
+    a2a = microbatch_all_to_all_s(model, train, cluster, lay)
+    slot = compute + tp + p2p + a2a
     bubble = (lay.pp - 1) / lay.virtual_stages * slot
     behind, exposed = dp_comm_s(model, train, cluster, lay)
     if train.dp_overlap:  # behind the last backward, bucket by bucket: the last one starts when backward ends
@@ -239,10 +296,11 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     step = m * slot + bubble + dp + optimizer + overhead
     gpus = lay.dp * lay.tp * lay.pp
     tokens = train.batch * model.seq_len
-    model_flops = 3 * (model.layers * model.layer_flops(tokens) + model.logit_flops(tokens))
-    executed = model_flops + (model.layers * model.layer_flops(tokens) if lay.checkpointing else 0.0)
+    layer_flops = model.layers * model.layer_flops(tokens) + model.moe_layers * model.moe_extra_flops(tokens)
+    model_flops = 3 * (layer_flops + model.logit_flops(tokens))
+    executed = model_flops + (layer_flops if lay.checkpointing else 0.0)
     return Estimate(
-        layout=lay, step_s=step, compute_s=m * compute, tp_s=m * tp, pp_s=m * p2p + bubble, dp_s=dp,
+        layout=lay, step_s=step, compute_s=m * compute, tp_s=m * tp, pp_s=m * p2p + bubble, dp_s=dp, ep_s=m * a2a,
         optimizer_s=optimizer, overhead_s=overhead, memory_bytes=memory_bytes(model, train, cluster, lay),
         tokens_per_s=tokens / step,
         tflops_per_gpu=executed / step / gpus / 1e12, mfu=model_flops / step / gpus / cluster.peak_flops(train.dtype),
@@ -256,7 +314,8 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(model: Transformer, train: Training, gpus: int, zero_stages: tuple[int, ...] = (0,)) -> Iterator[Layout]:
     """Every layout of ``gpus`` ranks that divides the model: tp divides the heads, pp the layers, dp the batch,
-    the microbatches the replica's batch; interleaved needs m a multiple of pp and v dividing a stage's layers."""
+    the microbatches the replica's batch; interleaved needs m a multiple of pp and v dividing a stage's layers;
+    with experts, ep divides both dp and the experts."""
     for tp in _divisors(gpus):
         if model.heads % tp:
             continue
@@ -264,7 +323,9 @@ def layouts(model: Transformer, train: Training, gpus: int, zero_stages: tuple[i
             dp = gpus // (tp * pp)
             if model.layers % pp or train.batch % dp:
                 continue
-            yield from _schedules(model, train.batch // dp, dp, tp, pp, zero_stages)
+            for ep in [e for e in _divisors(dp) if model.experts % e == 0] if model.experts else [1]:
+                yield from (replace(lay, ep=ep) for lay in _schedules(model, train.batch // dp, dp, tp, pp,
+                                                                        zero_stages))
 
 
 def _schedules(model: Transformer, replica_batch: int, dp: int, tp: int, pp: int,

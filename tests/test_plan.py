@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -26,11 +27,13 @@ from parallel.plan import (
     Layout,
     Training,
     Transformer,
+    all_to_all_s,
     best_of,
     dp_comm_s,
     estimate,
     fit_alpha_beta,
     fit_overhead_and_rate,
+    layouts,
     memory_bytes,
     plan,
     ring_allreduce_s,
@@ -337,3 +340,42 @@ def test_validate_runs_each_layout_in_rounds_and_compares(testbed: bool, capsys)
     assert 0 < row["step_ratio"] < 10 and 0.5 < row["memory_ratio"] < 2
     if testbed:  # the link as measured across the testbed, not the rate it is shaped to
         assert record["cluster"]["inter_gbps"] != 0.125 and 0.01 < record["cluster"]["inter_gbps"] < 0.2
+
+
+MOE = Transformer(4, 128, 4, 64, 256, experts=8, top_k=2, moe_every=2)
+MOE_TRAIN = Training(batch=32, dtype="fp32", act_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+
+
+def test_experts_spread_over_ep_ranks_leave_each_rank_its_share_of_their_memory() -> None:
+    """Each rank holds E/ep experts of each MoE layer: going from ep=1 to ep=4 frees 6 of 8 experts' states on each
+    of the 2 MoE layers; the dense GPT it extends is the same model without them."""
+    assert MOE.params - replace(MOE, experts=0).params == 2 * (7 * MOE.expert_params + 128 * 8)
+    cluster = Cluster(cores_per_node=4)
+    one, four = (memory_bytes(MOE, MOE_TRAIN, cluster, Layout(4, 1, 1, 1, ep=ep)) for ep in (1, 4))
+    assert one - four == pytest.approx(2 * 6 * MOE.expert_params * (4 + 4 + 8))
+
+
+def test_expert_parallelism_costs_four_all_to_alls_of_top_k_tokens_per_moe_layer_and_microbatch() -> None:
+    cluster = Cluster(cores_per_node=4, intra_alpha_us=100, intra_gbps=1.0)
+    link = cluster.link(4)
+    assert estimate(MOE, MOE_TRAIN, cluster, Layout(4, 1, 1, 2)).ep_s == 0.0  # ep=1: every expert at home
+    tokens = 32 // (4 * 2) * 64
+    for top_k in (1, 2):
+        model = replace(MOE, top_k=top_k)
+        got = estimate(model, MOE_TRAIN, cluster, Layout(4, 1, 1, 2, ep=4)).ep_s
+        assert got == pytest.approx(2 * 2 * 4 * all_to_all_s(tokens * top_k * 128 * 4, 4, link))
+
+
+def test_layouts_try_every_ep_that_divides_dp_and_the_experts() -> None:
+    eps = {lay.ep for lay in layouts(replace(MOE, experts=6), MOE_TRAIN, 4) if lay.dp == 4}
+    assert eps == {1, 2}  # 4 does not divide 6 experts
+    assert {lay.ep for lay in layouts(MOE, MOE_TRAIN, 4) if lay.dp == 2} == {1, 2}
+    assert {lay.ep for lay in layouts(replace(MOE, experts=0), MOE_TRAIN, 4)} == {1}
+
+
+def test_plan_of_an_moe_spec_counts_experts_and_names_its_ep(capsys) -> None:
+    spec = REPO / "jobs" / "examples" / "gpt_moe.toml"
+    assert main(["plan", str(spec), "--cluster", str(LOCAL_CLUSTER), "--gpus", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "2.68M-parameter GPT" in out and "8 experts top-2 every 2 layers" in out
+    assert re.search(r"the spec's layout, dp=4 tp=1 pp=1 m=1 1f1b ep=4: number \d+ of", out), out

@@ -104,9 +104,16 @@ def _workload(args: argparse.Namespace):
     if spec.model.entry or spec.model.kind != "gpt":
         raise ConfigError(f"{show_text(args.spec)}: hpc plan models the built-in GPT (model.kind = \"gpt\"); "
                           "for another model give --model")
-    model = Transformer(spec.model.n_layers, spec.model.d_model, spec.model.n_heads, spec.model.seq_len,
-                        spec.model.vocab_size)
-    return model, _training(spec, args)
+    return spec_transformer(spec), _training(spec, args)
+
+
+def spec_transformer(spec):
+    """The planner's picture of a spec's GPT, its mixture of experts included."""
+    from parallel.plan import Transformer
+
+    m = spec.model
+    return Transformer(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size, experts=m.moe_experts,
+                       top_k=m.moe_top_k, moe_every=m.moe_every)
 
 
 def _training(spec, args: argparse.Namespace):
@@ -160,7 +167,7 @@ def _row(e) -> list[str]:
     step = f"{e.step_s:.3g} s" if e.step_s >= 1 else f"{e.step_s * 1e3:.3g} ms"
     return [e.layout.label(), step, f"{e.tokens_per_s:,.0f}", f"{e.tflops_per_gpu:.3g}",
             f"{e.mfu:.1%}", human_bytes(e.memory_bytes),
-            *(f"{shares[part]:.0%}" for part in ("compute", "tp", "pp", "dp"))]
+            *(f"{shares[part]:.0%}" for part in ("compute", "tp", "pp", "dp", "ep"))]
 
 
 def _spec_layout_line(args: argparse.Namespace, result) -> str:
@@ -170,10 +177,11 @@ def _spec_layout_line(args: argparse.Namespace, result) -> str:
     par, train = (spec := load_spec(args.spec, args.overrides)).parallel, spec.train
     dp = args.gpus // (par.tp * par.pp) if par.dp == "auto" else par.dp
     key = (dp, par.tp, par.pp, par.microbatches, par.schedule, par.virtual_stages if par.schedule == "interleaved"
-           else 1, train.activation_checkpointing)
+           else 1, train.activation_checkpointing, par.ep)
     for place, e in enumerate(result.fitting, start=1):
         lay = e.layout
-        if (lay.dp, lay.tp, lay.pp, lay.microbatches, lay.schedule, lay.virtual_stages, lay.checkpointing) == key:
+        if (lay.dp, lay.tp, lay.pp, lay.microbatches, lay.schedule, lay.virtual_stages, lay.checkpointing,
+                lay.ep) == key:
             return (f"the spec's layout, {lay.label()}: number {place} of {len(result.fitting)}, predicted "
                     f"{e.step_s / result.fitting[0].step_s - 1:+.0%} against the recommended")
     return f"the spec's layout (dp={dp} tp={par.tp} pp={par.pp} m={par.microbatches} {par.schedule}) is not among " \
@@ -184,8 +192,9 @@ def _as_text(model, cluster, gpus: int, result, top: int) -> str:
     from hpc.text import format_table, human_bytes
 
     count = f"{model.params / 1e9:.4g}B" if model.params >= 1e9 else f"{model.params / 1e6:.3g}M"
+    moe = f", {model.experts} experts top-{model.top_k} every {model.moe_every} layers" if model.experts else ""
     head = (f"{count}-parameter GPT ({model.layers} layers, hidden {model.hidden}, {model.heads} "
-            f"heads, seq {model.seq_len}) on {gpus} x {cluster.name}: {result.considered} layouts, "
+            f"heads, seq {model.seq_len}{moe}) on {gpus} x {cluster.name}: {result.considered} layouts, "
             f"{len(result.fitting)} fit in {human_bytes(result.capacity_bytes)} per rank")
     if not result.fitting:
         if result.leanest is None:
@@ -194,7 +203,7 @@ def _as_text(model, cluster, gpus: int, result, top: int) -> str:
         return (f"{head}\nno layout fits: the leanest, {lean.layout.label()}, needs {human_bytes(lean.memory_bytes)}"
                 f" per rank, {human_bytes(result.shortfall_bytes)} more than the usable "
                 f"{human_bytes(result.capacity_bytes)}")
-    header = ["layout", "step", "tokens/s", "TFLOP/s/GPU", "MFU", "memory", "compute", "tp", "pp", "dp"]
+    header = ["layout", "step", "tokens/s", "TFLOP/s/GPU", "MFU", "memory", "compute", "tp", "pp", "dp", "ep"]
     table = format_table(header, [_row(e) for e in result.fitting[:top]])
     return f"{head}\n{table}\nrecommended: {result.fitting[0].layout.label()}"
 
@@ -291,17 +300,15 @@ def predict_case(spec_path: str, overrides: list[str], nprocs: int, cluster):
     """The planner's estimate of ``spec_path`` with ``overrides`` run on ``nprocs`` ranks, as ``hpc run`` lays it
     out (dp = ranks / (tp pp))."""
     from hpc.config import load_spec
-    from parallel.plan import Layout, Transformer, estimate
+    from parallel.plan import Layout, estimate
 
     spec = load_spec(spec_path, overrides)
     par = spec.parallel
-    model = Transformer(spec.model.n_layers, spec.model.d_model, spec.model.n_heads, spec.model.seq_len,
-                        spec.model.vocab_size)
     train = _training(spec, argparse.Namespace(batch=None, no_overlap=False))
     layout = Layout(nprocs // (par.tp * par.pp), par.tp, par.pp, par.microbatches, par.schedule,
                     par.virtual_stages if par.schedule == "interleaved" else 1, spec.train.activation_checkpointing,
-                    par.zero)
-    return estimate(model, train, cluster, layout)
+                    par.zero, par.ep)
+    return estimate(spec_transformer(spec), train, cluster, layout)
 
 
 def compare(spec_path: str, rows: list[dict], cluster) -> list[dict]:
