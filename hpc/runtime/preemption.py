@@ -127,7 +127,10 @@ def conclude(
     if rank == 0:
         command, message = requeue_plan(stop, environ, max_requeues)
         if command is not None:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+            # The requeue itself has slurmstepd SIGTERM every process of the step, scontrol too: seen to kill it
+            # before it exited 0 (an empty "requeue failed" for a job that was requeued). It ignores the signal.
+            done = subprocess.run(["env", "--ignore-signal=TERM", *command], capture_output=True, text=True,
+                                  timeout=60)
             if done.returncode != 0:
                 message = f"requeue failed: {' '.join(command)}: {(done.stderr or done.stdout).strip()}"
         # One write: under python -u, print() writes the text and the newline apart, and slurmstepd's
