@@ -91,3 +91,16 @@ def test_shutdown_lets_a_thread_waiting_for_the_gil_finish_before_the_group_goes
     bootstrap.shutdown()
     thread.join()
     assert seen_at_destroy == [True]
+
+
+def test_stacks_on_fatal_signals_need_a_real_stderr_but_joining_does_not(monkeypatch, tmp_path) -> None:
+    import faulthandler
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a notebook's or a capture's: no file descriptor
+    assert bootstrap.dump_stacks_on_fatal_signals() is False
+    with open(tmp_path / "stderr", "w") as real:
+        monkeypatch.setattr(sys, "stderr", real)
+        assert bootstrap.dump_stacks_on_fatal_signals() is True and faulthandler.is_enabled()
+        faulthandler.disable()

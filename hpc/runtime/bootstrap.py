@@ -149,15 +149,12 @@ def init(
 ) -> World:
     """Create the default process group for this rank and return its view of the world.
 
-    A rank killed by a fatal signal (SIGABRT from a C++ library, SIGSEGV) prints every thread's
-    Python stack first (``faulthandler``), so the launcher's "rank r was killed by SIGABRT" comes
-    with where each thread was."""
-    import faulthandler
-
+    A rank killed by a fatal signal prints every thread's Python stack first (see
+    ``dump_stacks_on_fatal_signals``)."""
     import torch
     import torch.distributed as dist
 
-    faulthandler.enable()
+    dump_stacks_on_fatal_signals()
     atexit.unregister(shutdown)  # once, however often a rank joins again (hvd.init after hvd.shutdown)
     atexit.register(shutdown)
     environ = os.environ if environ is None else environ
@@ -196,6 +193,21 @@ def init(
             job_id=info.job_id,
         ) from exc
     return World(info=info, backend=backend, device=device, rendezvous=endpoint)
+
+
+def dump_stacks_on_fatal_signals() -> bool:
+    """Have a fatal signal (SIGABRT from a C++ library, SIGSEGV) print every thread's Python stack to
+    stderr (``faulthandler``), so the launcher's "rank r was killed by SIGABRT" comes with where each
+    thread was. Returns False, changing nothing, where stderr is no file (a notebook's, a test's
+    capture): joining the job must not depend on it."""
+    import faulthandler
+    import io
+
+    try:
+        faulthandler.enable()
+    except (AttributeError, ValueError, RuntimeError, io.UnsupportedOperation):
+        return False
+    return True
 
 
 def shutdown() -> None:
