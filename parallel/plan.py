@@ -221,7 +221,7 @@ def dp_comm_s(model: Transformer, train: Training, cluster: Cluster, lay: Layout
     1 and 2 then all-gather the updated parameters (each owner broadcasts its share), 3 gathers them before the
     forward and again before the backward (Rajbhandari et al. SC20: 1.5 x the all-reduce's volume). Experts go
     over their dp/ep replicas only (parallel/ep.py), the rest over dp."""
-    experts = stage_expert_params(model, lay) - model.moe_layers / lay.pp * model.hidden * model.experts / lay.tp
+    experts = stage_expert_params(model, lay)
     dense, link = stage_params(model, lay) - experts, cluster.link(lay.dp * lay.tp)
     parts = [(dense, lay.dp), *([(experts, lay.dp // lay.ep)] if experts else [])]  # experts: over their replicas
     allreduce = sum(ring_allreduce_s(n * train.grad_bytes * train.wire_ratio, ranks, link) for n, ranks in parts)
@@ -242,14 +242,14 @@ def stage_params(model: Transformer, lay: Layout) -> float:
     holds the tied copy for the logits); an MoE layer adds its router and its E/ep experts past the first."""
     h = model.hidden
     layers = model.layers / lay.pp * (12 * h * h + 13 * h) / lay.tp
-    return layers + model.vocab * h / lay.tp + (model.seq_len * h if lay.pp == 1 else 2 * h) + stage_expert_params(
-        model, lay) - model.moe_layers / lay.pp * model.expert_params / lay.tp
+    moe = model.moe_layers / lay.pp * (h * model.experts - model.expert_params) / lay.tp  # router for the dense MLP
+    return layers + model.vocab * h / lay.tp + (model.seq_len * h if lay.pp == 1 else 2 * h) + moe + \
+        stage_expert_params(model, lay)
 
 
 def stage_expert_params(model: Transformer, lay: Layout) -> float:
-    """A stage's expert and router parameters on one rank: E/ep experts and the router per MoE layer, over tp."""
-    per_layer = model.experts / lay.ep * model.expert_params + model.hidden * model.experts
-    return model.moe_layers / lay.pp * per_layer / lay.tp
+    """A stage's expert parameters on one rank: E/ep experts per MoE layer, over tp."""
+    return model.moe_layers / lay.pp * model.experts / lay.ep * model.expert_params / lay.tp
 
 
 def memory_bytes(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> float:
