@@ -66,7 +66,8 @@ class Workload:
         train, par = spec.train, spec.parallel
         self.moe_names = [name for name, _ in moe_layers(model)]  # every MoE layer, before the pipeline cut
         self.moe_experts = max((layer.n_experts for _, layer in moe_layers(model)), default=0)
-        self.expert_groups: ExpertGroups | None = build_expert_groups(mesh, par.ep) if par.ep > 1 else None
+        self.expert_groups: ExpertGroups | None = (
+            build_expert_groups(mesh, par.ep, par.transport) if par.ep > 1 else None)
         parallelize_ep(model, self.expert_groups, par.microbatches,
                        spec.data.batch_size // (mesh.size("dp") * par.microbatches))
         if getattr(model, "pipeline_parts", None) is None:

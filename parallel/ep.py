@@ -8,6 +8,12 @@ in a small all-to-all of their own), each rank runs its experts on what it recei
 from every peer, and a second all-to-all sends the outputs back. Both are ``AllToAll``,
 an autograd Function whose backward is the reverse all-to-all.
 
+The exchange is torch's ``all_to_all_single`` (one collective, Gloo or NCCL), or, with
+``parallel.transport = "mpi"``, point-to-point messages through mpi4py (``parallel.ring``'s
+transport): on shared memory MPI moves a small message in microseconds inside the
+receiver's wait, where a Gloo collective costs about a millisecond of socket round trips,
+so a router's small exchanges stop being latency-bound (``hpc bench alltoall``).
+
 Gradients: a rank's experts saw the tokens of its whole EP group, so their gradients
 are summed over the ranks holding a replica of the same experts (one per EP group, dp/ep
 of them) and divided by dp: exactly the single process's gradient of the global mean
@@ -31,8 +37,12 @@ from torch.distributed import ProcessGroup
 
 from hpc.errors import LayoutError
 from hpc.runtime.mesh import Mesh, expert_group_ranks
+from parallel.ring import PointToPoint, Transport, make_transport
 
 PADDED_LIMIT = 1 << 20  # bytes a rank sends at most in a one-round padded exchange (latency-bound below this)
+# The tag of EP's point-to-point messages: EP peers are DP peers, whose ring (tag 0) may run at the same time
+# from the optimizer's communication thread; MPI guarantees tags up to 32767.
+EP_TAG = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class ExpertPlacement:
     rank: int = 0
     size: int = 1
     sequences: int = 0  # what every rank of the group routes per training forward (0: unknown)
+    transport: Transport | None = None  # point-to-point exchanges (parallel.transport = "mpi"); None: torch's
 
     @property
     def local(self) -> int:
@@ -68,15 +79,17 @@ class ExpertGroups:
     dp_size: int
     ep_members: tuple[int, ...] = ()  # global ranks, for stall reports
     replica_members: tuple[int, ...] = ()
+    transport: Transport | None = None  # the EP group's point-to-point transport; None: torch's collectives
 
     def placement(self, n_experts: int, sequences: int = 0) -> ExpertPlacement:
         if n_experts % self.ep_size:
             raise LayoutError(f"parallel.ep={self.ep_size} does not divide an MoE layer's {n_experts} experts")
-        return ExpertPlacement(n_experts, self.ep_group, self.ep_rank, self.ep_size, sequences)
+        return ExpertPlacement(n_experts, self.ep_group, self.ep_rank, self.ep_size, sequences, self.transport)
 
 
-def build_expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
-    """Create every EP and replica group (collective: every rank calls it, in the same order)."""
+def build_expert_groups(mesh: Mesh, ep: int, transport: str = "torch") -> ExpertGroups:
+    """Create every EP and replica group (collective: every rank calls it, in the same order); ``transport``
+    "mpi" exchanges tokens through mpi4py (``parallel.transport``)."""
     ep_ranks, replica_ranks = expert_group_ranks(mesh.shape, ep)
     mine: dict[str, tuple[ProcessGroup, tuple[int, ...]]] = {}
     for kind, groups in (("ep", ep_ranks), ("replica", replica_ranks if mesh.shape.dp > ep else [])):
@@ -86,17 +99,35 @@ def build_expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
                 mine[kind] = (group, ranks)
     group, ranks = mine["ep"]
     replica, replica_ranks = mine.get("replica", (None, (mesh.rank,)))
-    return ExpertGroups(group, ranks.index(mesh.rank), ep, replica, mesh.shape.dp, ranks, replica_ranks)
+    return ExpertGroups(group, ranks.index(mesh.rank), ep, replica, mesh.shape.dp, ranks, replica_ranks,
+                        make_transport(transport, group) if transport == "mpi" else None)
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup) -> torch.Tensor:
+def _all_to_all_single(out: torch.Tensor, x: torch.Tensor, recv: list[int], send: list[int], group: ProcessGroup,
+                       transport: Transport | None) -> None:
+    """``send[d]`` leading-dim slices of ``x`` to rank d, ``recv[s]`` from rank s into ``out``, in rank order:
+    torch's collective, or one send and one receive per peer through ``transport``."""
+    if transport is None:
+        dist.all_to_all_single(out, x, recv, send, group=group)
+        return
+    me = dist.get_rank(group)
+    outgoing, incoming = x.split(send), out.split(recv)
+    incoming[me].copy_(outgoing[me])
+    ops = [PointToPoint(False, incoming[peer], peer, EP_TAG) for peer in range(len(send)) if peer != me]
+    ops += [PointToPoint(True, outgoing[peer].contiguous(), peer, EP_TAG) for peer in range(len(send)) if peer != me]
+    for pending in transport.post(ops):
+        pending.wait()
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup,
+                transport: Transport | None = None) -> torch.Tensor:
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    _all_to_all_single(out, x.contiguous(), recv, send, group, transport)
     return out
 
 
 def _exchange(x: torch.Tensor, counts: torch.Tensor, send: list[int], group: ProcessGroup,
-              max_rows: int | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+              max_rows: int | None, transport: Transport | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """``send[d]`` rows of ``x`` to rank d (in order) with the header ``counts[d]`` (``[n, h]`` int64, each row
     summing to ``send[d]``); returns the rows received, by source, the headers received and their sums. With
     ``max_rows`` (a bound on the rows to any peer that every rank agrees on) and a small exchange, one round:
@@ -106,15 +137,15 @@ def _exchange(x: torch.Tensor, counts: torch.Tensor, send: list[int], group: Pro
     if max_rows is not None and n * (8 * h + max_rows * row_bytes) <= PADDED_LIMIT:
         if max(send) > max_rows:
             raise ValueError(f"all-to-all: {max(send)} rows for one peer, over the agreed bound of {max_rows}")
-        return _padded_exchange(x, counts, send, max_rows, row_bytes, group)
+        return _padded_exchange(x, counts, send, max_rows, row_bytes, group, transport)
     received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
+    _all_to_all_single(received, counts, [1] * n, [1] * n, group, transport)
     recv = received.sum(1).tolist()
-    return _all_to_all(x, send, recv, group), received, recv
+    return _all_to_all(x, send, recv, group, transport), received, recv
 
 
 def _padded_exchange(x: torch.Tensor, counts: torch.Tensor, send: list[int], max_rows: int, row_bytes: int,
-                     group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+                     group: ProcessGroup, transport: Transport | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """One equal-split all-to-all: to each peer its header rows, then its rows padded to ``max_rows``; moved
     as the widest integers dividing a row (copies of 1-byte elements are several times slower)."""
     n, h = counts.shape
@@ -129,7 +160,7 @@ def _padded_exchange(x: torch.Tensor, counts: torch.Tensor, send: list[int], max
         message[peer, header_rows:header_rows + rows] = data[start:start + rows]
         start += rows
     arrived = torch.empty_like(message)
-    dist.all_to_all_single(arrived, message, group=group)
+    _all_to_all_single(arrived, message, [1] * n, [1] * n, group, transport)
     received = arrived[:, :header_rows].view(torch.uint8).view(n, header_rows * row_bytes)[:, :8 * h]
     received = received.contiguous().view(torch.int64)
     recv = received.sum(1).tolist()
@@ -142,41 +173,43 @@ class Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, counts: torch.Tensor, send: list[int], group: ProcessGroup,
-                max_rows: int | None):
-        rows, received, recv = _exchange(x.detach(), counts, send, group, max_rows)
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+                max_rows: int | None, transport: Transport | None):
+        rows, received, recv = _exchange(x.detach(), counts, send, group, max_rows, transport)
+        ctx.send, ctx.recv, ctx.group, ctx.transport = send, recv, group, transport
         ctx.mark_non_differentiable(received)
         return rows, received
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _received):
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group, ctx.transport), None, None, None, None, None
 
 
 class AllToAll(torch.autograd.Function):
     """Rows ``send[i]`` to rank i, ``recv[i]`` rows from rank i; backward sends the gradient rows back."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _all_to_all(x, send, recv, group)
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup,
+                transport: Transport | None) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.transport = send, recv, group, transport
+        return _all_to_all(x, send, recv, group, transport)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group, ctx.transport), None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, send: Sequence[int], group: ProcessGroup,
-               max_rows: int | None = None) -> tuple[torch.Tensor, list[int]]:
+def all_to_all(x: torch.Tensor, send: Sequence[int], group: ProcessGroup, max_rows: int | None = None,
+               transport: Transport | None = None) -> tuple[torch.Tensor, list[int]]:
     """Rows ``send[i]`` of ``x`` to rank i (uneven splits): the rows received and how many came from each rank
     (differentiable in ``x``). The split sizes travel first in a small all-to-all of their own, unless every
-    rank passes the same ``max_rows`` (at least any split) and the padded exchange is small: then one round."""
+    rank passes the same ``max_rows`` (at least any split) and the padded exchange is small: then one round.
+    ``transport`` (over ``group``): point-to-point instead of torch's collective."""
     send = [int(n) for n in send]
     counts = torch.tensor(send, dtype=torch.int64).view(-1, 1)
     if torch.is_grad_enabled() and x.requires_grad:
-        rows, received = Dispatch.apply(x, counts, send, group, max_rows)
+        rows, received = Dispatch.apply(x, counts, send, group, max_rows, transport)
         return rows, received.view(-1).tolist()
-    rows, _, recv = _exchange(x, counts, send, group, max_rows)
+    rows, _, recv = _exchange(x, counts, send, group, max_rows, transport)
     return rows, recv
 
 
@@ -204,12 +237,13 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, experts: Sequence[nn.
     group, local = placement.group, placement.local
     per_rank = counts.view(placement.size, local)
     send = per_rank.sum(1).tolist()
-    received, received_counts = Dispatch.apply(x, per_rank, send, group, max_rows)  # [source, my local expert]
+    received, received_counts = Dispatch.apply(x, per_rank, send, group, max_rows,  # [source, my local expert]
+                                               placement.transport)
     recv = received_counts.sum(1).tolist()
     order = _expert_major(received_counts)
     held = [experts[placement.first + i] for i in range(local)]
     outputs = _apply(held, received[order], received_counts.sum(0).tolist())
-    return AllToAll.apply(outputs[torch.argsort(order)], recv, send, group)
+    return AllToAll.apply(outputs[torch.argsort(order)], recv, send, group, placement.transport)
 
 
 def reduce_expert_gradients(params: Sequence[nn.Parameter], groups: ExpertGroups) -> None:

@@ -26,7 +26,7 @@ from hpc.config import spec_from_dict
 from hpc.errors import ConfigError
 from hpc.runtime.mesh import MeshShape, build_mesh, expert_group_ranks
 from jobs.moe import assign_slots, capacity, load_balancing_loss, route
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, run_under_mpirun
 from tests.test_3d import assemble, pieces_as_numpy
 
 STEPS, LR, CLIP = 10, 3e-3, 0.5
@@ -60,8 +60,8 @@ def _train(world, run_dir: str, cases):
     from jobs.train import train
 
     results = []
-    for name, layout, factor, steps, checkpoint, options in cases:
-        spec = moe_spec(run_dir, name, layout, factor, steps, checkpoint=checkpoint, train=options)
+    for name, layout, factor, steps, checkpoint, options, parallel in cases:
+        spec = moe_spec(run_dir, name, layout, factor, steps, checkpoint=checkpoint, train=options, parallel=parallel)
         mesh = build_mesh(MeshShape(*layout[:3]), world.rank)
         _, model = train(spec, world, mesh)
         results.append(pieces_as_numpy(model, mesh) + _kept_pieces(model, mesh))
@@ -89,8 +89,8 @@ def _weights(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {key: value for key, value in params.items() if not key.startswith("kept/")}
 
 
-def _case(name, layout, factor=NO_DROP, steps=STEPS, checkpoint=None, **train):
-    return name, layout, factor, steps, checkpoint or {"every_steps": 0}, train
+def _case(name, layout, factor=NO_DROP, steps=STEPS, checkpoint=None, parallel=None, **train):
+    return name, layout, factor, steps, checkpoint or {"every_steps": 0}, train, parallel or {}
 
 
 def _records(run_dir: Path, name: str) -> list[dict]:
@@ -102,11 +102,11 @@ def _several(world, calls):
     return [fn(world, *args) for fn, *args in calls]
 
 
-def _launch(world_size: int, *calls, timeout: float = 300) -> list[list]:
-    """Each call ``(fn, *args)`` on ``world_size`` ranks, all in one launch: on 2 cores, a launch costs
-    seconds (forks, imports, rendezvous, first use) where 10 steps of the tiny model cost a fraction of one.
-    Per call, its result on each rank."""
-    per_rank = run_ranks(world_size, _several, calls, timeout=timeout)
+def _launch(world_size: int, *calls, timeout: float = 300, starter=run_ranks) -> list[list]:
+    """Each call ``(fn, *args)`` on ``world_size`` ranks, all in one launch (``starter``: run_ranks, or
+    run_under_mpirun): on 2 cores, a launch costs seconds (forks, imports, rendezvous, first use) where 10 steps
+    of the tiny model cost a fraction of one. Per call, its result on each rank."""
+    per_rank = starter(world_size, _several, calls, timeout=timeout)
     return [[results[i] for results in per_rank] for i in range(len(calls))]
 
 
@@ -311,25 +311,49 @@ def three_ranks():
 
 @pytest.mark.parametrize("max_rows", [None, 5], ids=["sizes-first", "padded-one-round"])
 def test_all_to_all_with_uneven_splits_and_its_backward(three_ranks, max_rows) -> None:
-    results = three_ranks[max_rows]
+    _check_exchange(three_ranks[max_rows])
+
+
+def _check_exchange(results) -> None:
+    n = len(results)
     for rank, (received, recv, grad) in enumerate(results):
-        assert recv == [rank + 1 + source for source in range(3)]  # rank s sends s + d + 1 rows to rank d
-        assert received == [float(100 * source + rank) for source in range(3) for _ in range(rank + 1 + source)]
-        assert grad == [float(dest) for dest in range(3) for _ in range(rank + dest + 1)]  # d(rows to d) = d
+        assert recv == [rank + 1 + source for source in range(n)]  # rank s sends s + d + 1 rows to rank d
+        assert received == [float(100 * source + rank) for source in range(n) for _ in range(rank + 1 + source)]
+        assert grad == [float(dest) for dest in range(n) for _ in range(rank + dest + 1)]  # d(rows to d) = d
 
 
-def _exchange(world, max_rows):
+def _exchange(world, max_rows, transport="torch"):
     import torch.distributed as dist
 
     from parallel.ep import all_to_all
+    from parallel.ring import make_transport
 
-    rank = dist.get_rank()
-    send = [rank + dest + 1 for dest in range(3)]
-    x = torch.cat([torch.full((n,), float(100 * rank + dest)) for dest, n in enumerate(send)]).requires_grad_()
-    received, recv = all_to_all(x.unsqueeze(1), send, dist.group.WORLD, max_rows)
-    weights = torch.cat([torch.full((n,), float(rank)) for n in recv])  # rows from source s weighted by me
+    rank, n = dist.get_rank(), dist.get_world_size()
+    send = [rank + dest + 1 for dest in range(n)]
+    x = torch.cat([torch.full((k,), float(100 * rank + dest)) for dest, k in enumerate(send)]).requires_grad_()
+    over = make_transport(transport, dist.group.WORLD) if transport != "torch" else None
+    received, recv = all_to_all(x.unsqueeze(1), send, dist.group.WORLD, max_rows, over)
+    weights = torch.cat([torch.full((k,), float(rank)) for k in recv])  # rows from source s weighted by me
     (received.squeeze(1) * weights).sum().backward()
     return received.squeeze(1).tolist(), recv, x.grad.tolist()
+
+
+MPI_CASES = [_case("ep2-mpi", (2, 1, 1, 2), parallel={"transport": "mpi"}),
+             _case("ep2-small-mpi", (2, 1, 1, 2), 0.5, parallel={"transport": "mpi"})]
+
+
+def test_ep_over_the_mpi_transport_exchanges_and_trains_like_one_process(reference, tmp_path) -> None:
+    """parallel.transport = "mpi" carries EP's exchanges as mpi4py point-to-point messages (ranks started by
+    mpirun): the same rows, gradients, losses, choices kept and parameters as one process; and the bench's row."""
+    trained, sizes_first, padded, bench = _launch(
+        2, (_train, str(tmp_path), MPI_CASES), (_exchange, None, "mpi"), (_exchange, 5, "mpi"),
+        (_bench, ("torch", "mpi")), starter=run_under_mpirun)
+    _check_exchange(sizes_first)
+    _check_exchange(padded)
+    params = _assembled(trained)
+    _check(reference, tmp_path, MPI_CASES[:1], params[:1])
+    _check(reference, tmp_path, MPI_CASES[1:], params[1:], "small")
+    assert [r["impl"] for r in bench[0]] == ["ours", "ours-mpi", "torch", "torch+copies", "torch-single"]
 
 
 def test_expert_parallel_placement_holds_a_contiguous_share() -> None:
@@ -349,12 +373,12 @@ def test_the_alltoall_bench_times_ours_against_torch_on_the_same_rows(three_rank
     assert rows[1]["speed_vs_torch"] == 1.0 and "speed vs torch" in format_table(rows)
 
 
-def _bench(world):
+def _bench(world, transports=("torch",)):
     import torch.distributed as dist
 
     from jobs.bench.alltoall import bench_alltoall
 
-    return bench_alltoall(dist.group.WORLD, [1 << 16], iters=2, warmup=1)
+    return bench_alltoall(dist.group.WORLD, [1 << 16], iters=2, warmup=1, transports=transports)
 
 
 def test_the_report_sums_each_experts_load_over_the_steps() -> None:

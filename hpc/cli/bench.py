@@ -68,6 +68,7 @@ def _add_alltoall_parser(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
     bench.add_argument("--sizes", default="64K,1M,16M", help="bytes each rank sends (default %(default)s)")
     bench.add_argument("--iters", type=int, default=10, help="timed iterations per row (default 10)")
+    bench.add_argument("--transports", help="ours over: torch, mpi (default: both under mpirun)")
     _launch_options(bench)
     bench.set_defaults(handler=cmd_bench_alltoall)
 
@@ -85,7 +86,8 @@ def cmd_bench_alltoall(args: argparse.Namespace) -> int:
     if args.iters < 1 or args.nprocs < 2:
         raise ConfigError("--iters must be at least 1 and -n at least 2")
     launcher = args.launcher or launch.default_launcher()
-    options = ["--sizes", ",".join(map(str, sizes)), "--iters", str(args.iters)]
+    options = ["--sizes", ",".join(map(str, sizes)), "--iters", str(args.iters),
+               "--transports", _transports(args.transports, launcher)]
     rows = launch.launch_for_rows(args.nprocs, launcher, _bench_rank_argv("alltoall", options))
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
     return 0

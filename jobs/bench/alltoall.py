@@ -5,7 +5,9 @@ proportional to ``1 + (r + d) % n``, as a router's uneven load would), ``size`` 
 all. Ours is given the bound torch's padded call needs anyway (the widest split, an MoE
 layer's capacity): below ``parallel.ep.PADDED_LIMIT`` it sends padded messages with the
 split sizes in a header, one round; above, it sends the sizes in a small all-to-all of
-their own, then the rows in one ``all_to_all_single`` with uneven splits.
+their own, then the rows in one ``all_to_all_single`` with uneven splits. ``ours-mpi`` is the
+same exchange over ``parallel.transport = "mpi"`` (one mpi4py send and receive per peer;
+ranks started by mpirun), as a job with that transport runs it.
 The peers, in the same run, interleaved iteration by iteration with ours so a noisy
 machine shifts them alike:
 
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from hpc import text
 from parallel.ep import all_to_all
+from parallel.ring import make_transport
 
 COLUMNS = ("bytes", "ranks", "impl", "time_s", "algbw_GBps", "speed_vs_torch")
 HEADER = ("size", "ranks", "impl", "time(ms)", "algbw(GB/s)", "speed vs torch")
@@ -63,7 +66,7 @@ def _timed_rounds(ops: dict[str, Callable[[], object]], iters: int, warmup: int)
     return dict(zip(names, times.median(dim=1).values.tolist(), strict=True))
 
 
-def _ops(nbytes: int, group: dist.ProcessGroup) -> dict[str, Callable[[], object]]:
+def _ops(nbytes: int, group: dist.ProcessGroup, transports: Sequence[str]) -> dict[str, Callable[[], object]]:
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     send = uneven_splits(max(n, nbytes // (4 * ROW_FLOATS)), rank, n)
     recv = [uneven_splits(sum(send), peer, n)[rank] for peer in range(n)]  # every rank sends as many rows
@@ -75,15 +78,23 @@ def _ops(nbytes: int, group: dist.ProcessGroup) -> dict[str, Callable[[], object
         padded[: len(rows)] = rows
     padded_out = [x.new_empty(widest, ROW_FLOATS) for _ in range(n)]
     expected = _torch_single(x, out, send, recv, group).clone()
-    for bound in (None, widest):  # two rounds, and one when the padded exchange is small
-        torch.testing.assert_close(all_to_all(x, send, group, bound)[0], expected)  # the same rows, same order
+    ours = {_ours_name(name): None if name == "torch" else make_transport(name, group) for name in transports}
+    for transport in ours.values():
+        for bound in (None, widest):  # two rounds, and one when the padded exchange is small
+            torch.testing.assert_close(all_to_all(x, send, group, bound, transport)[0], expected)  # same rows, order
     torch.testing.assert_close(_torch_with_copies(x, send, recv, widest, group), expected)
     return {
-        "ours": lambda: all_to_all(x, send, group, widest),
+        **{name: lambda transport=transport: all_to_all(x, send, group, widest, transport)
+           for name, transport in ours.items()},
         "torch": lambda: dist.all_to_all(padded_out, padded_in, group=group),
         "torch+copies": lambda: _torch_with_copies(x, send, recv, widest, group),
         "torch-single": lambda: _torch_single(x, out, send, recv, group),
     }
+
+
+def _ours_name(transport: str) -> str:
+    """"ours" over torch's collective, "ours-mpi" point-to-point over mpi4py."""
+    return "ours" if transport == "torch" else f"ours-{transport}"
 
 
 def _torch_with_copies(x, send, recv, widest, group) -> torch.Tensor:
@@ -102,11 +113,13 @@ def _torch_single(x, out, send, recv, group) -> torch.Tensor:
     return out
 
 
-def bench_alltoall(group: dist.ProcessGroup, sizes: Sequence[int], iters: int = 10, warmup: int = 2) -> list[dict]:
+def bench_alltoall(group: dist.ProcessGroup, sizes: Sequence[int], iters: int = 10, warmup: int = 2,
+                   transports: Sequence[str] = ("torch",)) -> list[dict]:
+    """Rows per size: ours over each of ``transports``, then torch's three."""
     rows = []
     n = dist.get_world_size(group)
     for nbytes in sizes:
-        seconds = _timed_rounds(_ops(nbytes, group), iters, warmup)
+        seconds = _timed_rounds(_ops(nbytes, group, transports), iters, warmup)
         for impl, time_s in seconds.items():
             values = (nbytes, n, impl, time_s, nbytes / time_s / 1e9, seconds["torch"] / time_s)
             rows.append(dict(zip(COLUMNS, values, strict=True)))

@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     alltoall = kinds.add_parser("alltoall", parents=[common])
     alltoall.add_argument("--sizes", required=True, help="comma list of bytes")
     alltoall.add_argument("--iters", type=int, required=True)
+    alltoall.add_argument("--transports", default="torch")
     return parser
 
 
@@ -129,7 +130,8 @@ def _train(args: argparse.Namespace, group) -> list[dict]:
 def _alltoall(args: argparse.Namespace, group) -> list[dict]:
     from jobs.bench.alltoall import bench_alltoall
 
-    return bench_alltoall(group, [int(s) for s in args.sizes.split(",")], iters=args.iters)
+    return bench_alltoall(group, [int(s) for s in args.sizes.split(",")], iters=args.iters,
+                          transports=args.transports.split(","))
 
 
 MEASURE = {"allreduce": _allreduce, "pipeline": _pipeline, "checkpoint": _checkpoint, "memory": _memory,
