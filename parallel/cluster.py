@@ -44,6 +44,9 @@ class Cluster:
     # CPU terms (docs/PLANNER.md, "CPU ranks"): zero on GPU clusters, where they vanish behind the kernels.
     cores_per_node: int = _field(0, "CPU cores the ranks of a node share (0: every device computes on its own); a rank "
                                     "computes at cores/ranks times the one-core rate", min=0)
+    thread_speedup: float = _field(0.0, "how many one-core rates the node computes at with every core busy (one rank "
+                                        "on cores_per_node threads; the cores share caches and memory bandwidth); "
+                                        "0: cores_per_node, linear", min=0)
     layer_overhead_us: float = _field(0.0, "fixed time of one layer's forward and backward on one rank, whatever its "
                                            "size (interpreter, dispatcher, autograd)", min=0)
     tensor_overhead_us: float = _field(0.0, "the optimizer step's fixed time per parameter tensor", min=0)
@@ -57,9 +60,20 @@ class Cluster:
         return getattr(self, f"peak_tflops_{dtype}") * 1e12
 
     def core_share(self, ranks: int) -> float:
-        """How many cores' worth a rank computes at when ``ranks`` ranks of a node run at once: cores / ranks (hpc
-        run gives each rank that many threads; fewer than one: time-sharing); 1 on GPUs."""
-        return self.cores_per_node / min(ranks, self.devices_per_node) if self.cores_per_node else 1.0
+        """How many one-core rates a rank's kernels run at when ``ranks`` ranks of a node run at once; 1 on GPUs.
+        A node whose cores all compute, on one rank's threads or on several ranks, runs at ``thread_speedup``
+        one-core rates (the cores share caches, memory bandwidth and the host's time), split evenly among its
+        ranks: time-sharing below one core each."""
+        if not self.cores_per_node:
+            return 1.0
+        return (self.thread_speedup or self.cores_per_node) / min(ranks, self.devices_per_node)
+
+    def interpreter_share(self, ranks: int) -> float:
+        """The share of a core a rank's single-threaded work (interpreter, dispatcher, per-tensor loops) gets:
+        cores / ranks up to one core, since threads do not speed it up; 1 on GPUs."""
+        if not self.cores_per_node:
+            return 1.0
+        return min(1.0, self.cores_per_node / min(ranks, self.devices_per_node))
 
     def link(self, span: int) -> tuple[float, float]:
         """(alpha seconds, beta bytes/s) of a group whose ranks span ``span`` consecutive devices: inside one node

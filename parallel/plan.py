@@ -188,13 +188,15 @@ def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay:
     moved = (passes - 1) * layers * model.activation_bytes(tokens, lay.tp, train.act_bytes)
     # Fixed cost per layer pass (CPU ranks: the interpreter and dispatcher), the head's counted as one layer's.
     fixed = (passes / 3 * layers + 1) * cluster.layer_overhead_us * 1e-6
-    compute = (matmul + moved / (cluster.memory_gbps * 1e9) + fixed) / cluster.core_share(lay.dp * lay.tp * lay.pp)
+    ranks = lay.dp * lay.tp * lay.pp
+    compute = (matmul + moved / (cluster.memory_gbps * 1e9)) / cluster.core_share(ranks)
+    compute += fixed / cluster.interpreter_share(ranks)
     message = tokens * model.hidden * train.act_bytes
     allreduces = layers * (6 if lay.checkpointing else 4)
     tp = allreduces * ring_allreduce_s(message, lay.tp, cluster.link(lay.tp))
     p2p = 0.0
     if lay.pp > 1:
-        alpha, beta = cluster.link(lay.dp * lay.tp * lay.pp)
+        alpha, beta = cluster.link(ranks)
         p2p = 2 * lay.virtual_stages * (alpha + message / lay.tp / beta)
     return compute, tp, p2p
 
@@ -285,16 +287,15 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     dp = behind + exposed
     shard = lay.dp if lay.zero >= 1 else 1
     optimizer = stage_params(model, lay) / shard * 2 * (train.param_bytes + train.grad_bytes + train.optimizer_bytes)
-    optimizer /= cluster.memory_gbps * 1e9
-    optimizer += stage_tensors(model, lay) / shard * cluster.tensor_overhead_us * 1e-6
-    share = cluster.core_share(lay.dp * lay.tp * lay.pp)
-    optimizer /= share
+    ranks = lay.dp * lay.tp * lay.pp
+    optimizer /= cluster.memory_gbps * 1e9 * cluster.core_share(ranks)
+    serial = cluster.interpreter_share(ranks)
+    optimizer += stage_tensors(model, lay) / shard * cluster.tensor_overhead_us * 1e-6 / serial
     # The step's fixed cost, and the two one-number all-reduces over every rank (gradient norm, loss).
-    overhead = cluster.step_overhead_ms * 1e-3 / share
-    overhead += 2 * ring_allreduce_s(8, lay.dp * lay.tp * lay.pp, cluster.link(lay.dp * lay.tp * lay.pp))
+    overhead = cluster.step_overhead_ms * 1e-3 / serial
+    overhead += 2 * ring_allreduce_s(8, ranks, cluster.link(ranks))
     m = lay.microbatches
     step = m * slot + bubble + dp + optimizer + overhead
-    gpus = lay.dp * lay.tp * lay.pp
     tokens = train.batch * model.seq_len
     layer_flops = model.layers * model.layer_flops(tokens) + model.moe_layers * model.moe_extra_flops(tokens)
     model_flops = 3 * (layer_flops + model.logit_flops(tokens))
@@ -303,7 +304,7 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
         layout=lay, step_s=step, compute_s=m * compute, tp_s=m * tp, pp_s=m * p2p + bubble, dp_s=dp, ep_s=m * a2a,
         optimizer_s=optimizer, overhead_s=overhead, memory_bytes=memory_bytes(model, train, cluster, lay),
         tokens_per_s=tokens / step,
-        tflops_per_gpu=executed / step / gpus / 1e12, mfu=model_flops / step / gpus / cluster.peak_flops(train.dtype),
+        tflops_per_gpu=executed / step / ranks / 1e12, mfu=model_flops / step / ranks / cluster.peak_flops(train.dtype),
     )
 
 

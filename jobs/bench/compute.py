@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -12,15 +14,22 @@ def _median_of(op, iters: int, window_s: float = 0.2) -> float:
     """Median over ``iters`` windows of the mean seconds of ``op`` repeated for at least ``window_s``: a window as
     long as a small model's training step, so that on a shared machine the probe gets the share of the cores a step
     gets (a millisecond's op timed alone slips between other processes' time slices)."""
-    op()  # warm-up
-    times = []
+    return _medians_of([op], iters, window_s)[0]
+
+
+def _medians_of(ops, iters: int, window_s: float = 0.2) -> list[float]:
+    """``_median_of`` of each op, their windows taken in turn, so a slow minute of a shared machine falls on all."""
+    for op in ops:
+        op()  # warm-up
+    times: list[list[float]] = [[] for _ in ops]
     for _ in range(iters):
-        count, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < window_s or count == 0:
-            op()
-            count += 1
-        times.append(elapsed / count)
-    return sorted(times)[len(times) // 2]
+        for op, kept in zip(ops, times, strict=True):
+            count, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < window_s or count == 0:
+                op()
+                count += 1
+            kept.append(elapsed / count)
+    return [sorted(kept)[len(kept) // 2] for kept in times]
 
 
 def measure_compute(size: int = 1024, copy_bytes: int = 256 << 20, iters: int = 5, threads: int = 1) -> dict:
@@ -44,23 +53,30 @@ def measure_compute(size: int = 1024, copy_bytes: int = 256 << 20, iters: int = 
 LAYER_PROBES = ((64, 4, 1), (128, 4, 2), (128, 4, 16), (256, 4, 8), (256, 4, 32))
 
 
-def measure_layers(threads: int = 1, iters: int = 5, seq_len: int = 64) -> list[dict]:
+def measure_layers(threads: Sequence[int] = (1,), iters: int = 5, seq_len: int = 64) -> list[dict]:
     """Median seconds of one GPT block's forward and backward (jobs/gpt.py's Block) at each of LAYER_PROBES, on
-    ``threads`` threads: what ``hpc plan --calibrate`` fits a fixed cost per layer and a FLOP rate to."""
+    each count of ``threads`` (their windows taken in turn): what ``hpc plan --calibrate`` fits a fixed cost per
+    layer and a FLOP rate to, and compares the rates of one thread and of every core's with."""
     from jobs.gpt import Block
 
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
     rows = []
     try:
         for hidden, heads, batch in LAYER_PROBES:
             block = Block(hidden, heads, 0.0)
             x = torch.randn(batch, seq_len, hidden, requires_grad=True)
-            seconds = _median_of(lambda block=block, x=x: block(x).sum().backward(), iters)
-            rows.append({"hidden": hidden, "heads": heads, "batch": batch, "seq_len": seq_len, "seconds": seconds})
+            ops = [functools.partial(_forward_backward, block, x, n) for n in threads]
+            for n, seconds in zip(threads, _medians_of(ops, iters), strict=True):
+                rows.append({"hidden": hidden, "heads": heads, "batch": batch, "seq_len": seq_len, "threads": n,
+                             "seconds": seconds})
     finally:
         torch.set_num_threads(previous)
     return rows
+
+
+def _forward_backward(block: torch.nn.Module, x: torch.Tensor, threads: int) -> None:
+    torch.set_num_threads(threads)
+    block(x).sum().backward()
 
 
 def measure_tensor_overhead(tensors: int = 200, iters: int = 5) -> float:
