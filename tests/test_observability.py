@@ -66,6 +66,18 @@ def test_metrics_file_has_every_documented_field(observed_run: Path) -> None:
     assert 2.5 < records[-1]["compression_ratio"] < 4.5
 
 
+def test_peak_memory_is_the_ranks_own_not_its_large_parents() -> None:
+    """ru_maxrss survives fork and exec: a rank started by a 400 MB process would report 400 MB."""
+    import sys
+
+    parent = bytearray(400 << 20)
+    parent[::4096] = b"\x01" * len(parent[::4096])  # resident
+    probe = "from hpc.observe.metrics import peak_memory_bytes; print(peak_memory_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout)
+    assert 1 << 20 < child < 200 << 20
+    del parent
+
+
 def test_tensorboard_gets_the_same_scalars(observed_run: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -38,10 +38,20 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 def peak_memory_bytes(device: Any = None) -> int:
+    """The CUDA allocator's peak on a GPU; on CPU this process's peak resident set since its program started:
+    Linux's VmHWM, which belongs to the address space. ``ru_maxrss`` is kept across fork and exec, so a rank
+    started by a large process (a test runner, a notebook) would report its parent's size."""
     if device is not None and getattr(device, "type", None) == "cuda":
         import torch
 
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
