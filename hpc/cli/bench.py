@@ -42,7 +42,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     pipeline.add_argument("--microbatches", default="4,8", help="comma list (default %(default)s)")
     pipeline.add_argument("--schedules", default="gpipe,1f1b,interleaved", help="(default %(default)s)")
     pipeline.add_argument("--virtual", type=int, default=2, help="chunks per rank, interleaved only (default 2)")
-    pipeline.add_argument("--layers", type=int, default=16, help="Linear+Tanh blocks in the model (default 16)")
+    pipeline.add_argument("--layers", type=int, default=64, help="Linear+Tanh blocks in the model (default 64)")
     pipeline.add_argument("--width", type=int, default=1024, help="features per block (default 1024)")
     pipeline.add_argument("--rows", type=int, default=64, help="rows per microbatch (default 64)")
     pipeline.add_argument("--steps", type=int, default=3, help="timed steps per row, after one warm-up (default 3)")
