@@ -255,7 +255,7 @@ def _calibrate_round(args: argparse.Namespace):
 
     from hpc.cli.bench import _bench_rank_argv
     from hpc.runtime import launch
-    from jobs.bench.compute import measure_compute, measure_layers, measure_tensor_overhead
+    from jobs.bench.compute import measure_copy_gbps, measure_layers, measure_tensor_overhead
     from parallel.cluster import Cluster
     from parallel.plan import fit_alpha_beta
 
@@ -264,7 +264,7 @@ def _calibrate_round(args: argparse.Namespace):
                                   _bench_rank_argv("allreduce", options))
     alpha, beta = fit_alpha_beta([(r["bytes"], r["ranks"], r["time_s"]) for r in rows if r["impl"] == "ring"])
     cores = os.cpu_count() or 1
-    copy_gbps = measure_compute(threads=1)["memory_gbps"]
+    copy_gbps = measure_copy_gbps()
     layers = measure_layers(threads=sorted({1, cores}))
     overhead, rate = _fit_layers([row for row in layers if row["threads"] == 1], copy_gbps)
     _, threaded_rate = _fit_layers([row for row in layers if row["threads"] == cores], copy_gbps)

@@ -1,5 +1,6 @@
-"""What one rank of this machine computes: the FLOP rate of a matrix product and the memory bandwidth of a copy
-(``hpc plan --calibrate`` writes them into a cluster file). Torch is imported here, never by the planner."""
+"""What one rank of this machine computes: a GPT block's FLOP rate and fixed cost, on one thread and on every
+core's, the memory bandwidth of a copy and the optimizer's cost per tensor (``hpc plan --calibrate`` writes them
+into a cluster file). Torch is imported here, never by the planner."""
 
 from __future__ import annotations
 
@@ -32,20 +33,16 @@ def _medians_of(ops, iters: int, window_s: float = 0.2) -> list[float]:
     return [sorted(kept)[len(kept) // 2] for kept in times]
 
 
-def measure_compute(size: int = 1024, copy_bytes: int = 256 << 20, iters: int = 5, threads: int = 1) -> dict:
-    """teraFLOP/s of an fp32 size x size matrix product (2 size^3 FLOPs) and GB/s of a copy (read + write), on
-    ``threads`` threads: one rank's share of the cores when every rank of a node runs at once."""
+def measure_copy_gbps(copy_bytes: int = 256 << 20, iters: int = 5) -> float:
+    """GB/s of a copy (read + write) on one thread: what the planner charges elementwise work at."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        matmul_s = _median_of(lambda: torch.mm(a, b), iters)
         source = torch.empty(copy_bytes // 4)
         target = torch.empty_like(source)
-        copy_s = _median_of(lambda: target.copy_(source), iters)
+        return 2 * copy_bytes / _median_of(lambda: target.copy_(source), iters) / 1e9
     finally:
         torch.set_num_threads(previous)
-    return {"tflops_fp32": 2 * size**3 / matmul_s / 1e12, "memory_gbps": 2 * copy_bytes / copy_s / 1e9}
 
 
 # (hidden, heads, sequences of 64 tokens): small to mid-sized GPT blocks, where a CPU rank's fixed cost per layer
