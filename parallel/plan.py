@@ -21,6 +21,9 @@ with its source, in docs/PLANNER.md; the names below follow it:
   per token (Fedus et al. 2022; Lepikhin et al. 2021): top_k - 1 more MLPs of compute per token and a router;
   each rank holds E/ep experts; four all-to-alls per MoE layer and microbatch, of top_k copies of its tokens,
   (k-1) alpha + (k-1)/k n / beta each; expert gradients reduced over the dp/ep replicas.
+- gradient accumulation: each microbatch after the first adds its weight gradients to the stage's, three
+  gradient-sized moves per parameter (torch's AccumulateGrad, Megatron-LM's main_grad): pipelines with many small
+  microbatches pay it m - 1 times a step.
 - memory per rank: parameters, gradients and optimizer state per parameter (ZeRO's 2 + 2 + 12 bytes for mixed
   precision Adam, each sharded over dp from stage 3, 2 and 1), and activations of the microbatches in flight
   (GPipe m, 1F1B min(m, p), interleaved p + (p-1)/v).
@@ -186,6 +189,9 @@ def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay:
     matmul = (passes * (layers * model.layer_flops(tokens) + moe) + 3 * model.logit_flops(tokens)) / lay.tp / rate
     # Elementwise work: forward writes the kept activations, backward reads them and writes as much again.
     moved = (passes - 1) * layers * model.activation_bytes(tokens, lay.tp, train.act_bytes)
+    # Gradient accumulation: every microbatch after the first adds its weight gradients to the stage's (torch's
+    # AccumulateGrad; Megatron-LM's main_grad.add_), reading both and writing the sum: (m-1)/m adds per microbatch.
+    moved += (1 - 1 / lay.microbatches) * stage_params(model, lay) * 3 * train.grad_bytes
     # Fixed cost per layer pass (CPU ranks: the interpreter and dispatcher), the head's counted as one layer's.
     fixed = (passes / 3 * layers + 1) * cluster.layer_overhead_us * 1e-6
     ranks = lay.dp * lay.tp * lay.pp

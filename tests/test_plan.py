@@ -37,6 +37,7 @@ from parallel.plan import (
     memory_bytes,
     plan,
     ring_allreduce_s,
+    stage_params,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ TABLE1 = REPO / "docs" / "data" / "megatron_sc21_table1.csv"
 GPT = REPO / "jobs" / "examples" / "gpt.toml"
 # Rows whose recommended (dp, tp, pp) is neither the published one nor within 5% of it, with the gap the planner
 # predicts (docs/PLANNER.md says why); every other row must meet 5%.
-RECOMMENDATION_MISSES = {"18.4": 0.15, "39.1": 0.15}
+RECOMMENDATION_MISSES = {"18.4": 0.10, "39.1": 0.10}
 # This machine: the calibration (hpc plan --calibrate, the median of 3 rounds) and the measured layouts (hpc plan
 # --validate --record, 3 runs each) that docs/PLANNER.md reports, taken one after the other on a quiet machine (the
 # record keeps the load average); the testbed's rows were measured before them, with the link measured across it.
@@ -113,6 +114,18 @@ def test_the_bubble_is_p_minus_1_over_m_plus_p_minus_1_divided_by_v() -> None:
         e = estimate(model, train, cluster, Layout(1, 1, 4, m, schedule, v))
         assert e.shares()["pp"] == pytest.approx(3 / v / (m + 3 / v), rel=1e-3)
         assert sum(e.shares().values()) == pytest.approx(1)
+
+
+def test_each_microbatch_after_the_first_adds_its_gradients_to_the_stages() -> None:
+    """Splitting a step into m microbatches costs m - 1 gradient accumulations (read both, write the sum) of the
+    stage's parameters at memory bandwidth, and nothing else on a GPU: the FLOPs and bytes per token are the same."""
+    model, cluster = Transformer(8, 1024, 16, 1024, 51200), load_cluster("a100-superpod")
+    train = replace(MIXED_ADAM, batch=64)
+    whole = estimate(model, train, cluster, Layout(1, 1, 2, 1))
+    for m in (2, 8, 32):
+        lay = Layout(1, 1, 2, m)
+        added = (m - 1) * stage_params(model, lay) * 3 * train.grad_bytes / (cluster.memory_gbps * 1e9)
+        assert estimate(model, train, cluster, lay).compute_s - whole.compute_s == pytest.approx(added, rel=1e-6)
 
 
 def test_memory_follows_the_schedule_checkpointing_and_zero() -> None:
