@@ -106,6 +106,9 @@ class Training:
     wire_ratio: float = 1.0  # the codec's bytes on the wire over grad_bytes
     dp_overlap: bool = True  # DP communication runs behind backward (parallel/optimizer.py)
     bucket_bytes: float = 25 * 2**20  # gradients fused per all-reduce (parallel.bucket_mb; DDP's default too)
+    # Megatron-LM's scatter/gather: each of a stage's tp ranks sends 1/tp of the activation (ibid. section 4.1);
+    # our pipeline (parallel/pipeline.py) sends the whole of it from every tp rank.
+    p2p_split_over_tp: bool = True
 
 
 MIXED_ADAM = Training(batch=1)  # Megatron-LM and ZeRO: fp16/bf16 weights and gradients, fp32 Adam state
@@ -203,7 +206,8 @@ def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay:
     p2p = 0.0
     if lay.pp > 1:
         alpha, beta = cluster.link(ranks)
-        p2p = 2 * lay.virtual_stages * (alpha + message / lay.tp / beta)
+        split = lay.tp if train.p2p_split_over_tp else 1
+        p2p = 2 * lay.virtual_stages * (alpha + message / split / beta)
     return compute, tp, p2p
 
 

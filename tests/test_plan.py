@@ -128,6 +128,17 @@ def test_each_microbatch_after_the_first_adds_its_gradients_to_the_stages() -> N
         assert estimate(model, train, cluster, lay).compute_s - whole.compute_s == pytest.approx(added, rel=1e-6)
 
 
+def test_megatrons_scatter_gather_sends_a_tp_share_and_our_pipeline_the_whole_activation() -> None:
+    model, cluster = Transformer(8, 1024, 16, 1024, 51200), load_cluster("a100-superpod")
+    train, lay = replace(MIXED_ADAM, batch=64), Layout(1, 4, 2, 8)
+    beta = cluster.link(8)[1]
+    message = 64 // 8 * 1024 * 1024 * train.act_bytes  # b s h
+    split = estimate(model, train, cluster, lay).pp_s
+    whole = estimate(model, replace(train, p2p_split_over_tp=False), cluster, lay).pp_s
+    slots = lay.microbatches + lay.pp - 1  # the bubble's slots carry the sends too
+    assert whole - split == pytest.approx(slots * 2 * message * (1 - 1 / 4) / beta, rel=1e-6)
+
+
 def test_memory_follows_the_schedule_checkpointing_and_zero() -> None:
     model = Transformer(32, 4096, 32, 2048, 51200)
     cluster = load_cluster("a100-superpod")

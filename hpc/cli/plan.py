@@ -133,7 +133,7 @@ def _training(spec, args: argparse.Namespace):
     return Training(batch=batch, dtype="bf16" if half else "fp32", act_bytes=2 if half else 4, param_bytes=4,
                     grad_bytes=4, optimizer_bytes=state, wire_ratio=ratio,
                     dp_overlap=spec.parallel.overlap and not args.no_overlap,
-                    bucket_bytes=spec.parallel.bucket_mb * 2**20)
+                    bucket_bytes=spec.parallel.bucket_mb * 2**20, p2p_split_over_tp=False)
 
 
 def _positive(name: str, value: int) -> int:
