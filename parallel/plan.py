@@ -9,11 +9,13 @@ with its source, in docs/PLANNER.md; the names below follow it:
   dropout, GeLU) is bound by memory bandwidth, moving the bytes of the layer's activations (Korthikanti et al.,
   MLSys 2023, eq. 1: s b h (10 + 24/t + 5 a s / (h t))).
 - tensor parallelism: two all-reduces of b s h activations per layer in forward, two in backward, two more when
-  recomputing (Shoeybi et al. 2019, figure 4); a ring all-reduce of n bytes over k ranks takes
-  2 (k-1) alpha + 2 (k-1)/k n / beta (Thakur et al. 2005; Patarasuk and Yuan 2009).
-- pipeline parallelism: (m + (p-1)/v) microbatch slots, of which (p-1)/v are the bubble (GPipe and 1F1B: v = 1;
-  Narayanan et al. SC21 section 2.2), and a point-to-point send of b s h / t bytes forward and backward per
-  microbatch and model chunk (the scatter/gather optimization, ibid. section 4.1).
+  recomputing (Shoeybi et al. 2019, figure 4), and the vocabulary-split embedding's, head's and loss's; a ring
+  all-reduce of n bytes over k ranks takes 2 (k-1) alpha + 2 (k-1)/k n / beta (Thakur et al. 2005; Patarasuk
+  and Yuan 2009).
+- pipeline parallelism: m microbatch slots of the last stage (it holds the head: the slowest) and a bubble of
+  (p-1)/v slots of the other stages, which fill and drain the pipeline (GPipe and 1F1B: v = 1; Narayanan et al.
+  SC21 section 2.2), and a point-to-point send of b s h / t bytes forward and backward per microbatch and model
+  chunk (the scatter/gather optimization, ibid. section 4.1; b s h for our pipeline).
 - data parallelism: a ring all-reduce of the stage's gradients (ZeRO-3: 1.5 times that volume, Rajbhandari et
   al. SC20), times the codec's wire ratio; with overlap it hides behind the last microbatch's backward, bucket
   by bucket: the last bucket is ready only when backward ends, so its share is never hidden (one bucket: none is).
@@ -182,27 +184,34 @@ def microbatch_all_to_all_s(model: Transformer, train: Training, cluster: Cluste
     return model.moe_layers / lay.pp * 4 * all_to_all_s(sent, lay.ep, cluster.link(lay.dp * lay.tp))
 
 
-def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> tuple[float, float, float]:
-    """(compute, TP, point-to-point) seconds of one microbatch on the slowest (last) stage, all its chunks."""
+def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay: Layout,
+                     head: bool = True) -> tuple[float, float, float]:
+    """(compute, TP, point-to-point) seconds of one microbatch on the last stage, all its chunks: the slowest, as it
+    holds the head and the loss; ``head=False``: on a stage without them, what the pipeline's bubble is made of."""
     tokens = train.batch // (lay.dp * lay.microbatches) * model.seq_len
     passes = 4 if lay.checkpointing else 3  # forward, backward = 2 forwards, recomputed forward
     layers = model.layers / lay.pp
     rate = cluster.peak_flops(train.dtype) * cluster.matmul_efficiency
     moe = model.moe_layers / lay.pp * model.moe_extra_flops(tokens)
-    matmul = (passes * (layers * model.layer_flops(tokens) + moe) + 3 * model.logit_flops(tokens)) / lay.tp / rate
+    flops = passes * (layers * model.layer_flops(tokens) + moe) + 3 * head * model.logit_flops(tokens)
+    matmul = flops / lay.tp / rate
     # Elementwise work: forward writes the kept activations, backward reads them and writes as much again.
     moved = (passes - 1) * layers * model.activation_bytes(tokens, lay.tp, train.act_bytes)
     # Gradient accumulation: every microbatch after the first adds its weight gradients to the stage's (torch's
     # AccumulateGrad; Megatron-LM's main_grad.add_), reading both and writing the sum: (m-1)/m adds per microbatch.
     moved += (1 - 1 / lay.microbatches) * stage_params(model, lay) * 3 * train.grad_bytes
     # Fixed cost per layer pass (CPU ranks: the interpreter and dispatcher), the head's counted as one layer's.
-    fixed = (passes / 3 * layers + 1) * cluster.layer_overhead_us * 1e-6
+    fixed = (passes / 3 * layers + head) * cluster.layer_overhead_us * 1e-6
     ranks = lay.dp * lay.tp * lay.pp
     compute = (matmul + moved / (cluster.memory_gbps * 1e9)) / cluster.core_share(ranks)
     compute += fixed / cluster.interpreter_share(ranks)
     message = tokens * model.hidden * train.act_bytes
     allreduces = layers * (6 if lay.checkpointing else 4)
-    tp = allreduces * ring_allreduce_s(message, lay.tp, cluster.link(lay.tp))
+    # The vocabulary-split head: its input's gradient, and the loss's three numbers per token (max, target logit,
+    # sum of exponentials, fp32); the vocabulary-split embedding's lookup is on the first stage (here when pp = 1).
+    allreduces += head * (1 + (lay.pp == 1))
+    link = cluster.link(lay.tp)
+    tp = allreduces * ring_allreduce_s(message, lay.tp, link) + 3 * head * ring_allreduce_s(4 * tokens, lay.tp, link)
     p2p = 0.0
     if lay.pp > 1:
         alpha, beta = cluster.link(ranks)
@@ -288,7 +297,8 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     compute, tp, p2p = microbatch_parts(model, train, cluster, lay)
     a2a = microbatch_all_to_all_s(model, train, cluster, lay)
     slot = compute + tp + p2p + a2a
-    bubble = (lay.pp - 1) / lay.virtual_stages * slot
+    # The bubble is the other stages filling and draining the pipeline: their slots, without the head.
+    bubble = (lay.pp - 1) / lay.virtual_stages * (sum(microbatch_parts(model, train, cluster, lay, False)) + a2a)
     behind, exposed = dp_comm_s(model, train, cluster, lay)
     if train.dp_overlap:  # behind the last backward, bucket by bucket: the last one starts when backward ends
         buckets = max(1, math.ceil(stage_params(model, lay) * train.grad_bytes / train.bucket_bytes))

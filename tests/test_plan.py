@@ -35,6 +35,7 @@ from parallel.plan import (
     fit_overhead_and_rate,
     layouts,
     memory_bytes,
+    microbatch_parts,
     plan,
     ring_allreduce_s,
     stage_params,
@@ -54,7 +55,7 @@ LOCAL_RECORD = REPO / "docs" / "data" / "plan_local.json"
 TESTBED_RECORD = REPO / "docs" / "data" / "plan_testbed.json"  # DP, one rank per namespace host, 1 Gbit/s links
 # Rows whose recorded step time the planner misses by more than 15%, with the ratio (predicted / measured) it
 # gives them: docs/PLANNER.md says why. Every other row must meet 15%; every row's memory 10%.
-LOCAL_TIME_MISSES = {"dp=2 zero=2": 0.822, "tp=2": 0.769}
+LOCAL_TIME_MISSES = {"dp=2 zero=2": 0.822, "tp=2": 0.835}
 TESTBED_TIME_MISSES: dict[str, float] = {}
 
 
@@ -106,7 +107,7 @@ def test_ring_allreduce_is_alpha_beta_with_the_rings_volume() -> None:
 
 
 def test_the_bubble_is_p_minus_1_over_m_plus_p_minus_1_divided_by_v() -> None:
-    model = Transformer(16, 1024, 16, 1024, 51200)
+    model = Transformer(16, 1024, 16, 1024, 8)  # a head too small to unbalance the stages
     fast = dict(intra_alpha_us=0, inter_alpha_us=0, intra_gbps=1e9, inter_gbps=1e9, memory_gbps=1e12)
     cluster = replace(load_cluster("a100-superpod"), **fast)  # links and the optimizer's update cost ~nothing
     train = replace(MIXED_ADAM, batch=64)
@@ -114,6 +115,18 @@ def test_the_bubble_is_p_minus_1_over_m_plus_p_minus_1_divided_by_v() -> None:
         e = estimate(model, train, cluster, Layout(1, 1, 4, m, schedule, v))
         assert e.shares()["pp"] == pytest.approx(3 / v / (m + 3 / v), rel=1e-3)
         assert sum(e.shares().values()) == pytest.approx(1)
+
+
+def test_the_last_stage_holds_the_head_and_the_other_stages_make_the_bubble() -> None:
+    """The head's logits, loss and their TP collectives lengthen every slot of the last stage, the slowest; the
+    pipeline fills and drains through the other stages, so the bubble's slots are theirs."""
+    model, cluster = Transformer(16, 1024, 16, 1024, 51200), load_cluster("a100-superpod")
+    train, lay = replace(MIXED_ADAM, batch=64), Layout(1, 2, 4, 16)
+    last, other = sum(microbatch_parts(model, train, cluster, lay)), sum(microbatch_parts(model, train, cluster, lay,
+                                                                                         head=False))
+    assert last > other * 1.5  # a 51200-word head at h = 1024 outweighs the stage's four layers
+    e = estimate(model, train, cluster, lay)
+    assert e.compute_s + e.tp_s + e.pp_s == pytest.approx(16 * last + 3 * other, rel=1e-9)
 
 
 def test_each_microbatch_after_the_first_adds_its_gradients_to_the_stages() -> None:
