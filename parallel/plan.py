@@ -297,8 +297,9 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     compute, tp, p2p = microbatch_parts(model, train, cluster, lay)
     a2a = microbatch_all_to_all_s(model, train, cluster, lay)
     slot = compute + tp + p2p + a2a
-    # The bubble is the other stages filling and draining the pipeline: their slots, without the head.
-    bubble = (lay.pp - 1) / lay.virtual_stages * (sum(microbatch_parts(model, train, cluster, lay, False)) + a2a)
+    bubble = 0.0
+    if lay.pp > 1:  # the other stages filling and draining the pipeline: their slots, without the head
+        bubble = (lay.pp - 1) / lay.virtual_stages * (sum(microbatch_parts(model, train, cluster, lay, False)) + a2a)
     behind, exposed = dp_comm_s(model, train, cluster, lay)
     if train.dp_overlap:  # behind the last backward, bucket by bucket: the last one starts when backward ends
         buckets = max(1, math.ceil(stage_params(model, lay) * train.grad_bytes / train.bucket_bytes))
