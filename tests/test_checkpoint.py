@@ -369,6 +369,23 @@ def test_a_truncated_shard_fails_verify_and_resume_naming_file_and_dataset(saved
     assert str(step / file) in str(info.value) and "tensors/optim/split" in str(info.value)
 
 
+def test_a_shard_larger_than_recorded_is_not_called_truncated(saved, tmp_path) -> None:
+    """Issue 28: two swapped shard files were reported as 'truncated (5253413 of 5242820 bytes)'."""
+    from hpc.checkpoint import open_checkpoint
+
+    step, file = _damaged_copy(saved, tmp_path)
+    size = read_index(step).shards[file].size
+    with open(step / file, "ab") as handle:
+        handle.write(b"x" * 10)
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(step)
+    assert str(info.value).startswith(f"{step / file} is 10 bytes larger than the index records ({size + 10} of {size} "
+                               "bytes): not the file this save wrote")
+    os.truncate(step / file, size - 10)
+    with pytest.raises(CheckpointError, match=rf"is truncated: 10 bytes short \({size - 10} of {size} bytes\)"):
+        open_checkpoint(step)
+
+
 def test_a_missing_shard_is_named_rather_than_read_as_fill_values(saved, tmp_path, capsys) -> None:
     from hpc.checkpoint import open_checkpoint
 

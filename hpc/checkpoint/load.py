@@ -31,6 +31,7 @@ from hpc.checkpoint.format import (
     CheckpointError,
     CheckpointIndex,
     PieceRecord,
+    ShardRecord,
     TensorRecord,
     check_read,
     first_line,
@@ -62,13 +63,19 @@ def open_checkpoint(step_dir: str | Path) -> CheckpointIndex:
         if not stat.S_ISREG(info.st_mode):
             raise CheckpointError(f"{path} is not a regular file", file=str(path))
         if info.st_size != shard.size:
-            lost = sorted(name for name, (_, end) in shard.extents.items() if end > info.st_size)
-            raise CheckpointError(
-                f"{path} is truncated ({info.st_size} of {shard.size} bytes); datasets cut off: "
-                f"{', '.join(lost) or 'none, only HDF5 metadata'}",
-                file=str(path),
-            )
+            raise CheckpointError(_size_mismatch(path, info.st_size, shard), file=str(path))
     return index
+
+
+def _size_mismatch(path: Path, size: int, shard: ShardRecord) -> str:
+    """A shard whose size is not the recorded one: cut short (naming the datasets lost), or larger (another file
+    in its place, or one written to after the save)."""
+    if size > shard.size:
+        return (f"{path} is {size - shard.size} bytes larger than the index records ({size} of {shard.size} "
+                "bytes): not the file this save wrote")
+    lost = sorted(name for name, (_, end) in shard.extents.items() if end > size)
+    return (f"{path} is truncated: {shard.size - size} bytes short ({size} of {shard.size} bytes); datasets cut "
+            f"off: {', '.join(lost) or 'none, only HDF5 metadata'}")
 
 
 @contextmanager
