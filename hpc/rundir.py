@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 METRICS_FILE = "metrics.jsonl"  # rank 0: one JSON object per step
 RANKS_DIR = "ranks"  # every rank's totals, ranks/rank-XXXXX.json, written when a run ends
 TIMELINE_FILE = "timeline.json"  # the Chrome trace of every rank, with train.timeline
 RESULT_FILE = "result.json"  # the final measures, written by hpc-rank; sweeps rank tasks by them
+FAILURES_DIR = "failures"  # failures/rank-XXXXX.json (and .traceback) from each rank that failed: hpc/runtime/abort.py
 
 
 def write_json(path: Path, value: Any) -> None:
@@ -57,3 +58,75 @@ def last_metrics(run_path: Path) -> dict | None:
 def read_result(run_path: Path) -> dict | None:
     path = run_path / RESULT_FILE
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_failure(run_path: Path, rank: int, record: dict, traceback_text: str) -> Path:
+    """A failing rank's record and its traceback beside it, each whole or absent; no fsync: the process is about to
+    exit, not the machine (what it wrote survives it), and its peers are being torn down meanwhile."""
+    directory = run_path / FAILURES_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank-{rank:05d}.json"
+    traceback_path = path.with_suffix(".traceback")
+    _replace_text(traceback_path, traceback_text)
+    _replace_text(path, json.dumps({**record, "rank": rank, "traceback": str(traceback_path)}))
+    return path
+
+
+def _replace_text(path: Path, text: str) -> None:
+    partial = path.with_name(f"{path.name}.{os.getpid()}.part")
+    partial.write_text(text, errors="replace")
+    os.replace(partial, path)
+
+
+def read_failures(run_path: Path, job_id: str | None = None, since: float = 0.0) -> list[dict]:
+    """The failure records of job ``job_id`` (None: the job that recorded the latest failure), none older than
+    ``since``; a run directory is reused by later jobs of the same name, so each record says its job."""
+    records = []
+    for path in sorted((run_path / FAILURES_DIR).glob("rank-*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("rank"), int) and record.get("time", 0.0) >= since:
+            records.append(record)
+    if job_id is None and records:
+        job_id = max(records, key=lambda r: r.get("time", 0.0)).get("job_id")
+    return [record for record in records if record.get("job_id") == job_id]
+
+
+class FailureSummary(NamedTuple):
+    text: str  # one line: who failed and why
+    rank: int  # the rank whose log to read first
+    traceback: str | None  # its traceback file, when it left a record
+
+
+def describe_failure(record: dict) -> str:
+    """``rank 1 (host vm, step 5) failed: RuntimeError: deliberate failure``."""
+    where = [f"host {record['host']}"] if record.get("host") else []
+    where += [f"step {record['step']}"] if record.get("step") else []
+    places = f" ({', '.join(where)})" if where else ""
+    return f"rank {record['rank']}{places} failed: {record.get('type', 'error')}: {record.get('message', '')}"
+
+
+def summarize_failures(records: list[dict]) -> FailureSummary | None:
+    """The first rank that failed for a reason of its own (the earliest by its clock); else which ranks only saw a
+    peer vanish, and which left no record at all (killed by a signal, out of memory: the likely culprits)."""
+    if not records:
+        return None
+    own = [record for record in records if not record.get("peer_lost")]
+    if own:
+        first = min(own, key=lambda r: (r.get("time", 0.0), r["rank"]))
+        return FailureSummary(describe_failure(first), first["rank"], first.get("traceback"))
+    lost = sorted(record["rank"] for record in records)
+    size = max([record.get("world_size") or 0 for record in records] + [lost[-1] + 1])
+    silent = sorted(set(range(size)) - set(lost))
+    sample = min(records, key=lambda r: (r.get("time", 0.0), r["rank"]))
+    text = (f"no rank recorded a failure of its own; {_ranks(lost)} only saw a peer vanish "
+            f"({sample.get('type', 'error')}: {sample.get('message', '')})")
+    if silent:
+        text += f"; {_ranks(silent)} left no record (killed by a signal? out of memory?)"
+    return FailureSummary(text, silent[0], None) if silent else FailureSummary(text, lost[0], sample.get("traceback"))
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

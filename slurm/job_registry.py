@@ -7,8 +7,10 @@ record each job in a registry: one JSON file per job under ``$HPC_HOME/jobs`` (d
 jobs too (squeue forgets them within minutes); submitit's own sacct parser reads its output,
 array ranges such as ``12_[3-5%2]`` included.
 
-Run directories hold what the ranks write: ``metrics.jsonl`` (one line per step, rank 0)
-and ``result.json`` (the final measures, written by ``hpc-rank`` when training ends).
+Run directories hold what the ranks write: ``metrics.jsonl`` (one line per step, rank 0),
+``result.json`` (the final measures, written by ``hpc-rank`` when training ends) and
+``failures/`` (why each failing rank failed, hpc/runtime/abort.py): ``hpc status`` and
+``hpc logs`` lead with the first rank that failed for a reason of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import TextIO
 
 from hpc.errors import HpcError
-from hpc.rundir import last_metrics, write_json
+from hpc.rundir import last_metrics, read_failures, summarize_failures, write_json
 
 SACCT_FIELDS = ("JobID", "JobName", "State", "Elapsed", "NodeList", "ExitCode")
 DONE_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
@@ -138,6 +140,21 @@ def status_rows(records: Sequence[JobRecord], states: Mapping[str, Mapping[str, 
 
 
 STATUS_HEADER = ("JOB", "NAME", "STATE", "ELAPSED", "NODES", "STEP", "LOSS")
+
+
+def failure_line(job_id: str, run_path: Path, label: str | None = None) -> str | None:
+    """``job 12: rank 1 (host vm, step 5) failed: RuntimeError: ... -- see: hpc logs 12 --rank 1`` (``label`` in
+    place of ``job 12``), or None when no rank of the job recorded a failure."""
+    summary = summarize_failures(read_failures(run_path, job_id))
+    if summary is None:
+        return None
+    return f"{label or f'job {job_id}'}: {summary.text} -- see: hpc logs {job_id} --rank {summary.rank}"
+
+
+def failure_lines(records: Sequence[JobRecord], only: str | None = None) -> list[str]:
+    """One line per job or array task (or just ``only``) whose ranks recorded a failure."""
+    ids = [(record, job_id) for record in records for job_id in record.task_ids() if only in (None, job_id)]
+    return [line for record, job_id in ids if (line := failure_line(job_id, record.run_path(job_id)))]
 
 
 def follow(path: Path, finished: Callable[[], bool], out: TextIO = sys.stdout, poll_s: float = 0.5) -> None:

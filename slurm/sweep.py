@@ -56,8 +56,8 @@ from hpc.config import (
     table_from_dict,
 )
 from hpc.errors import ConfigError
-from hpc.rundir import RESULT_FILE, last_metrics, read_result, write_json
-from slurm.job_registry import FAILED_STATES
+from hpc.rundir import RESULT_FILE, last_metrics, read_failures, read_result, summarize_failures, write_json
+from slurm.job_registry import FAILED_STATES, failure_line
 
 MANIFEST = "sweep.json"
 DISTRIBUTIONS = ("uniform", "log_uniform")
@@ -334,6 +334,24 @@ def task_states(manifest: Mapping[str, Any], sacct: Mapping[str, Mapping[str, st
         known = sacct.get(f"{job_id}_{task['index']}", {}).get("State") if job_id else task.get("state")
         states.append(known or ("COMPLETED" if read_result(Path(task["run_path"])) else "PENDING"))
     return states
+
+
+def failure_lines(manifest: Mapping[str, Any], states: Sequence[str]) -> list[str]:
+    """For each failed task, the first rank that failed for a reason of its own (hpc/runtime/abort.py) and where to
+    read more: ``hpc logs`` of its array task, or the traceback a local task's rank left in its run directory."""
+    job_id, lines = manifest["job_id"], []
+    for task, state in zip(manifest["tasks"], states, strict=True):
+        if state not in FAILED_STATES:
+            continue
+        index, run_path = task["index"], Path(task["run_path"])
+        if job_id:
+            line = failure_line(f"{job_id}_{index}", run_path, f"task {index} (job {job_id}_{index})")
+        elif summary := summarize_failures(read_failures(run_path)):
+            line = f"task {index}: {summary.text}" + (f" -- see: {summary.traceback}" if summary.traceback else "")
+        else:
+            line = f"task {index}: {task['error']}" if task.get("error") else None
+        lines += [line] if line else []
+    return lines
 
 
 def table(manifest: Mapping[str, Any], states: Sequence[str], ranked: bool) -> tuple[list[str], list[list[str]]]:

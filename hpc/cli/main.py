@@ -83,7 +83,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("parallel.transport='mpi' needs --launcher mpirun (local ranks share no MPI world)")
     progress = "tty" if sys.stdout.isatty() else "plain"
     argv = launch.rank_argv(os.path.abspath(args.spec), args.overrides)
-    launch.launch_ranks(args.nprocs, argv, launcher, hosts, args.bind_to, progress, args.dry_run)
+    launch.launch_ranks(args.nprocs, argv, launcher, hosts, args.bind_to, progress, args.dry_run, spec.run_path)
     return 0
 
 

@@ -61,7 +61,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
     logs = commands.add_parser("logs", help="print a rank's log of a submitted job")
     logs.add_argument("job", help="job id, or A_T for one array task")
-    logs.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
+    logs.add_argument("--rank", type=int, help="which rank's log (default 0, after a line naming the rank that "
+                                                "failed first and why, when one did)")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     logs.set_defaults(handler=cmd_logs)
 
@@ -173,8 +174,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"no jobs submitted from here yet (records go to {registry.root})")
         return 0
     rows = job_registry.status_rows(records, job_registry.sacct_states(r.job_id for r in records))
-    if args.job and "_" in args.job:
-        rows = [row for row in rows if row[0] == args.job]
+    only = args.job if args.job and "_" in args.job else None
+    if only:
+        rows = [row for row in rows if row[0] == only]
+    for line in job_registry.failure_lines(records, only):  # first: which rank failed, and why
+        print(line)
     print(format_table(job_registry.STATUS_HEADER, rows))
     return 0
 
@@ -184,17 +188,24 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
     job_id = _job_id(args.job)
     record = job_registry.Registry.default().get(job_id)
-    record.run_path(job_id)  # an array needs a task, a plain job none
-    if not 0 <= args.rank < record.ranks:
-        raise ConfigError(f"--rank {args.rank}: job {job_id} has ranks 0 to {record.ranks - 1}")
-    path = submit.log_path(Path(record.log_dir), job_id, args.rank)
+    run_path = record.run_path(job_id)  # an array needs a task, a plain job none
+    rank = 0 if args.rank is None else args.rank
+    if not 0 <= rank < record.ranks:
+        raise ConfigError(f"--rank {rank}: job {job_id} has ranks 0 to {record.ranks - 1}")
+    path = submit.log_path(Path(record.log_dir), job_id, rank)
+    failure = None if args.rank is not None else job_registry.failure_line(job_id, run_path)
+    if failure:  # first, and again after the log (whose end is where a reader looks)
+        print(failure, flush=True)
     if args.follow:
         job_registry.follow(
             path, lambda: job_registry.sacct_states([job_id]).get(job_id, {}).get("State") in job_registry.DONE_STATES)
+        failure = None if args.rank is not None else job_registry.failure_line(job_id, run_path)
     elif path.exists():
         sys.stdout.write(path.read_text(errors="replace"))
     else:
         raise job_registry.JobLookupError(_no_log(job_id, path))
+    if failure:
+        print(failure)
     return 0
 
 
@@ -344,7 +355,7 @@ def _run_sweep_locally(sweep, directory: Path, tasks, commands, ranks: int, dry_
         print(f"sweep {sweep.name}: task {task.index + 1}/{len(tasks)}: "
               f"{' '.join(task.args or sweeps.as_overrides(task.params))}", flush=True)
         try:
-            launch_ranks(ranks, argv, "local", [], None, "plain", False)
+            launch_ranks(ranks, argv, "local", [], None, "plain", False, task.run_path)
         except RankFailedError as exc:
             sweeps.record_outcome(directory, task.index, "FAILED", str(exc))
             print(f"sweep {sweep.name}: task {task.index} failed: {exc}", file=sys.stderr, flush=True)
@@ -382,4 +393,6 @@ def show_sweep(directory: Path, ranked: bool) -> int:
     where = f"job array {manifest['job_id']}" if manifest["job_id"] else "local ranks"
     print(f"sweep {manifest['name']} ({where}): {counts}")
     print(format_table(header, rows))
+    for line in sweeps.failure_lines(manifest, states):
+        print(line)
     return 1 if any(state in job_registry.FAILED_STATES for state in states) else 0

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 from hpc.errors import ConfigError, RankFailedError
@@ -264,7 +265,7 @@ def run_local(commands: Sequence[RankCommand]) -> None:
         )
 
 
-def run_mpirun(command: Sequence[str]) -> None:
+def run_mpirun(command: Sequence[str], env: Mapping[str, str] | None = None) -> None:
     deaths: list[str] = []
 
     def relabel(line: bytes) -> bytes:
@@ -273,7 +274,7 @@ def run_mpirun(command: Sequence[str]) -> None:
         tagged = MPI_TAG.search(line)
         return b"[%s] %s" % (tagged[1], MPI_TAG.sub(b"", line)) if tagged else line
 
-    proc = _start(command, {})
+    proc = _start(command, env or {})
     exits = _watch([proc], [relabel])
     try:
         _, code = exits.get()
@@ -297,23 +298,40 @@ def _raise_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def launch_ranks(n: int, argv, launcher: str, hosts, bind_to: str | None, progress: str, dry_run: bool) -> None:
-    """Start ``argv`` on n ranks with the chosen launcher (or print the command lines)."""
+def launch_ranks(n: int, argv, launcher: str, hosts, bind_to: str | None, progress: str, dry_run: bool,
+                 run_path: Path | None = None) -> None:
+    """Start ``argv`` on n ranks with the chosen launcher (or print the command lines). When a rank fails, the
+    error names the first rank that failed for a reason of its own, from the records the ranks left in
+    ``run_path`` (hpc/runtime/abort.py), before the launcher's own account (which rank exited first)."""
     from hpc.runtime.bootstrap import free_port
 
     signal.signal(signal.SIGTERM, _raise_on_sigterm)  # a stopped launcher stops its ranks (run_* clean up)
-    if launcher == "mpirun":
-        command = mpirun_command(n, argv, os.environ, hosts, bind_to, progress, is_root=os.geteuid() == 0)
-        if dry_run:
-            print(shlex.join(command))
-        else:
-            run_mpirun(command)
-        return
-    commands = local_commands(n, argv, os.environ, free_port(), new_job_id(), progress)
+    job_id, started = new_job_id(), time.time()
     if dry_run:
-        print("\n".join(c.shell_line() for c in commands))
-    else:
-        run_local(commands)
+        if launcher == "mpirun":
+            print(shlex.join(mpirun_command(n, argv, os.environ, hosts, bind_to, progress, is_root=os.geteuid() == 0)))
+        else:
+            print("\n".join(c.shell_line() for c in local_commands(n, argv, os.environ, free_port(), job_id, progress)))
+        return
+    try:
+        if launcher == "mpirun":  # the ranks' HPC_JOB_ID labels their failure records; -x forwards HPC_*
+            environ = {**os.environ, "HPC_JOB_ID": job_id}
+            run_mpirun(mpirun_command(n, argv, environ, hosts, bind_to, progress, is_root=os.geteuid() == 0), environ)
+        else:
+            run_local(local_commands(n, argv, os.environ, free_port(), job_id, progress))
+    except RankFailedError as exc:
+        raise named_failure(exc, run_path, job_id, started) from None
+
+
+def named_failure(exc: RankFailedError, run_path: Path | None, job_id: str, since: float) -> RankFailedError:
+    """``exc`` led by the first rank of job ``job_id`` that failed for a reason of its own, as recorded."""
+    from hpc.rundir import read_failures, summarize_failures
+
+    summary = summarize_failures(read_failures(run_path, job_id, since)) if run_path is not None else None
+    if summary is None:
+        return exc
+    where = f" (traceback: {summary.traceback})" if summary.traceback else ""
+    return RankFailedError(f"{summary.text}{where}; {exc}", exit_code=exc.exit_code)
 
 
 def launch_for_rows(n: int, launcher: str, rank_argv, parent: str | None = None) -> list[dict]:

@@ -1,0 +1,148 @@
+"""Which rank failed, and why: each failing rank's record in the run directory (hpc/runtime/abort.py, hpc/rundir.py),
+the first own-cause failure chosen from them, and how ``hpc status``, ``hpc logs``, ``hpc sweep status`` and
+``hpc run`` lead with it. Fast: no torch and no cluster here; tests/test_submit.py runs a failing job on Slurm."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc.rundir import read_failures, summarize_failures, write_failure
+from hpc.runtime.abort import is_peer_lost
+
+REPO = Path(__file__).resolve().parent.parent
+GLOO_CLOSED = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242\n"
+               "This may indicate a possible application crash on rank 0 or a network set up issue.")
+
+
+def _record(rank: int, time: float, peer_lost: bool, job_id: str = "12", **more) -> dict:
+    kind, message = ("RuntimeError", GLOO_CLOSED.splitlines()[0]) if peer_lost else ("ValueError", f"bad on {rank}")
+    return {"job_id": job_id, "world_size": 4, "host": "vm", "step": 5, "type": kind, "message": message,
+            "peer_lost": peer_lost, "time": time, "rank": rank, **more}
+
+
+@pytest.mark.parametrize(("error", "lost"), [
+    (RuntimeError(GLOO_CLOSED), True),
+    (RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection reset by peer"), True),
+    (RuntimeError("NCCL communicator was aborted on rank 2."), True),
+    (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv operation"), True),
+    (ConnectionResetError(104, "reset"), True),
+    (BrokenPipeError(32, "pipe"), True),
+    (RuntimeError("deliberate failure on rank 1 at step 5"), False),
+    (ValueError("shapes (3,) and (4,) do not match"), False),
+    (MemoryError(), False),
+])
+def test_a_peer_vanishing_is_told_from_a_failure_of_ones_own(error: BaseException, lost: bool) -> None:
+    assert is_peer_lost(error) is lost
+
+
+def test_our_own_errors_name_their_cause_even_when_their_words_sound_like_a_lost_peer() -> None:
+    from hpc.errors import ConfigError
+
+    assert not is_peer_lost(ConfigError("train.health_check_timeout_s must be positive"))
+
+
+def test_the_earliest_failure_of_its_own_wins_over_earlier_lost_peers() -> None:
+    records = [_record(0, 10.0, True), _record(3, 10.5, False), _record(1, 10.2, False), _record(2, 9.9, True)]
+    summary = summarize_failures(records)
+    assert summary.text == "rank 1 (host vm, step 5) failed: ValueError: bad on 1" and summary.rank == 1
+
+
+def test_without_a_failure_of_its_own_it_names_who_lost_a_peer_and_who_left_no_record() -> None:
+    summary = summarize_failures([_record(0, 2.0, True), _record(2, 1.0, True, traceback="/t/rank-00002.traceback"),
+                                  _record(3, 3.0, True)])
+    assert summary.text == ("no rank recorded a failure of its own; ranks 0, 2, 3 only saw a peer vanish "
+                            f"(RuntimeError: {GLOO_CLOSED.splitlines()[0]}); rank 1 left no record "
+                            "(killed by a signal? out of memory?)")
+    assert (summary.rank, summary.traceback) == (1, None)
+    everyone = summarize_failures([_record(r, 1.0 + r, True, traceback=f"/t/{r}") for r in range(4)])
+    assert "left no record" not in everyone.text and (everyone.rank, everyone.traceback) == (0, "/t/0")
+    assert summarize_failures([]) is None
+
+
+def test_records_are_per_job_and_a_reused_run_directory_keeps_the_latest(tmp_path: Path) -> None:
+    write_failure(tmp_path, 0, _record(0, 1.0, False, job_id="11"), "old")
+    write_failure(tmp_path, 1, _record(1, 5.0, False, job_id="12"), "Traceback ...\nValueError: bad on 1\n")
+    write_failure(tmp_path, 2, _record(2, 6.0, True, job_id="12"), "lost")
+    (tmp_path / "failures" / "rank-00003.json").write_text("{cut")  # a torn file is skipped, never fatal
+    assert [r["rank"] for r in read_failures(tmp_path, "11")] == [0]
+    latest = read_failures(tmp_path)
+    assert [r["rank"] for r in latest] == [1, 2] and read_failures(tmp_path, "12", since=5.5)[0]["rank"] == 2
+    assert Path(latest[0]["traceback"]).read_text().endswith("ValueError: bad on 1\n")
+    assert read_failures(tmp_path / "none") == [] and not list(tmp_path.glob("failures/*.part"))
+
+
+RAISING_RANK = """
+import sys
+from pathlib import Path
+from hpc.observe.probe import Probe
+from hpc.runtime.abort import FailureSite, run_as_rank
+
+def step(probe):
+    probe.set_step(5)
+    raise RuntimeError("deliberate failure on rank 1 at step 5\\nsecond line")
+
+site = FailureSite()
+
+def body():
+    site.run_path = Path(sys.argv[1])
+    step(Probe())
+
+run_as_rank(body, site)
+"""
+
+
+def test_a_failing_rank_records_itself_before_it_exits(tmp_path: Path) -> None:
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "HPC_JOB_ID": "local-1", "SLURMD_NODENAME": "node7"}
+    done = subprocess.run([sys.executable, "-c", RAISING_RANK, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert done.returncode == 1 and "hpc-rank: rank 1: error: deliberate failure" in done.stderr
+    record = json.loads((tmp_path / "failures" / "rank-00001.json").read_text())
+    assert {k: record[k] for k in ("rank", "world_size", "job_id", "host", "step", "type", "message", "peer_lost")} == {
+        "rank": 1, "world_size": 2, "job_id": "local-1", "host": "node7", "step": 5, "type": "RuntimeError",
+        "message": "deliberate failure on rank 1 at step 5", "peer_lost": False}
+    assert "in step\n" in Path(record["traceback"]).read_text()
+
+
+def _hpc(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpc.cli.main", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_hpc_logs_leads_with_the_rank_that_failed_and_the_command_for_its_log(tmp_path: Path) -> None:
+    from slurm.job_registry import JobRecord, Registry, failure_lines
+
+    run = tmp_path / "run"
+    Registry(tmp_path / "home" / "jobs").add(JobRecord("12", "failing", 4, str(run / "slurm"), (str(run),)))
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "12_0_log.out").write_text(f"hpc-rank: rank 0: error: {GLOO_CLOSED}\n")
+    for rank, time, lost in ((0, 2.0, True), (1, 1.0, False), (2, 2.1, True)):
+        write_failure(run, rank, _record(rank, time, lost), "")
+    lead = "job 12: rank 1 (host vm, step 5) failed: ValueError: bad on 1 -- see: hpc logs 12 --rank 1"
+    env = {**os.environ, "HPC_HOME": str(tmp_path / "home")}
+    shown = _hpc(env, "logs", "12")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines()[0] == lead and shown.stdout.splitlines()[-1] == lead
+    assert _hpc(env, "logs", "12", "--rank", "0").stdout == f"hpc-rank: rank 0: error: {GLOO_CLOSED}\n"
+    assert failure_lines(Registry.default(env).recent()) == [lead]
+
+
+def test_sweep_status_names_each_failed_tasks_first_failing_rank(tmp_path: Path) -> None:
+    from slurm.sweep import failure_lines
+
+    tasks = [{"index": i, "run_path": str(tmp_path / f"task-{i:03d}"), "error": "rank 0 exited with code 1"}
+             for i in range(3)]
+    write_failure(Path(tasks[1]["run_path"]), 1, _record(1, 1.0, False, job_id="local-9"), "")
+    local = {"job_id": None, "tasks": tasks}
+    assert failure_lines(local, ["COMPLETED", "FAILED", "FAILED"]) == [
+        f"task 1: rank 1 (host vm, step 5) failed: ValueError: bad on 1 -- see: {tmp_path}/task-001/failures/"
+        "rank-00001.traceback", "task 2: rank 0 exited with code 1"]
+    write_failure(Path(tasks[2]["run_path"]), 0, _record(0, 1.0, False, job_id="40_2"), "")
+    assert failure_lines({"job_id": "40", "tasks": tasks}, ["COMPLETED", "COMPLETED", "FAILED"]) == [
+        "task 2 (job 40_2): rank 0 (host vm, step 5) failed: ValueError: bad on 0 -- see: hpc logs 40_2 --rank 0"]
