@@ -13,7 +13,8 @@ instead of in the optimizer) and ``comm/steps_synchronized``, which decides when
 ``compression_warmup_steps`` end. Under ZeRO stage 1 a rank holds, and so writes, only the
 optimizer state of the parameters it owns; the index still shows each state tensor whole.
 And the attributes ``layout_dp``, ``layout_tp``,
-``layout_pp``, ``layout_ep`` (absent before expert parallelism: 1) and ``job_spec`` (JSON).
+``layout_pp``, ``layout_ep`` (absent before expert parallelism: 1), ``job_spec`` (JSON) and ``loss``, the
+global loss of the last step before the save (absent from older checkpoints; a resume with no steps left reports it).
 
 The data position is the step itself: a batch is a pure function of (seed, step)
 (``jobs.datasets.global_batch_indices``). A rank restores its own RNG and communication
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.checkpoint import Checkpointer, Piece, state
+from hpc.checkpoint.format import read_index
 from hpc.checkpoint.load import load_rank_state, open_checkpoint
 from hpc.checkpoint.state import RNG
 from hpc.config import JobSpec, spec_to_dict
@@ -126,6 +128,7 @@ class TrainingCheckpoints:
     ) -> None:
         self.spec, self.group, self.model, self.optimizer = spec, group, model, optimizer
         self.mesh, self.rank = mesh, dist.get_rank(group)
+        self.resumed_loss: float | None = None  # the resumed checkpoint's last loss, when it recorded one
         self.attrs = {**layout_attrs(mesh, spec.parallel.ep), "job_spec": json.dumps(spec_to_dict(spec))}
         cfg = spec.checkpoint
         self.checkpointer = (
@@ -141,6 +144,8 @@ class TrainingCheckpoints:
         if path is None:
             return 0
         step = restore(path, self.rank, self.model, self.optimizer, self.mesh, self.spec.parallel.ep)
+        loss = read_index(path).attrs.get("loss")
+        self.resumed_loss = None if loss is None else float(loss)
         if self.rank == 0:
             print(f"resumed from {path} at step {step}", flush=True)
         return step
@@ -150,13 +155,14 @@ class TrainingCheckpoints:
         return self.checkpointer is not None and (
             force or done % self.spec.checkpoint.every_steps == 0 or done == self.spec.train.steps)
 
-    def save(self, done: int) -> None:
+    def save(self, done: int, loss: float | None = None) -> None:
         pieces = state_pieces(self.model, self.optimizer, self.mesh.index("tp"), self.mesh.size("tp"))
         if isinstance(self.optimizer, DistributedOptimizerMixin):  # ZeRO-3: each parameter written by its owner
             others = {f"model/{name}" for name, p in self.model.named_parameters()
                       if not self.optimizer.holds_parameter(p)}
             pieces = [piece for piece in pieces if piece.name not in others]
-        self.checkpointer.save(done, pieces, rank_state(self.optimizer), self.attrs)
+        attrs = self.attrs if loss is None else {**self.attrs, "loss": loss}
+        self.checkpointer.save(done, pieces, rank_state(self.optimizer), attrs)
 
     def finalize(self) -> None:
         if self.checkpointer is not None:

@@ -52,7 +52,7 @@ __all__ = ["StepRunner", "TrainResult", "base_learning_rate", "clip_gradients", 
 @dataclass(frozen=True)
 class TrainResult:
     steps: int
-    final_loss: float
+    final_loss: float | None  # the last step's; with no steps left, the resumed checkpoint's (None: not recorded)
     evaluation: Mapping[str, float]  # the workload's end-of-run measures (held_out_loss, held_out_<metric>)
     throughput: float  # ``unit``s per second over the run
     unit: str  # samples, or tokens for integer sequences
@@ -140,7 +140,7 @@ def _train(
     steps = StepRunner(spec, workload, mesh, probe, optimizer)
     checkpoints = TrainingCheckpoints(spec, dist.group.WORLD, mesh, workload.model, steps.optimizer)
     start_step = checkpoints.resume()
-    records = RunRecords(spec, world, workload, progress_mode, start_step)
+    records = RunRecords(spec, world, workload, progress_mode, start_step, checkpoints.resumed_loss)
     if probe.timeline is not None:
         dist.barrier()  # time zero, the same instant on every rank
         probe.timeline.start()
@@ -247,7 +247,8 @@ class StepRunner:
 class RunRecords:
     """What a run reports: the progress line, rank 0's metrics.jsonl, every rank's time totals."""
 
-    def __init__(self, spec: JobSpec, world: World, workload: Workload, progress_mode: str, start_step: int) -> None:
+    def __init__(self, spec: JobSpec, world: World, workload: Workload, progress_mode: str, start_step: int,
+                 loss: float | None = None) -> None:
         self.spec, self.world, self.unit, self.start_step = spec, world, workload.unit, start_step
         is_reporter = world.rank == 0
         self.progress = Progress(spec.train.steps, spec.train.log_every, progress_mode if is_reporter else "off",
@@ -256,7 +257,7 @@ class RunRecords:
         self.totals = dict.fromkeys(RANK_TOTALS, 0.0)
         self.items_per_step = spec.data.batch_size * workload.items_per_sample
         self.throughput = 0.0
-        self.loss = float("nan")
+        self.loss = loss  # the last step's; until one runs, the resumed checkpoint's (None: unknown)
 
     def step_done(self, step: int, outcome: StepOutcome, step_time: float, comm) -> None:
         self.loss = outcome.loss
@@ -295,7 +296,7 @@ def _checkpoint_or_stop(spec: JobSpec, done: int, checkpoints: TrainingCheckpoin
             stop = preemption.agreed(dist.group.WORLD)
     if checkpoints.due(done, force=stop is not None):  # preempted: save now, off schedule
         with probe.span("checkpoint"):
-            checkpoints.save(done)
+            checkpoints.save(done, records.loss)
     if stop is not None:  # the requeued job resumes from this checkpoint
         checkpoints.finalize()
         records.write(probe, done - start_step)

@@ -20,13 +20,23 @@ SUMMARY_MEASURES = {"held_out_loss": "held-out loss {:.4f}", "held_out_accuracy"
 def summary_line(result, world, shape, metrics_path) -> str:
     measures = "".join(f"{form.format(result.evaluation[name])} | " for name, form in SUMMARY_MEASURES.items()
                        if name in result.evaluation)
-    ran = (f"{result.steps} steps" if not result.start_step
-           else f"steps {result.start_step + 1}-{result.steps} (resumed)")
     return (
-        f"summary: {ran} in {result.wall_s:.1f} s | final loss {result.final_loss:.4f} | "
+        f"summary: {_ran_and_loss(result)} | "
         f"{measures}{result.throughput:,.0f} {result.unit}/s | "
         f"{world.size} ranks ({shape}) {world.backend} via {world.info.launcher.value} | metrics {metrics_path}"
     )
+
+
+def _ran_and_loss(result) -> str:
+    """The steps this run took and its final loss; a resume with no steps left reports its checkpoint's loss."""
+    if result.start_step < result.steps:
+        ran = (f"{result.steps} steps" if not result.start_step
+               else f"steps {result.start_step + 1}-{result.steps} (resumed)")
+        return f"{ran} in {result.wall_s:.1f} s | final loss {result.final_loss:.4f}"
+    ran = f"no steps left (resumed at step {result.start_step} of {result.steps}) in {result.wall_s:.1f} s"
+    if result.final_loss is None:
+        return f"{ran} | final loss unknown (the checkpoint predates recording it)"
+    return f"{ran} | final loss {result.final_loss:.4f} (the checkpoint's)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
