@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hpc.rundir import METRICS_FILE, RESULT_FILE
-from hpc.runtime.abort import run_as_rank
+from hpc.runtime.abort import FailureSite, run_as_rank
 
 # The evaluation measures the summary shows (all of them go to result.json): a generalization figure per model.
 SUMMARY_MEASURES = {"held_out_loss": "held-out loss {:.4f}", "held_out_accuracy": "held-out accuracy {:.1%}"}
@@ -44,18 +44,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("spec", help="job spec (TOML)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
+    site = FailureSite()  # a failure records itself in the run directory once train_rank knows it
 
     def train_job() -> int:
         from hpc.runtime import preemption
 
         watcher = preemption.watch(os.environ)  # first: a warning signal during start-up must not kill the rank
         with watcher or contextlib.nullcontext():
-            return train_rank(args.spec, args.overrides, watcher)
+            return train_rank(args.spec, args.overrides, watcher, site)
 
-    return run_as_rank(train_job)
+    return run_as_rank(train_job, site)
 
 
-def train_rank(spec_path: str, overrides: Sequence[str], watcher) -> int:
+def train_rank(spec_path: str, overrides: Sequence[str], watcher, site: FailureSite | None = None) -> int:
     """One rank of the job; PREEMPTED_EXIT when a signal stopped it at a checkpoint (hpc/runtime/preemption.py)."""
     import torch
     import torch.distributed as dist
@@ -69,6 +70,8 @@ def train_rank(spec_path: str, overrides: Sequence[str], watcher) -> int:
 
     spec = load_spec(spec_path, overrides)
     make_run_dir(spec.run_path)
+    if site is not None:
+        site.run_path = spec.run_path
     if "OMP_NUM_THREADS" not in os.environ:  # else torch follows it: the user's, or what our launchers set
         torch.set_num_threads(rank_threads(os.environ))
     world = bootstrap.init(spec.parallel.backend, spec.parallel.init_timeout_s, spec.parallel.timeout_s)
