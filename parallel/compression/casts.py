@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from parallel.compression import kernels
 from parallel.compression.base import Codec, WithErrorFeedback, flatten, ring_bytes, unflatten_into
 from parallel.ring import Transport, ring_allreduce, ring_reduce_scatter
 
@@ -35,19 +36,34 @@ class CastCodec(Codec):
     def wire_ratio(self, dtype: torch.dtype = torch.float32) -> float:
         return self.wire_dtype.itemsize / dtype.itemsize
 
+    # On CUDA a Triton kernel each (``kernels``): the same roundings, one pass over memory.
     def encode(self, chunk: torch.Tensor) -> torch.Tensor:
+        if chunk.dtype == torch.float32 and kernels.available(chunk):
+            payload = self.empty_payload(chunk)
+            if kernels.run(lambda: kernels.cast(chunk, payload)):
+                return payload
         return chunk.to(self.wire_dtype)
 
     def decode(self, payload: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if self._fused(payload, like):
+            return self.decode_into(payload, torch.empty_like(like))
         return payload.to(like.dtype)
 
     # The add and the copy convert as they go: a decoded temporary per 1 MiB segment is a
     # fresh allocation whose page faults cost more than the arithmetic on this VM.
     def add_decoded(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        if self._fused(payload, into) and kernels.run(lambda: kernels.cast(payload, into, add=True)):
+            return into
         return into.add_(payload)
 
     def decode_into(self, payload: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        if self._fused(payload, into) and kernels.run(lambda: kernels.cast(payload, into)):
+            return into
         return into.copy_(payload)
+
+    def _fused(self, payload: torch.Tensor, into: torch.Tensor) -> bool:
+        return (into.dtype == torch.float32 and payload.dtype == self.wire_dtype and payload.numel() == into.numel()
+                and kernels.available(payload, into))
 
     def empty_payload(self, like: torch.Tensor) -> torch.Tensor:
         return torch.empty(like.shape, dtype=self.wire_dtype, device=like.device)

@@ -53,10 +53,14 @@ class PowerSGD:
         rows, cols = shape[0], math.prod(shape[1:])
         return self.rank * (rows + cols) / (rows * cols)
 
-    def initial_q(self, shape: torch.Size, seed: int) -> torch.Tensor:
-        """The same Q on every rank: a seeded Gaussian, as the power iteration's start."""
+    def initial_q(self, shape: torch.Size, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The same Q on every rank: a seeded Gaussian, as the power iteration's start.
+
+        Drawn on the CPU whatever ``device`` (the same values on every device), then moved
+        there once: the first step's only host-to-device copy, none after it.
+        """
         cols = math.prod(shape[1:])
-        return torch.randn(cols, self.rank, generator=torch.Generator().manual_seed(seed))
+        return torch.randn(cols, self.rank, generator=torch.Generator().manual_seed(seed)).to(device)
 
     @staticmethod
     def orthonormalize(p: torch.Tensor) -> torch.Tensor:
@@ -94,7 +98,7 @@ class PowerSGDReducer(WithErrorFeedback):
             matrix = self.codec.matrix(tensors[i]).clone()
             self.feedback.compensate(name, matrix)
             matrices.append(matrix)
-        qs = [self._q(name, m.shape) for name, m in zip(keys, matrices, strict=True)]
+        qs = [self._q(name, m) for name, m in zip(keys, matrices, strict=True)]
         ps = [m @ q for m, q in zip(matrices, qs, strict=True)]
         sent += self._allreduce(ps, transport)
         ps = [self.codec.orthonormalize(p) for p in ps]
@@ -108,10 +112,15 @@ class PowerSGDReducer(WithErrorFeedback):
             tensors[i].copy_((approx / n if average else approx).view_as(tensors[i]))
         return sent
 
-    def _q(self, name: str, shape: torch.Size) -> torch.Tensor:
-        if name not in self.qs:
-            self.qs[name] = self.codec.initial_q(shape, zlib.crc32(name.encode()))
-        return self.qs[name]
+    def _q(self, name: str, matrix: torch.Tensor) -> torch.Tensor:
+        """This matrix's warm start, on the matrix's device (a resumed Q is moved there once)."""
+        q = self.qs.get(name)
+        if q is None:
+            q = self.codec.initial_q(matrix.shape, zlib.crc32(name.encode()), matrix.device)
+        elif q.device != matrix.device:
+            q = q.to(matrix.device)
+        self.qs[name] = q
+        return q
 
     @staticmethod
     def _allreduce(matrices: list[torch.Tensor], transport: Transport) -> int:

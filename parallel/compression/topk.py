@@ -53,10 +53,12 @@ class TopK:
         sample estimates a threshold a little below the k-th largest magnitude; one pass
         keeps the candidates above it, and topk runs on those only (Deep Gradient
         Compression's sampling, made exact). If the estimate was too high the exact topk
-        over everything runs instead.
+        over everything runs instead. On CUDA torch's topk runs at once: the candidates'
+        count (``nonzero``) and the check of it would stop the host for the device at
+        every tensor, and the selection is the same set.
         """
         n, k = flat.numel(), self.k(flat.numel())
-        if n < 1 << 16 or 8 * k > n:
+        if flat.is_cuda or n < 1 << 16 or 8 * k > n:
             return self._exact(flat, plus, k)
         stride = max(1, n // max(8192, 200 * n // k))
         sample = (flat[::stride] if plus is None else flat[::stride] + plus[::stride]).abs()

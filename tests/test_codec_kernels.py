@@ -1,0 +1,196 @@
+"""The ring codecs' fused Triton kernels (``parallel.compression.kernels``) give the torch path's results bit for bit.
+
+On CPU, Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess so that no other test
+sees interpreted kernels) runs the kernels on CPU tensors; skipped without Triton. On a GPU
+(``-m cuda``) every codec's CUDA results equal its CPU results, and top-k and PowerSGD run
+without stopping the host for the device.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel.compression import kernels
+from parallel.compression.casts import CastCodec
+from parallel.compression.int8 import Int8Codec
+from parallel.compression.powersgd import PowerSGDReducer
+from parallel.compression.topk import TopK
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = (1, 255, 256, 1000, 3 * 4096 + 300)  # one value, short blocks, a whole block, several programs, a ragged end
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _gradient(n: int, seed: int) -> torch.Tensor:
+    """Values across magnitudes, and a zero block (its scale is float32's tiny)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 3, n).pow(torch.rand(n, generator=g))
+    x[: min(n, 256)] = 0.0 if n > 512 else x[: min(n, 256)]
+    return x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def check_kernels_on_cpu() -> None:
+    """The kernels, called directly on CPU tensors (under the interpreter), against the torch path."""
+    codec, into_seed = Int8Codec(), 99
+    for n in SIZES:
+        x = _gradient(n, n)
+        expected = codec.encode(x)
+        payload = torch.full_like(expected, 7)
+        scales, values = codec._split(payload, n)
+        kernels.int8_encode(x, scales, values, codec.block)
+        assert torch.equal(payload, expected), f"int8 encode, {n} values"
+        decoded = torch.full_like(x, float("nan"))
+        kernels.int8_decode(scales, values, decoded, codec.block, add=False)
+        assert torch.equal(_bits(decoded), _bits(codec.decode(expected, x))), f"int8 decode, {n} values"
+        into = _gradient(n, into_seed)
+        summed = into.clone()
+        kernels.int8_decode(scales, values, summed, codec.block, add=True)
+        assert torch.equal(_bits(summed), _bits(codec.add_decoded(expected, into.clone()))), f"int8 add, {n}"
+    for name in ("fp16", "bf16"):
+        cast = CastCodec(name)
+        for n in SIZES:
+            x = _gradient(n, n)
+            payload = cast.empty_payload(x)
+            kernels.cast(x, payload)
+            assert torch.equal(_bits(payload), _bits(cast.encode(x))), f"{name} encode, {n} values"
+            decoded = torch.full_like(x, float("nan"))
+            kernels.cast(payload, decoded)
+            assert torch.equal(_bits(decoded), _bits(cast.decode(payload, x))), f"{name} decode, {n} values"
+            into = _gradient(n, into_seed)
+            summed = into.clone()
+            kernels.cast(payload, summed, add=True)
+            assert torch.equal(_bits(summed), _bits(cast.add_decoded(payload, into.clone()))), f"{name} add, {n}"
+
+
+@pytest.mark.skipif(not _triton_importable(), reason="needs triton (its interpreter runs the kernels on CPU)")
+def test_kernels_equal_torch_under_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    code = "from tests.test_codec_kernels import check_kernels_on_cpu; check_kernels_on_cpu(); print('ok')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+
+
+def test_cpu_tensors_stay_on_torch() -> None:
+    """The dispatch: CPU tensors never reach Triton, so the CPU path is unchanged."""
+    assert not kernels.available(torch.zeros(4))
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("name", ["int8", "fp16", "bf16"])
+def test_cuda_ring_codecs_equal_cpu(name: str) -> None:
+    if _triton_importable():
+        assert kernels.available(torch.zeros(4, device="cuda")), "Triton imports but the kernels do not dispatch"
+    codec = Int8Codec() if name == "int8" else CastCodec(name)
+    for n in (*SIZES, 1 << 20, (1 << 22) + 77):
+        x = _gradient(n, n)
+        into = _gradient(n, 5)
+        payload = codec.encode(x)
+        gpu_payload = codec.encode(x.cuda())
+        assert torch.equal(_bits(gpu_payload.cpu()), _bits(payload)), f"{name} encode, {n} values"
+        gpu_decoded = codec.decode_into(gpu_payload, torch.full_like(x, float("nan"), device="cuda"))
+        assert torch.equal(_bits(gpu_decoded.cpu()), _bits(codec.decode(payload, x))), f"{name} decode, {n}"
+        assert torch.equal(_bits(codec.decode(gpu_payload, x.cuda()).cpu()), _bits(gpu_decoded.cpu()))
+        gpu_summed = codec.add_decoded(gpu_payload, into.cuda())
+        assert torch.equal(_bits(gpu_summed.cpu()), _bits(codec.add_decoded(payload, into))), f"{name} add, {n}"
+    assert not kernels._failed, kernels._failed
+
+
+def _synced(steps: dict[str, Callable[[], object]]) -> list[str]:
+    """The names of the steps that made the host wait for the device (torch's sync debug mode)."""
+    synced = []
+    for name, step in steps.items():
+        step()  # once first: compilation and first allocations may synchronize
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        except RuntimeError as exc:
+            synced.append(f"{name}: {exc}")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return synced
+
+
+@pytest.mark.cuda
+@CUDA
+def test_cuda_topk_selects_the_cpu_set_without_host_sync() -> None:
+    topk = TopK(0.01)
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3))
+    residual = torch.randn(1 << 20, generator=torch.Generator().manual_seed(4))
+    expected = topk.top_indices(x.clone(), plus=residual.clone())
+    gx, gres = x.cuda(), residual.cuda()
+    chosen = topk.top_indices(gx.clone(), plus=gres)
+    assert torch.equal(chosen.sort().values.cpu(), expected.sort().values)
+    into = torch.zeros_like(gx)
+    payload = topk.encode(gx.clone())
+    assert _synced({
+        "select": lambda: topk.top_indices(gx.clone(), plus=gres),
+        "pack": lambda: topk.encode(gx.clone()),
+        "add_decoded": lambda: topk.add_decoded(payload, into),
+    }) == []
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@CUDA
+def test_cuda_powersgd_equals_cpu_without_host_sync(one_rank) -> None:
+    from parallel.ring import TorchTransport
+
+    transport = TorchTransport()
+    grads = [torch.randn(256, 128, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    cpu, gpu = PowerSGDReducer(4), PowerSGDReducer(4)
+    cpu.reduce("b", [g.clone() for g in grads], transport, average=False)
+    gpu_grads = [g.cuda() for g in grads]
+    gpu.reduce("b", gpu_grads, transport, average=False)
+    for name, q in cpu.qs.items():
+        assert gpu.qs[name].is_cuda
+        torch.testing.assert_close(gpu.qs[name].cpu(), q, rtol=1e-3, atol=1e-4)  # QR and matmuls differ by rounding
+    assert _synced({"reduce": lambda: gpu.reduce("b", gpu_grads, transport, average=False)}) == []
+
+
+def test_bench_codecs_rows(capsys) -> None:
+    """``hpc bench codecs`` on the CPU: a copy row, then one per codec, with the columns the table prints."""
+    import json
+
+    from hpc.cli.main import main
+    from jobs.bench.codecs import CODECS, COLUMNS, format_table
+
+    assert main(["bench", "codecs", "--sizes", "64K", "--iters", "1", "--warmup", "0", "--device", "cpu",
+                 "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["codec"] for r in rows] == ["copy", *CODECS]
+    assert all(tuple(r) == COLUMNS and r["bytes"] == 64 << 10 and r["GBps"] > 0 for r in rows)
+    assert rows[0]["vs_copy"] == 1.0 and rows[CODECS.index("topk") + 1]["decode_ms"] is None
+    assert len(format_table(rows).splitlines()) == len(rows) + 1
+    assert main(["bench", "codecs", "--codecs", "int4"]) == 2
