@@ -53,6 +53,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     _add_memory_parser(kinds)
     _add_train_parser(kinds)
     _add_alltoall_parser(kinds)
+    _add_codecs_parser(kinds)
 
 
 def _launch_options(bench: argparse.ArgumentParser) -> None:
@@ -89,6 +90,39 @@ def cmd_bench_alltoall(args: argparse.Namespace) -> int:
     options = ["--sizes", ",".join(map(str, sizes)), "--iters", str(args.iters),
                "--transports", _transports(args.transports, launcher)]
     rows = launch.launch_for_rows(args.nprocs, launcher, _bench_rank_argv("alltoall", options))
+    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    return 0
+
+
+def _add_codecs_parser(kinds: argparse._SubParsersAction) -> None:
+    bench = kinds.add_parser(
+        "codecs", help="one device's encode and decode of each codec against a copy of the same tensor (in process)"
+    )
+    bench.add_argument("--sizes", default="64M,256M", help="bytes of float32 input (default %(default)s)")
+    bench.add_argument("--codecs", default="fp16,bf16,int8,topk,powersgd", help="(default %(default)s)")
+    bench.add_argument("--iters", type=int, default=20, help="timed runs per op; the median (default 20)")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
+    bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="auto is cuda where a GPU is visible (default %(default)s)")
+    bench.add_argument("--json", action="store_true", help="one JSON object per row")
+    bench.set_defaults(handler=cmd_bench_codecs)
+
+
+def cmd_bench_codecs(args: argparse.Namespace) -> int:
+    from hpc.errors import ConfigError
+    from hpc.text import parse_size
+    from jobs.bench.codecs import CODECS, bench_codecs, format_table
+
+    try:
+        sizes = [parse_size(size) for size in args.sizes.split(",")]
+    except ValueError as exc:
+        raise ConfigError(f"--sizes: {exc}") from None
+    unknown = set(args.codecs.split(",")) - set(CODECS)
+    if unknown or args.iters < 1 or args.warmup < 0:
+        raise ConfigError(f"--codecs takes {', '.join(CODECS)} (unknown: {', '.join(sorted(unknown)) or 'none'}); "
+                          "--iters must be at least 1, --warmup at least 0")
+    rows = bench_codecs(sizes, args.codecs.split(","), args.iters, args.warmup,
+                        None if args.device == "auto" else args.device)
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
     return 0
 
