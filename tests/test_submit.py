@@ -386,7 +386,10 @@ def test_a_failing_array_task_is_reported_failed_while_the_others_complete(submi
     assert shown.returncode == 1  # scripts notice
     lines = shown.stdout.splitlines()
     assert lines[0] == f"sweep failing (job array {job}): 1 completed, 1 failed"
-    assert [line.split()[:3] for line in lines[2:]] == [["0", "COMPLETED", "0.1"], ["1", "FAILED", "!"]]
+    assert [line.split()[:3] for line in lines[2:4]] == [["0", "COMPLETED", "0.1"], ["1", "FAILED", "!"]]
+    assert lines[4:] == [f"task 1 (job {job}_1): rank 0 (host {submitted.node}) failed: CheckpointError: "
+                         "checkpoint.resume=/no/such/checkpoint: no complete checkpoint there -- see: "
+                         f"hpc logs {job}_1 --rank 0"]  # which rank of the task failed, and why
     log = (directory / "slurm" / f"{job}_1_0_log.out").read_text()
     assert "hpc-rank: rank 0: error: " in log and "/no/such/checkpoint" in log
     assert (directory / "task-000" / "result.json").exists() and not (directory / "task-001" / "result.json").exists()

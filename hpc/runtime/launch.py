@@ -259,10 +259,8 @@ def run_local(commands: Sequence[RankCommand]) -> None:
     if failure is not None:
         rank, code = failure
         others = len(commands) - 1
-        raise RankFailedError(
-            f"rank {rank} {describe_exit(code)}; stopped the other {others} rank{'s' * (others != 1)}",
-            exit_code=code if code > 0 else 128 - code,
-        )
+        stopped = f"; stopped the other {others} rank{'s' * (others != 1)}" if others else ""
+        raise RankFailedError(f"rank {rank} {describe_exit(code)}{stopped}", exit_code=code if code > 0 else 128 - code)
 
 
 def run_mpirun(command: Sequence[str], env: Mapping[str, str] | None = None) -> None:
