@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,7 +186,10 @@ def test_local_executor_runs_every_config_and_marks_the_failed_one(tmp_path: Pat
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per rank, as the reference
     done = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
     assert done.returncode == 1, done.stderr  # a failed task makes the sweep fail
-    assert "task 1 failed: rank 0 exited with code 1" in done.stderr
+    cause = "failed: CheckpointError: checkpoint.resume=/no/such/checkpoint: no complete checkpoint there"
+    traceback = runs / "one-fails" / "task-001" / "failures" / "rank-00000.traceback"
+    assert re.search(rf"task 1 failed: rank 0 \(host \S+\) {cause} \(traceback: {traceback}\); rank 0 exited with "
+                     "code 1\n", done.stderr), done.stderr
     manifest = read_manifest(runs / "one-fails")
     assert [(t.get("state"), t["params"]["checkpoint.resume"]) for t in manifest["tasks"]] == [
         ("COMPLETED", "auto"), ("FAILED", "/no/such/checkpoint")]
@@ -196,6 +200,7 @@ def test_local_executor_runs_every_config_and_marks_the_failed_one(tmp_path: Pat
     table = done.stdout[done.stdout.index("sweep one-fails (local ranks): 1 completed, 1 failed"):].splitlines()
     assert table[1].split() == ["TASK", "STATE", "train.lr", "checkpoint.resume", "STEP", "LOSS", "final_loss", "(min)"]
     assert table[2].split()[:2] == ["0", "COMPLETED"] and table[3].split()[:3] == ["1", "FAILED", "!"]
+    assert re.fullmatch(rf"task 1: rank 0 \(host \S+\) {cause} -- see: {traceback}", table[4]), table
 
 
 # --- input limits (issue 16) -----------------------------------------------------------------------------
