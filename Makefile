@@ -14,7 +14,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 export OMP_NUM_THREADS := 1
 
-.PHONY: install debs run test lint bench slurm-up slurm-up-2nodes slurm-down submit-demo
+.PHONY: install debs run test lint bench bench-gpu slurm-up slurm-up-2nodes slurm-down submit-demo
 
 install: debs $(STAMPS)/pip
 
@@ -45,6 +45,12 @@ bench: install
 	hpc bench pipeline --stages 2,4 --microbatches 4,8
 	hpc bench checkpoint -n 2 --size 1G --iters 3
 	hpc bench memory -n 2,4
+
+# On a GPU machine, from the checkout, installing nothing (jobs/bench/gpu.py): our trainer against a
+# hand-written transformers loop, the codecs against a device copy, the async checkpoint's stall, DP on
+# one shared GPU. Rows go to runs/bench-gpu/rows.jsonl; docs/BENCHMARKS.md keeps the card and the table.
+bench-gpu:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m jobs.bench.gpu
 
 # A real local Slurm (slurm/testbed/cluster.py, state in /tmp/hpc-slurm); point clients at it with
 # eval $$($(PYTHON) -m slurm.testbed.cluster env). slurm-up-2nodes: two network-namespace nodes.

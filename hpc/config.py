@@ -170,6 +170,8 @@ class TrainConfig:
            "(linear scaling, Goyal et al. 2017); 0 = off", min=0)
     bf16_autocast: bool = _field(False, "forward (loss excluded) under torch.autocast with bfloat16")
     activation_checkpointing: bool = _field(False, "recompute each GPT block's activations in backward")
+    compile: bool = _field(False, "torch.compile each layer of this rank's stages (each transformer block, the "
+                                  "embedding, the head; a model with no pipeline parts whole), as torchtitan does")
     timeline: bool = _field(False, "Chrome-trace spans of every rank in <run_path>/timeline.json (hpc/observe)")
     stall_warn_s: float = _field(
         60.0, "a rank waiting this long in a collective or pipeline receive reports who has not arrived", gt=0)
@@ -196,8 +198,11 @@ class ParallelConfig:
     schedule: Literal["gpipe", "1f1b", "interleaved"] = _field(
         "1f1b", "the pipeline schedule (parallel/schedule.py)")
     virtual_stages: int = _field(1, "model chunks per pipeline rank (interleaved only)", min=1)
-    backend: Literal["auto", "gloo", "nccl"] = _field("auto", "torch.distributed backend; auto: NCCL with CUDA, "
-                                                             "else Gloo")
+    backend: Literal["auto", "gloo", "nccl"] = _field("auto", "torch.distributed backend; auto: NCCL when the device "
+                                                             "is a GPU, else Gloo; gloo with device cuda lets several "
+                                                             "ranks share one GPU")
+    device: Literal["auto", "cpu", "cuda"] = _field("auto", "where each rank computes: auto is its GPU when CUDA is "
+                                                           "present (local rank modulo the GPUs), else the CPU")
     compression: Literal[CodecName] = _field(
         "none", "the gradient codec inside the ring, with error feedback (README: gradient compression)")
     topk_fraction: float = _field(0.01, "topk: the fraction of each gradient's entries sent", gt=0, max=1)

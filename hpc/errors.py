@@ -45,3 +45,7 @@ class RankFailedError(HpcError):
     def __init__(self, message: str, exit_code: int = 1, **context: object) -> None:
         super().__init__(message, **context)
         self.exit_code = exit_code
+
+
+class DeviceOutOfMemoryError(HpcError):
+    """A rank ran out of GPU memory; the message says how much was held and what to try."""

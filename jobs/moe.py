@@ -154,20 +154,23 @@ class MoEStats:
         self.reset()
 
     def reset(self) -> None:
-        self.tokens = torch.zeros(self.n_experts, dtype=torch.float64)
-        self.routed, self.aux_sum, self.calls = 0.0, 0.0, 0.0
+        self.tokens: torch.Tensor | None = None  # on the device of the routed tokens: no host sync per forward
+        self.aux_sum: torch.Tensor | float = 0.0
+        self.routed, self.calls = 0.0, 0.0
 
     def add(self, expert_ids: torch.Tensor, routed: int, aux: torch.Tensor) -> None:
-        self.tokens += torch.bincount(expert_ids.detach(), minlength=self.n_experts).double()
+        counts = torch.bincount(expert_ids.detach(), minlength=self.n_experts).double()
+        self.tokens = counts if self.tokens is None else self.tokens + counts
         self.routed += routed
-        self.aux_sum += float(aux)
+        self.aux_sum = aux.detach().double() + self.aux_sum
         self.calls += 1
 
     def vector(self) -> torch.Tensor:
-        """``[kept tokens per expert..., dropped, routed, aux sum, forward calls]`` in float64."""
-        dropped = self.routed - float(self.tokens.sum())
-        return torch.cat([self.tokens, torch.tensor([dropped, self.routed, self.aux_sum, self.calls],
-                                                    dtype=torch.float64)])
+        """``[kept tokens per expert..., dropped, routed, aux sum, forward calls]`` in float64, on the host."""
+        tokens = self.tokens.cpu() if self.tokens is not None else torch.zeros(self.n_experts, dtype=torch.float64)
+        dropped = self.routed - float(tokens.sum())
+        return torch.cat([tokens, torch.tensor([dropped, self.routed, float(self.aux_sum), self.calls],
+                                               dtype=torch.float64)])
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:

@@ -37,6 +37,8 @@ def build_optimizer(
         return torch.optim.SGD(
             params, lr=train_cfg.lr, momentum=train_cfg.momentum, weight_decay=train_cfg.weight_decay
         )
+    # torch's fused kernels (one launch for every tensor) where they exist: CUDA, float parameters
+    fused = {"fused": True} if params and all(p.is_cuda and p.is_floating_point() for p in params) else {}
     if train_cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
+        return torch.optim.Adam(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, **fused)
+    return torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, **fused)

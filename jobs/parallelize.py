@@ -86,6 +86,12 @@ class Stage(nn.Module):
         self.bf16_autocast = bf16_autocast
         self.recompute = {id(layer) for layer in recompute}
 
+    def compile_layers(self) -> None:
+        """``torch.compile`` each layer in place (``nn.Module.compile``: names, parameters and checkpoints stay
+        the module's): one graph per block, reused by every block of the same shape."""
+        for layer in self.layers:
+            layer.compile()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast):
             for layer in self.layers:

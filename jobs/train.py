@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from hpc.config import JobSpec, TrainConfig
+from hpc.errors import DeviceOutOfMemoryError, LayoutError
 from hpc.observe.health import check_mesh
-from hpc.observe.metrics import RANK_TOTALS, MetricsLog, peak_memory_bytes, write_rank_totals
+from hpc.observe.metrics import RANK_TOTALS, MetricsLog, device_peak_flops, peak_memory_bytes, write_rank_totals
 from hpc.observe.probe import Probe
 from hpc.observe.progress import Progress
 from hpc.observe.stall import StallWatch
@@ -32,6 +33,7 @@ from hpc.observe.timeline import Timeline, merge_rank_files
 from hpc.rundir import METRICS_FILE
 from hpc.runtime.bootstrap import World
 from hpc.runtime.mesh import Mesh
+from hpc.runtime.placement import out_of_memory
 from hpc.runtime.preemption import Preempted, Preemption
 from jobs.checkpointing import TrainingCheckpoints
 from jobs.layout import check_job_layout, uses_pipeline
@@ -41,9 +43,9 @@ from parallel.clip import clip_grad_norm_
 from parallel.compression.registry import make_reducer
 from parallel.ep import ExpertGroups, reduce_expert_gradients
 from parallel.optimizer import distributed_optimizer
-from parallel.pipeline import run_pipeline_step
+from parallel.pipeline import lookahead_for, run_pipeline_step
 from parallel.ring import Transport, make_transport
-from parallel.schedule import Action, build_schedule
+from parallel.schedule import Action, build_schedule, matches_in_order
 from parallel.tensor_parallel import tp_split_dims
 
 __all__ = ["StepRunner", "TrainResult", "base_learning_rate", "clip_gradients", "forward_backward", "train"]
@@ -58,6 +60,8 @@ class TrainResult:
     unit: str  # samples, or tokens for integer sequences
     wall_s: float
     start_step: int = 0  # the step a resume started from; 0 for a fresh run
+    mfu: float | None = None  # model FLOPs utilization over the run; None where the device's peak is unknown
+    peak_memory_bytes: int = 0  # this rank's: the CUDA allocator's peak on a GPU, else the resident set's
 
 
 def base_learning_rate(cfg: TrainConfig, global_batch: int) -> float:
@@ -86,6 +90,7 @@ def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float, optimize
 def forward_backward(
     workload: Workload, actions: list[Action] | None, pp: Transport,
     inputs: torch.Tensor, targets: torch.Tensor, microbatches: int, probe: Probe | None = None,
+    lookahead: int = 4,
 ) -> tuple[float | None, float]:
     """Accumulate this step's gradients; ``pp`` carries the pipeline's messages over its group. Returns the
     replica's mean loss on its last pipeline stage (else None) and the seconds spent waiting for pipeline messages."""
@@ -99,7 +104,7 @@ def forward_backward(
     stats = run_pipeline_step(
         actions, workload.chunks, pp.group, activation_shape=workload.activation_shape(len(inputs) // microbatches),
         loss_fn=workload.loss, inputs=inputs.chunk(microbatches), targets=targets.chunk(microbatches), probe=probe,
-        transport=pp,
+        transport=pp, device=workload.device, lookahead=lookahead,
     )
     return stats.loss, max(0.0, stats.wall_s - stats.forward_s - stats.backward_s)
 
@@ -153,19 +158,24 @@ def _train(
             _checkpoint_or_stop(spec, step + 1, checkpoints, preemption, probe, records, start_step)
         checkpoints.finalize()
         steps.optimizer.unshard()  # ZeRO-3: the model whole again for evaluation and the caller
+    except torch.OutOfMemoryError:
+        raise DeviceOutOfMemoryError(out_of_memory(mesh.device, world.rank, socket.gethostname())) from None
     finally:
         steps.optimizer.close()
         records.close()
     wall = time.perf_counter() - started
     records.write(probe, spec.train.steps - start_step)
+    throughput = (spec.train.steps - start_step) * records.items_per_step / wall
     result = TrainResult(
         steps=spec.train.steps,
         final_loss=records.loss,
         evaluation=workload.evaluate(),
-        throughput=(spec.train.steps - start_step) * records.items_per_step / wall,
+        throughput=throughput,
         unit=workload.unit,
         wall_s=wall,
         start_step=start_step,
+        mfu=records.mfu(throughput),
+        peak_memory_bytes=peak_memory_bytes(world.device),
     )
     return result, workload.model
 
@@ -212,7 +222,12 @@ class StepRunner:
         self.base_lr = base_learning_rate(spec.train, spec.data.batch_size)
         schedule = build_schedule(self.par.schedule, mesh.size("pp"), self.par.microbatches, self.par.virtual_stages)
         self.actions = schedule[mesh.index("pp")] if uses_pipeline(self.par) else None
-        self.pp = make_transport(self.par.transport, mesh.group("pp"))
+        self.pp = workload.pp_transport
+        self.lookahead = lookahead_for(self.pp, mesh.device)
+        if self.lookahead == 0 and self.actions is not None and not matches_in_order(schedule):
+            raise LayoutError(f"parallel.schedule={self.par.schedule!r} with pp={mesh.size('pp')} receives messages "
+                              "in another order than they are sent, which NCCL cannot match (it ignores tags): "
+                              "use pp >= 4 for interleaved, or the 1f1b schedule", rank=mesh.rank)
         dp = mesh.members["dp"] if self.par.zero >= 2 else ()
         experts = workload.expert_groups.ep_members if workload.expert_groups else ()
         self.grad_norm_peers = sorted({*mesh.members["tp"], *mesh.members["pp"], *dp, *experts})
@@ -228,7 +243,7 @@ class StepRunner:
             inputs, targets = self.workload.batch(step)
         optimizer.zero_grad(set_to_none=True)
         loss, pipeline_wait = forward_backward(self.workload, self.actions, self.pp, inputs, targets,
-                                               self.par.microbatches, probe)
+                                               self.par.microbatches, probe, self.lookahead)
         optimizer.synchronize()
         groups = self.workload.expert_groups
         if groups is not None:
@@ -257,6 +272,8 @@ class RunRecords:
         self.totals = dict.fromkeys(RANK_TOTALS, 0.0)
         self.items_per_step = spec.data.batch_size * workload.items_per_sample
         self.throughput = 0.0
+        self.flops_per_item = workload.flops_per_item
+        self.peak_flops = device_peak_flops(world.device, spec.train.bf16_autocast)
         self.loss = loss  # the last step's; until one runs, the resumed checkpoint's (None: unknown)
 
     def step_done(self, step: int, outcome: StepOutcome, step_time: float, comm) -> None:
@@ -275,8 +292,15 @@ class RunRecords:
                  f"{self.unit}_per_s": rate, **timings,
                  "comm_bytes": comm.bytes_sent, "raw_bytes": comm.raw_bytes,
                  "compression_ratio": comm.raw_bytes / comm.bytes_sent if comm.bytes_sent else None,
-                 "peak_memory_bytes": peak_memory_bytes(self.world.device), **outcome.moe}
+                 "peak_memory_bytes": peak_memory_bytes(self.world.device), "mfu": self.mfu(rate), **outcome.moe}
             )
+
+    def mfu(self, items_per_s: float) -> float | None:
+        """Model FLOPs utilization at a global rate: the model's FLOPs over every rank's device peak (ranks
+        sharing a GPU count once each); None where the device's peak is unknown (a CPU)."""
+        if self.peak_flops is None:
+            return None
+        return items_per_s * self.flops_per_item / (self.peak_flops * self.world.size)
 
     def write(self, probe: Probe, steps: int) -> None:
         write_run_records(self.spec, self.world, probe, self.totals, steps)

@@ -27,6 +27,7 @@ from jobs.moe import expert_parameters, moe_layers
 from jobs.parallelize import Stage, keep_stages, parallelize_ep, parallelize_tp
 from jobs.protocol import DataSplits, build_data, build_model, tp_plan
 from parallel.ep import ExpertGroups, build_expert_groups
+from parallel.ring import TorchTransport, Transport, make_transport
 
 EVAL_SAMPLES = 256  # held-out samples evaluated, spread evenly over the whole held-out set
 
@@ -60,12 +61,14 @@ class Workload:
         model = build_model(spec)  # seeded: the same full model on every rank
         sample_inputs, _ = fetch(self.data.train, [0])
         self.unit, self.items_per_sample = _unit(sample_inputs)
+        self.flops_per_item = model_flops_per_item(model, sample_inputs, self.unit)
         self.hidden_shape = _hidden_shape(model, sample_inputs) if self._cut() else ()
         self.tp_group = mesh.group("tp") if mesh.size("tp") > 1 else None
         self.split_output = parallelize_tp(model, tp_plan(model, spec), self.tp_group) if self.tp_group else False
         train, par = spec.train, spec.parallel
         self.moe_names = [name for name, _ in moe_layers(model)]  # every MoE layer, before the pipeline cut
         self.moe_experts = max((layer.n_experts for _, layer in moe_layers(model)), default=0)
+        self.pp_transport = make_transport(par.transport, mesh.group("pp"))
         self.expert_groups: ExpertGroups | None = (
             build_expert_groups(mesh, par.ep, par.transport) if par.ep > 1 else None)
         parallelize_ep(model, self.expert_groups, par.microbatches,
@@ -75,6 +78,11 @@ class Workload:
         else:
             self.chunks = keep_stages(model, mesh.size("pp"), mesh.index("pp"), par.virtual_stages,
                                       train.bf16_autocast, train.activation_checkpointing)
+        if train.compile:
+            for chunk in self.chunks:
+                chunk.compile_layers()
+        self.device = mesh.device
+        model.to(self.device)  # this rank's share only: built on the host, the rest dropped above
         self.model: nn.Module = model  # this rank's share, with the single-device parameter names
         # sharded experts: their gradients are reduced over their replicas, not the DP group (parallel/ep.py)
         self.expert_params = expert_parameters(model) if self.expert_groups else []
@@ -86,7 +94,7 @@ class Workload:
         if not self.moe_names:
             return {}
         width = self.moe_experts + 4
-        totals = torch.zeros(len(self.moe_names), width, dtype=torch.float64)
+        totals = torch.zeros(len(self.moe_names), width, dtype=torch.float64, device=self.device)
         for name, layer in moe_layers(self.model):  # this rank's stages
             row, index = layer.stats.vector(), self.moe_names.index(name)
             layer.stats.reset()
@@ -111,7 +119,8 @@ class Workload:
         sampler = getattr(train, "batch_indices", None)
         indices = (sampler(step, cfg.data.batch_size, cfg.job.seed) if sampler is not None
                    else global_batch_indices(len(train), cfg.data.batch_size, cfg.job.seed, step))
-        return fetch(train, dp_shard(np.asarray(indices), self.mesh.index("dp"), self.mesh.size("dp")))
+        inputs, targets = fetch(train, dp_shard(np.asarray(indices), self.mesh.index("dp"), self.mesh.size("dp")))
+        return to_device(inputs, self.device), to_device(targets, self.device)
 
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss of a (micro)batch from the last stage's output."""
@@ -135,11 +144,11 @@ class Workload:
             local = picks[:1]
         sums: dict[str, float] = {}
         if len(local):  # the same on every TP and PP rank of this replica, so their collectives match
-            inputs, targets = fetch(held_out, local)
+            inputs, targets = (to_device(t, self.device) for t in fetch(held_out, local))
             self.model.eval()
             with torch.no_grad():
                 output = forward_through_stages(self.chunks, self.mesh.group("pp"), inputs,
-                                                self.activation_shape(len(local)))
+                                                self.activation_shape(len(local)), self.pp_transport)
                 if output is not None:  # every TP rank: a loss on vocabulary-split logits is collective
                     measures = self._measures(output, targets, len(local))
                     sums = measures if self.mesh.index("tp") == 0 and counted else {}
@@ -153,6 +162,19 @@ class Workload:
         if metrics is not None:
             sums.update({f"held_out_{name}": value * count for name, value in metrics(output, targets).items()})
         return sums
+
+
+def model_flops_per_item(model: nn.Module, sample_inputs: torch.Tensor, unit: str) -> float:
+    """Training FLOPs per token (or sample) of the whole model, what MFU counts: 6 per parameter (2 forward,
+    4 backward) plus attention's 12 L s h per token where the model tells its depth L and width h (a
+    transformers config, or ``n_layers``/``d_model``), as PaLM's appendix B counts them."""
+    flops = 6.0 * sum(p.numel() for p in model.parameters())
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(model, "n_layers", None)
+    width = getattr(config, "hidden_size", None) or getattr(model, "d_model", None)
+    if unit == "tokens" and layers and width:
+        flops += 12.0 * layers * sample_inputs.shape[-1] * width
+    return flops
 
 
 def _hidden_shape(model: nn.Module, sample_inputs: torch.Tensor) -> tuple[int, ...]:
@@ -180,21 +202,31 @@ def _mean_over_reports(sums: dict[str, float]) -> dict[str, float]:
 
 
 def forward_through_stages(
-    chunks: Sequence[nn.Module], group: dist.ProcessGroup, inputs: torch.Tensor, activation_shape: Sequence[int]
+    chunks: Sequence[nn.Module], group: dist.ProcessGroup, inputs: torch.Tensor, activation_shape: Sequence[int],
+    transport: Transport | None = None,
 ) -> torch.Tensor | None:
     """Forward only, stage after stage (no microbatches, no backward): the last stage's output on
-    the rank that holds it, None elsewhere. For evaluation, where a schedule would buy nothing."""
+    the rank that holds it, None elsewhere. For evaluation, where a schedule would buy nothing.
+    Messages go through ``transport`` (the pipeline's; default torch.distributed's), on the inputs' device."""
+    transport = transport or TorchTransport(group)
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     last = p * len(chunks) - 1
     x = inputs
     for stage in range(rank, last + 1, p):
         if stage > 0 and p > 1:
-            x = torch.empty(tuple(activation_shape))
-            dist.recv(x, group=group, group_src=(stage - 1) % p)
+            x = torch.empty(tuple(activation_shape), device=inputs.device)
+            transport.recv(x, (stage - 1) % p).wait()
         x = chunks[stage // p](x)
         if stage < last and p > 1:
-            dist.send(x.contiguous(), group=group, group_dst=(stage + 1) % p)
+            transport.send(x.contiguous(), (stage + 1) % p).wait()
     return x if rank == last % p else None
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch onto the rank's device; from pinned memory the copy overlaps whatever the GPU is doing."""
+    if tensor.device == device:
+        return tensor
+    return tensor.to(device, non_blocking=tensor.is_pinned())
 
 
 def sum_over_replicas(values: Sequence[float], mesh: Mesh) -> list[float]:
@@ -204,6 +236,6 @@ def sum_over_replicas(values: Sequence[float], mesh: Mesh) -> list[float]:
     stage with TP index 0 contribute (their TP peers hold the same numbers).
     """
     reports = mesh.index("pp") == mesh.size("pp") - 1 and mesh.index("tp") == 0
-    totals = torch.tensor(values if reports else [0.0] * len(values), dtype=torch.float64)
+    totals = torch.tensor(values if reports else [0.0] * len(values), dtype=torch.float64, device=mesh.device)
     dist.all_reduce(totals)
     return totals.tolist()

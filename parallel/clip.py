@@ -35,8 +35,10 @@ def clip_grad_norm_(
     (each part of the model counted by exactly one rank across ``groups``); all of
     ``parameters`` are scaled. Collective over each group of ``groups`` with more than one rank.
     """
+    parameters = list(parameters)
     grads = [p.grad for p in counted if p.grad is not None]
-    local = get_total_norm(grads) if grads else torch.zeros(())
+    device = parameters[0].device if parameters else None
+    local = get_total_norm(grads) if grads else torch.zeros((), device=device)
     shared = [group for group in groups if dist.get_world_size(group) > 1]
     if shared:
         squares = local.double().square()
@@ -46,5 +48,5 @@ def clip_grad_norm_(
     else:
         total = local
     if math.isfinite(max_norm):  # inf: measure the norm only (for metrics)
-        clip_grads_with_norm_(list(parameters), max_norm, total)
+        clip_grads_with_norm_(parameters, max_norm, total)
     return total.item()

@@ -151,7 +151,8 @@ def _padded_exchange(x: torch.Tensor, counts: torch.Tensor, send: list[int], max
     n, h = counts.shape
     unit = next(dtype for dtype in (torch.int64, torch.int32, torch.uint8) if row_bytes % dtype.itemsize == 0)
     header_rows = -(-8 * h // row_bytes)
-    message = torch.empty(n, header_rows + max_rows, row_bytes // unit.itemsize, dtype=unit)  # padding: any
+    message = torch.empty(n, header_rows + max_rows, row_bytes // unit.itemsize, dtype=unit,  # padding: any
+                          device=x.device)
     headers = message[:, :header_rows].view(torch.uint8).view(n, header_rows * row_bytes)[:, :8 * h]
     headers.copy_(counts.view(torch.uint8))
     data = x.contiguous().view(len(x), row_bytes // x.element_size()).view(torch.uint8).view(unit)
@@ -205,7 +206,7 @@ def all_to_all(x: torch.Tensor, send: Sequence[int], group: ProcessGroup, max_ro
     rank passes the same ``max_rows`` (at least any split) and the padded exchange is small: then one round.
     ``transport`` (over ``group``): point-to-point instead of torch's collective."""
     send = [int(n) for n in send]
-    counts = torch.tensor(send, dtype=torch.int64).view(-1, 1)
+    counts = torch.tensor(send, dtype=torch.int64, device=x.device).view(-1, 1)
     if torch.is_grad_enabled() and x.requires_grad:
         rows, received = Dispatch.apply(x, counts, send, group, max_rows, transport)
         return rows, received.view(-1).tolist()
@@ -219,12 +220,14 @@ def _apply(experts: Sequence[nn.Module], x: torch.Tensor, counts: Sequence[int])
 
 
 def _expert_major(counts: torch.Tensor) -> torch.Tensor:
-    """The row order grouping received rows ``[source, local expert]`` (``counts``) by expert, then source."""
+    """The row order grouping received rows ``[source, local expert]`` (``counts``) by expert, then source;
+    worked out on the host (a few numbers per peer), returned on ``counts``' device."""
+    device, counts = counts.device, counts.cpu()
     starts = torch.cumsum(counts.flatten(), 0) - counts.flatten()
     starts = starts.view_as(counts)
     pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e]))
               for e in range(counts.shape[1]) for s in range(counts.shape[0])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    return (torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)).to(device)
 
 
 def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, experts: Sequence[nn.Module],

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.observe.probe import Probe
+from hpc.runtime.placement import CommStream
 from parallel.compression.base import Reducer
 from parallel.compression.registry import make_reducer
 from parallel.ring import Transport
@@ -138,12 +139,14 @@ class DistributedOptimizerMixin:
         self.buckets = make_buckets(list(reversed(params)), bucket_bytes)
         self._bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         # ZeRO-2/3 drop the gradients others own: their buckets are not kept whole
-        self._views = BucketViews(self.buckets) if bucket_views and zero < 2 else None
+        # alone, nothing is reduced: plain gradients, freed by zero_grad as a single-device loop frees them
+        self._views = BucketViews(self.buckets) if bucket_views and zero < 2 and not self._alone else None
         self._passes = dict.fromkeys(params, 0)
         self._next_launch = 0
         self._futures: list[Future] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpc-dp-comm") if overlap else None
         self._skip_sync = False
+        self._stream = CommStream(params[0].device if params else torch.device("cpu"))
         self.stats = CommStats()
         self._pending_stats = CommStats()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
@@ -176,12 +179,17 @@ class DistributedOptimizerMixin:
         self._pending_stats.launch_times.append(time.perf_counter())
         if self._executor is None:
             started = time.perf_counter()
-            self._reduce(bucket)
+            self._reduce(bucket, self._stream.ready())
             self._pending_stats.wait_seconds += time.perf_counter() - started
         else:
-            self._futures.append(self._executor.submit(self._reduce, bucket))
+            self._futures.append(self._executor.submit(self._reduce, bucket, self._stream.ready()))
 
-    def _reduce(self, bucket: Bucket) -> None:
+    def _reduce(self, bucket: Bucket, ready: object | None = None) -> None:
+        """Reduce a bucket on the communication stream, once the event ``ready`` (its last gradient) passed."""
+        with self._stream.after(ready):
+            self._reduce_now(bucket)
+
+    def _reduce_now(self, bucket: Bucket) -> None:
         started = time.perf_counter()
         grads = []
         for param in bucket.params:
@@ -232,6 +240,7 @@ class DistributedOptimizerMixin:
                 for future in futures:
                     future.result()
             self._pending_stats.wait_seconds += time.perf_counter() - started
+        self._stream.join()
         for bucket in self.buckets:
             bucket.ready = 0
         self._passes = dict.fromkeys(self._passes, 0)

@@ -14,7 +14,8 @@ receive allocates its buffer without a shape exchange. Messages travel as isend/
 through a ``parallel.ring`` transport of the pipeline group (torch.distributed by default,
 or MPI), tagged by the message they carry. The schedule's next ``lookahead`` receives are
 always posted, so a message lands while this rank computes and its sender never waits for
-us to ask for it; sends and receives due between two computes are queued and posted as one
+us to ask for it (NCCL: ``lookahead=0``, each receive posted when due, see ``lookahead_for``);
+sends and receives due between two computes are queued and posted as one
 batch right before the next compute or wait (one ``batch_isend_irecv`` launch where the
 backend coalesces, NCCL), so a send never holds up the next compute; sends are awaited only
 at the end of the step. Nothing is copied: a stage's
@@ -37,6 +38,7 @@ from torch.distributed import ProcessGroup
 
 from hpc.errors import LayoutError
 from hpc.observe.probe import Probe
+from hpc.runtime.placement import carries_cuda
 from parallel.ring import Pending, PointToPoint, TorchTransport, Transport
 from parallel.schedule import Action, Message, stage_bounds
 
@@ -54,6 +56,16 @@ def split_into_stages(layers: Sequence[nn.Module], p: int, v: int = 1) -> list[l
     """Cut the blocks into p*v contiguous chunks; ``result[rank][k]`` is chunk k*p + rank (Megatron's order)."""
     chunks = [nn.Sequential(*layers[start:stop]) for start, stop in stage_bounds(len(layers), p, v)]
     return [chunks[rank::p] for rank in range(p)]
+
+
+def lookahead_for(transport: Transport, device: torch.device) -> int:
+    """How many receives to keep posted ahead. NCCL runs a posted receive as a kernel that holds its
+    communicator's stream until the message comes, so a later send to the same peer would wait behind it
+    (a deadlock when the peer needs that send first): there, receives are posted only when due, batched
+    with the sends queued before them, and NCCL matches them in order (``schedule.matches_in_order``)."""
+    if device.type == "cuda" and transport.name == "torch" and carries_cuda(transport.group):
+        return 0
+    return 4
 
 
 def message_tag(message: Message, num_stages: int) -> int:
@@ -85,8 +97,8 @@ def run_pipeline_step(
     (timeline, stall inspector). ``transport`` carries the messages, over ``group``
     (default: torch.distributed's point-to-point).
     """
-    if lookahead < 1:
-        raise ValueError(f"lookahead must be at least 1 posted receive, got {lookahead}")
+    if lookahead < 0:
+        raise ValueError(f"lookahead must be at least 0 posted receives, got {lookahead}")
     step = _Step(actions, chunks, group, tuple(activation_shape), loss_fn, inputs, targets,
                  dtype or torch.float32, device, probe or Probe(), lookahead, transport or TorchTransport(group))
     return step.run()
@@ -145,10 +157,13 @@ class _Step:
             action = next(self.upcoming, None)
             if action is None:
                 return
-            buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
-            self.buffers[action.message] = buffer
-            tag = message_tag(action.message, self.num_stages)
-            self.batch.append((PointToPoint(False, buffer, action.peer, tag), action.message))
+            self._queue_receive(action)
+
+    def _queue_receive(self, action: Action) -> None:
+        buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+        self.buffers[action.message] = buffer
+        tag = message_tag(action.message, self.num_stages)
+        self.batch.append((PointToPoint(False, buffer, action.peer, tag), action.message))
 
     def _flush(self) -> None:
         """Post the queued sends and receives as one batch (one launch on backends that coalesce, NCCL)."""
@@ -168,6 +183,8 @@ class _Step:
 
     def _receive(self, action: Action) -> None:
         message = action.message
+        if message not in self.posted and all(queued != message for _, queued in self.batch):
+            self._queue_receive(next(self.upcoming))  # lookahead 0: posted when due (it is the next one)
         self._flush()  # the sends queued before this wait, which the peer may need first
         pending = self.posted.pop(message)
         with self.probe.collective(f"recv {message.direction} mb{message.microbatch} stage{message.stage}",

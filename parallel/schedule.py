@@ -339,3 +339,17 @@ def _with_messages(orders: list[list[tuple[Direction, int, int]]], p: int, v: in
 def _names(messages: list[Message]) -> str:
     shown = ", ".join(f"mb{m.microbatch}->s{m.stage}" for m in messages[:4])
     return f"[{shown}{', ...' if len(messages) > 4 else ''}]"
+
+
+def matches_in_order(schedule: Sequence[Sequence[Action]]) -> bool:
+    """Whether, for every pair of ranks, the receiver's receives come in the order the sender sends: then a
+    carrier that ignores tags and matches messages in order (NCCL) pairs every message right."""
+    sent: dict[tuple[int, int], list[Message]] = {}
+    received: dict[tuple[int, int], list[Message]] = {}
+    for rank, actions in enumerate(schedule):
+        for action in actions:
+            if action.kind in ("SEND_F", "SEND_B"):
+                sent.setdefault((rank, action.peer), []).append(action.message)
+            elif action.kind in ("RECV_F", "RECV_B"):
+                received.setdefault((action.peer, rank), []).append(action.message)
+    return sent == received

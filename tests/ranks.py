@@ -32,7 +32,7 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _rank_main(fn: Callable, rank: int, n: int, port: int, args: tuple, results: Any) -> None:
+def _rank_main(fn: Callable, rank: int, n: int, port: int, args: tuple, results: Any, device: str = "cpu") -> None:
     import torch
 
     from hpc.runtime import bootstrap
@@ -45,7 +45,7 @@ def _rank_main(fn: Callable, rank: int, n: int, port: int, args: tuple, results:
     }
     os.environ.update(environ)  # as a launcher would: code that reads the environment sees this rank
     try:
-        world = bootstrap.init("gloo", init_timeout_s=30, timeout_s=60, environ=environ)
+        world = bootstrap.init("gloo", init_timeout_s=30, timeout_s=60, environ=environ, device=device)
         try:
             results.put((rank, True, fn(world, *args)))
         finally:
@@ -54,12 +54,14 @@ def _rank_main(fn: Callable, rank: int, n: int, port: int, args: tuple, results:
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(n: int, fn: Callable, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """``fn(world, *args)`` on ranks 0..n-1; returns each rank's result in rank order."""
+def run_ranks(n: int, fn: Callable, *args: Any, timeout: float = 120.0, device: str = "cpu") -> list[Any]:
+    """``fn(world, *args)`` on ranks 0..n-1; returns each rank's result in rank order. ``device="cuda"``: the
+    ranks share the GPU (``world.device``), over Gloo."""
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, n, port, args, results), daemon=True) for r in range(n)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, n, port, args, results, device), daemon=True)
+             for r in range(n)]
     for proc in procs:
         proc.start()
     collected: dict[int, Any] = {}

@@ -136,15 +136,27 @@ def test_pipeline_over_the_mpi_transport_matches_single_process() -> None:
 
 
 @pytest.mark.slow
-def test_one_receive_posted_ahead_trains_the_same() -> None:
-    """The receive look-ahead changes when messages are posted, never what is computed."""
+def test_one_receive_posted_ahead_or_none_trains_the_same() -> None:
+    """The receive look-ahead changes when messages are posted, never what is computed; 0 (NCCL's: each
+    receive posted when due) included."""
     shape = MeshShape(dp=1, tp=1, pp=2)
-    results = run_ranks(shape.size, _train, shape, [("interleaved", 4, 2, 1)], timeout=120)
-    _check_matches_single_process([per_rank[0] for per_rank in results], shape, 2)
-    with pytest.raises(ValueError, match="lookahead must be at least 1"):
+    cases = [("interleaved", 4, 2, 1), ("1f1b", 4, 1, 0)]
+    results = run_ranks(shape.size, _train, shape, cases, timeout=120)
+    for index, (_, _, virtual, _) in enumerate(cases):
+        _check_matches_single_process([per_rank[index] for per_rank in results], shape, virtual)
+    with pytest.raises(ValueError, match="lookahead must be at least 0"):
         from parallel.pipeline import run_pipeline_step
 
-        run_pipeline_step([], [], None, activation_shape=(1,), loss_fn=nn.functional.mse_loss, lookahead=0)
+        run_pipeline_step([], [], None, activation_shape=(1,), loss_fn=nn.functional.mse_loss, lookahead=-1)
+
+
+def test_nccl_matches_messages_in_order_only_where_the_schedule_sends_them_in_order() -> None:
+    """NCCL ignores tags: the receiver must post in the order the sender sends. Interleaved with pp=2 does not."""
+    from parallel.schedule import build_schedule, matches_in_order
+
+    assert all(matches_in_order(build_schedule(name, p, 8, 1)) for name in ("gpipe", "1f1b") for p in (2, 4))
+    assert matches_in_order(build_schedule("interleaved", 4, 8, 2))
+    assert not matches_in_order(build_schedule("interleaved", 2, 8, 2))
 
 
 def test_a_model_that_does_not_divide_into_stages_is_a_layout_error() -> None:

@@ -22,9 +22,18 @@ def summary_line(result, world, shape, metrics_path) -> str:
                        if name in result.evaluation)
     return (
         f"summary: {_ran_and_loss(result)} | "
-        f"{measures}{result.throughput:,.0f} {result.unit}/s | "
+        f"{measures}{result.throughput:,.0f} {result.unit}/s | {_device_measures(result)}"
         f"{world.size} ranks ({shape}) {world.backend} via {world.info.launcher.value} | metrics {metrics_path}"
     )
+
+
+def _device_measures(result) -> str:
+    """MFU and peak memory where the device's peak is known (a GPU), else nothing."""
+    if result.mfu is None:
+        return ""
+    from hpc.text import human_bytes
+
+    return f"MFU {result.mfu:.1%} | peak memory {human_bytes(result.peak_memory_bytes)} | "
 
 
 def _ran_and_loss(result) -> str:
@@ -74,9 +83,10 @@ def train_rank(spec_path: str, overrides: Sequence[str], watcher, site: FailureS
         site.run_path = spec.run_path
     if "OMP_NUM_THREADS" not in os.environ:  # else torch follows it: the user's, or what our launchers set
         torch.set_num_threads(rank_threads(os.environ))
-    world = bootstrap.init(spec.parallel.backend, spec.parallel.init_timeout_s, spec.parallel.timeout_s)
-    shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world.size)
-    mesh = build_mesh(shape, world.rank)
+    par = spec.parallel
+    world = bootstrap.init(par.backend, par.init_timeout_s, par.timeout_s, device=par.device)
+    shape = resolve_layout(par.dp, par.tp, par.pp, world.size)
+    mesh = build_mesh(shape, world.rank, world.device)
     try:
         result, _ = train(spec, world, mesh, progress_mode(), watcher)
     except preemption.Preempted as stop:

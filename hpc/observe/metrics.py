@@ -55,6 +55,28 @@ def peak_memory_bytes(device: Any = None) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+# Dense peak FLOP/s per device by (name fragment, bf16 or float32 math), from the vendors' datasheets
+# (SXM parts; sparsity excluded). MFU is the model's FLOPs over this; an unknown device reports none.
+PEAK_FLOPS = (
+    ("H200", 989e12, 67e12), ("H100", 989e12, 67e12), ("GH200", 989e12, 67e12), ("A100", 312e12, 19.5e12),
+    ("L40S", 362e12, 91.6e12), ("A10G", 70e12, 31.2e12), ("V100", 125e12, 15.7e12),
+)
+
+
+def device_peak_flops(device: Any, bf16: bool) -> float | None:
+    """The device's dense peak for the math the model runs (bf16 under autocast, else float32); None when
+    the device is a CPU or not in ``PEAK_FLOPS``."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    for fragment, bf16_peak, fp32_peak in PEAK_FLOPS:
+        if fragment in name:
+            return bf16_peak if bf16 else fp32_peak
+    return None
+
+
 def _tensorboard_writer(directory: Path) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter

@@ -127,18 +127,49 @@ def _mpi_rendezvous(info: RankInfo) -> tuple[RankInfo, Rendezvous]:
     return info, comm.bcast(endpoint, root=0)
 
 
-def select_backend(requested: str) -> str:
-    """``auto`` is NCCL for CUDA tensors (with Gloo kept for CPU ones) when CUDA exists, else Gloo."""
+def select_device(requested: str = "auto") -> str:
+    """The device type a rank computes on: ``auto`` is CUDA when a GPU is visible, else the CPU."""
     import torch
-    import torch.distributed as dist
 
     if requested == "auto":
-        requested = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise LaunchEnvError("parallel.device='cuda' needs CUDA, and no GPU is visible")
+    if requested not in ("cpu", "cuda"):
+        raise LaunchEnvError(f"parallel.device={requested!r} is not one of auto, cpu, cuda")
+    return requested
+
+
+def select_backend(requested: str, device: str = "auto") -> str:
+    """``auto`` is NCCL (with Gloo kept for CPU tensors) when ranks compute on GPUs, else Gloo. Gloo with
+    CUDA tensors is allowed: it stages them through host memory, so several ranks can share one GPU."""
+    import torch.distributed as dist
+
+    device = select_device(device)
+    if requested == "auto":
+        requested = "nccl" if device == "cuda" and dist.is_nccl_available() else "gloo"
     if requested == "nccl":
-        if not torch.cuda.is_available():
-            raise LaunchEnvError("parallel.backend='nccl' needs CUDA, and no GPU is visible")
+        if device != "cuda":
+            raise LaunchEnvError("parallel.backend='nccl' needs parallel.device='cuda' (or auto with a GPU visible)")
         return "cpu:gloo,cuda:nccl"
     return requested
+
+
+def rank_device(info: RankInfo, backend: str, device: str = "auto") -> torch.device:
+    """This rank's device, made current: GPU ``local_rank`` modulo the visible GPUs. NCCL refuses two ranks
+    on one GPU ("Duplicate GPU detected" deep inside the first collective): one line here instead."""
+    import torch
+
+    if select_device(device) == "cpu":
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if "nccl" in backend and info.local_size > gpus:
+        raise LaunchEnvError(
+            f"parallel.backend='nccl' puts {info.local_size} ranks on the {gpus} GPU(s) of this node, and NCCL "
+            "needs a GPU per rank: start at most one rank per GPU, or set parallel.backend='gloo' to share GPUs",
+            rank=info.rank)
+    torch.cuda.set_device(info.local_rank % gpus)
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def init(
@@ -146,12 +177,12 @@ def init(
     init_timeout_s: float = 60.0,
     timeout_s: float = 300.0,
     environ: Mapping[str, str] | None = None,
+    device: str = "auto",
 ) -> World:
     """Create the default process group for this rank and return its view of the world.
 
     A rank killed by a fatal signal prints every thread's Python stack first (see
     ``dump_stacks_on_fatal_signals``)."""
-    import torch
     import torch.distributed as dist
 
     dump_stacks_on_fatal_signals()
@@ -162,12 +193,8 @@ def init(
     endpoint = rendezvous_from_env(info, environ)
     if endpoint is None:
         info, endpoint = _mpi_rendezvous(info)
-    backend = select_backend(backend)
-    if "nccl" in backend:
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    backend = select_backend(backend, device)
+    where = rank_device(info, backend, device)
     try:
         store = dist.TCPStore(
             endpoint.addr,
@@ -183,6 +210,9 @@ def init(
             rank=info.rank,
             world_size=info.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
+            # NCCL: every communicator created with its group, by every rank at once (not at a first
+            # point-to-point message that only two ranks of the group take part in)
+            **({"device_id": where} if "nccl" in backend else {}),
         )
     except (RuntimeError, OSError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -192,7 +222,7 @@ def init(
             launcher=info.launcher.value,
             job_id=info.job_id,
         ) from exc
-    return World(info=info, backend=backend, device=device, rendezvous=endpoint)
+    return World(info=info, backend=backend, device=where, rendezvous=endpoint)
 
 
 def dump_stacks_on_fatal_signals() -> bool:

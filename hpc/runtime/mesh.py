@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Literal
 from hpc.errors import LayoutError
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed import ProcessGroup
 
 Axis = Literal["dp", "tp", "pp"]
@@ -80,12 +81,15 @@ def resolve_layout(dp: int | str, tp: int, pp: int, world_size: int) -> MeshShap
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's place in the grid and the process group of each axis it belongs to."""
+    """This rank's place in the grid, the process group of each axis it belongs to, and the device its share
+    of the model lives on: the one owner of placement that every module allocates from (or from the tensors
+    it is given)."""
 
     shape: MeshShape
     rank: int
     groups: dict[Axis, ProcessGroup]
     members: dict[Axis, tuple[int, ...]]
+    device: torch.device
 
     def index(self, axis: Axis) -> int:
         return self.shape.coords(self.rank)[axis]
@@ -97,8 +101,10 @@ class Mesh:
         return self.groups[axis]
 
 
-def build_mesh(shape: MeshShape, rank: int) -> Mesh:
-    """Create one process group per axis group; every rank must call this (collective)."""
+def build_mesh(shape: MeshShape, rank: int, device: torch.device | str = "cpu") -> Mesh:
+    """Create one process group per axis group; every rank must call this (collective). ``device``: the
+    rank's (``World.device``)."""
+    import torch
     import torch.distributed as dist
 
     if shape.size != dist.get_world_size():
@@ -110,7 +116,7 @@ def build_mesh(shape: MeshShape, rank: int) -> Mesh:
             group = dist.new_group(list(ranks))
             if rank in ranks:
                 groups[axis], members[axis] = group, ranks
-    return Mesh(shape=shape, rank=rank, groups=groups, members=members)
+    return Mesh(shape=shape, rank=rank, groups=groups, members=members, device=torch.device(device))
 
 
 def expert_group_ranks(shape: MeshShape, ep: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:

@@ -1,0 +1,140 @@
+"""Where tensors live: the rank's device, and the one sanctioned way through host memory.
+
+Every module allocates on the device of the tensors it is given or of the mesh
+(``Mesh.device``); the host copies below are the only exceptions, named so that
+``tests/test_placement.py`` can tell them from a stray CPU allocation. They exist
+because some carriers take host memory only: Gloo's send/recv (its collectives
+stage CUDA tensors themselves), and an MPI library that is not CUDA-aware. A
+staged send copies the tensor to pinned memory (the copy waits for the kernels
+that produced it); a staged receive lands in pinned memory and is copied to the
+device when waited for. Pinned blocks come from torch's caching host allocator,
+so a message size seen before costs no new page locking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+
+class Pending(Protocol):
+    def wait(self) -> object: ...
+
+
+def host_staging_buffer(like: torch.Tensor) -> torch.Tensor:
+    """A host buffer shaped like ``like``: pinned when ``like`` is on a GPU (fast, asynchronous copies)."""
+    import torch
+
+    return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+
+
+def staged_copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in a host buffer: itself when already there, else a pinned copy, complete on return."""
+    if not tensor.is_cuda:
+        return tensor
+    host = host_staging_buffer(tensor)
+    host.copy_(tensor)
+    return host
+
+
+def carries_cuda(group: ProcessGroup | None) -> bool:
+    """Whether the group's backend moves CUDA tensors point to point itself (NCCL); Gloo does not."""
+    import torch.distributed as dist
+
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+@dataclass
+class StagedSend:
+    """A send of a host copy; the copy is kept alive until the send completes."""
+
+    pending: Pending
+    host: torch.Tensor
+
+    def wait(self) -> object:
+        return self.pending.wait()
+
+
+@dataclass
+class StagedReceive:
+    """A receive into a host buffer, copied to ``target`` (on the device) when waited for."""
+
+    pending: Pending
+    host: torch.Tensor
+    target: torch.Tensor
+
+    def wait(self) -> object:
+        result = self.pending.wait()
+        self.target.copy_(self.host, non_blocking=True)  # ordered before any later use on this stream
+        return result
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a host clock read after it times that work too."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class CommStream:
+    """Orders a communication thread against compute on a GPU (nothing to do on the CPU).
+
+    ``ready()`` records an event on the producer's current stream once a message's inputs are queued (a
+    bucket's last gradient); ``after(event)`` runs the communication on a stream of its own that waits for
+    that event first, so it overlaps the rest of backward yet never reads a gradient before it exists;
+    ``join()`` makes the consumer's stream (the optimizer step) wait for everything communicated. Tensors
+    the communication allocates belong to its stream's pool and are not reused before ``join``'s wait."""
+
+    def __init__(self, device: torch.device) -> None:
+        import torch
+
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def ready(self) -> object | None:
+        import torch
+
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.stream.device))
+        return event
+
+    @contextlib.contextmanager
+    def after(self, event: object | None) -> Iterator[None]:
+        import torch
+
+        if self.stream is None:
+            yield
+            return
+        if event is not None:
+            self.stream.wait_event(event)
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        import torch
+
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+def out_of_memory(device: torch.device, rank: int, host: str) -> str:
+    """One line for a rank that ran out of device memory: where, what the allocator held, what to try."""
+    import torch
+
+    held = ""
+    if device.type == "cuda":
+        gib = 2.0**30
+        held = (f": {torch.cuda.memory_allocated(device) / gib:.1f} GiB allocated, "
+                f"{torch.cuda.memory_reserved(device) / gib:.1f} GiB reserved of "
+                f"{torch.cuda.get_device_properties(device).total_memory / gib:.1f} GiB")
+    return (f"rank {rank} on {host} ran out of memory on {device}{held}; try train.activation_checkpointing = true, "
+            "fewer tokens per microbatch (more parallel.microbatches or a smaller data.batch_size), "
+            "parallel.zero = 1-3, or more pipeline stages (parallel.pp)")

@@ -1,0 +1,110 @@
+"""``make bench-gpu``: our trainer on one GPU beside what a user would run instead, from one run.
+
+Each row is a fresh process (the GPU's memory and compile caches start empty):
+
+- the 0.72B Llama of ``jobs/bench/llama_bench.toml`` through ``hpc run -n 1``, eager and with
+  ``train.compile = true``, against the hand-written transformers loop (``jobs/bench/plain_llama.py``:
+  torch's default AdamW, its fused AdamW, and compiled): tokens/s, model TFLOP/s, MFU, peak memory;
+- the ring's codecs against a device-to-device copy (``hpc bench codecs``);
+- the asynchronous checkpoint's stall against the device-to-host copy (``hpc bench checkpoint``);
+- a data-parallel step of 2 ranks sharing the GPU over Gloo against 1 rank, the GPT example.
+
+It installs nothing (the GPU machine has no network): run from the checkout with ``PYTHONPATH``.
+Every row is appended to ``--out``/rows.jsonl as it finishes, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SPEC = REPO / "jobs" / "bench" / "llama_bench.toml"
+GPT = REPO / "jobs" / "examples" / "gpt.toml"
+WARMUP_STEPS = 3  # left out of every median: allocation, autotuning, compilation
+
+
+def _run(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def ours(name: str, out: Path, overrides: Sequence[str], steps: int, ranks: int = 1, spec: Path = SPEC) -> dict:
+    """``hpc run`` of a spec; the median step of its metrics after the warm-up, its peak memory and MFU."""
+    run_dir = out / name.replace(" ", "-")
+    sets = [arg for item in (f"job.run_dir={run_dir}", f"train.steps={steps}", *overrides) for arg in ("--set", item)]
+    done = _run(["-m", "hpc.cli.main", "run", "-n", str(ranks), "--launcher", "local", str(spec), *sets], 900)
+    if done.returncode:
+        return {"loop": name, "error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+    (result_file,) = run_dir.glob("*/result.json")
+    records = [json.loads(line) for line in result_file.with_name("metrics.jsonl").open()]
+    step_s = statistics.median(r["step_time_s"] for r in records[WARMUP_STEPS:])
+    unit = next(key for key in records[0] if key.endswith("_per_s"))
+    rate = statistics.median(r[unit] for r in records[WARMUP_STEPS:])
+    mfu = statistics.median(r["mfu"] for r in records[WARMUP_STEPS:]) if records[0].get("mfu") else None
+    result = json.loads(result_file.read_text())
+    return {"loop": name, "step_s": step_s, unit: rate, "mfu": mfu, "loss": records[-1]["loss"],
+            "peak_memory_bytes": result.get("peak_memory_bytes"), "summary": done.stdout.strip().splitlines()[-1]}
+
+
+def plain(name: str, options: Sequence[str], steps: int) -> dict:
+    done = _run(["-m", "jobs.bench.plain_llama", "--steps", str(steps), "--warmup", str(WARMUP_STEPS), *options], 900)
+    if done.returncode:
+        return {"loop": name, "error": done.stderr.strip().splitlines()[-3:]}
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "loop": name}
+
+
+def bench_output(name: str, argv: Sequence[str]) -> dict:
+    """A ``hpc bench`` command's printed table, kept as it printed."""
+    done = _run(["-m", "hpc.cli.main", "bench", *argv], 600)
+    return {"loop": name, "returncode": done.returncode, "output": (done.stdout + done.stderr).strip()[-4000:]}
+
+
+def rows(out: Path, steps: int, only: set[str]) -> list[tuple[str, callable]]:
+    """(group, thunk) in the order they run: the comparison that matters most first."""
+    dp = ["parallel.tp=1", "parallel.pp=1", "checkpoint.every_steps=0", "parallel.microbatches=1"]
+    shared = [*dp, "parallel.backend=gloo", "parallel.device=cuda"]
+    table = [
+        ("llama", lambda: ours("ours eager", out, [], steps)),
+        ("llama", lambda: plain("plain eager AdamW", [], steps)),
+        ("llama", lambda: plain("plain eager fused AdamW", ["--fused"], steps)),
+        ("codecs", lambda: bench_output("codecs", ["codecs", "--json"])),
+        ("checkpoint", lambda: bench_output("checkpoint", ["checkpoint", "-n", "1", "--size", "2G", "--iters", "3",
+                                                           "--launcher", "local"])),
+        ("dp", lambda: ours("gpt 1 rank cuda", out, [*shared], 30, 1, GPT)),
+        ("dp", lambda: ours("gpt dp=2 sharing the gpu", out, [*shared], 30, 2, GPT)),
+        ("compiled", lambda: ours("ours compiled", out, ["train.compile=true"], steps)),
+        ("compiled", lambda: plain("plain compiled fused AdamW", ["--compile", "--fused"], steps)),
+    ]
+    return [(group, thunk) for group, thunk in table if not only or group in only]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench.gpu", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/bench-gpu", help="rows.jsonl and the runs' directories")
+    parser.add_argument("--steps", type=int, default=10, help="steps of each Llama run (3 warm-up)")
+    parser.add_argument("--only", default="", help="comma list of llama, codecs, checkpoint, dp, compiled")
+    args = parser.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "rows.jsonl").open("a") as log:
+        for _, thunk in rows(out, args.steps, set(filter(None, args.only.split(",")))):
+            started = time.perf_counter()
+            row = {**thunk(), "wall_s": round(time.perf_counter() - started, 1)}
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
