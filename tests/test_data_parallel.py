@@ -6,6 +6,7 @@ import pytest
 from hpc.config import spec_from_dict
 from hpc.runtime.mesh import build_mesh, resolve_layout
 from jobs.datasets import dp_shard, global_batch_indices
+from tests.numerics import LOSS_RTOL, assert_trained_close
 from tests.ranks import run_ranks
 
 
@@ -30,9 +31,10 @@ def test_four_ranks_match_one_process_on_the_concatenated_batch(tmp_path, optimi
     parallel = run_ranks(4, _train, spec)
     initial = _train_zero_steps_reference(spec)
     for loss, params in parallel:
-        assert loss == pytest.approx(single_loss, rel=1e-5)
+        assert loss == pytest.approx(single_loss, rel=LOSS_RTOL)
+        assert_trained_close(params, single, optimizer=optimizer, lr=spec["train"]["lr"],
+                             steps=spec["train"]["steps"], initial=initial)
         for name, value in single.items():
-            np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=1e-6)
             assert not np.allclose(value, initial[name]), f"{name} did not train"
 
 

@@ -26,6 +26,7 @@ from hpc.config import spec_from_dict
 from hpc.errors import ConfigError
 from hpc.runtime.mesh import MeshShape, build_mesh, expert_group_ranks
 from jobs.moe import assign_slots, capacity, load_balancing_loss, route
+from tests.numerics import assert_trained_close
 from tests.ranks import run_ranks, run_under_mpirun
 from tests.test_3d import assemble, pieces_as_numpy
 
@@ -34,10 +35,9 @@ EXPERTS, TOP_K, SEQ_LEN = 8, 2, 16
 NO_DROP = EXPERTS / TOP_K  # capacity = seq_len: an expert can take every token of a sequence
 TINY_MOE = {"kind": "gpt", "n_layers": 4, "n_heads": 2, "d_model": 16, "seq_len": SEQ_LEN,
             "moe_experts": EXPERTS, "moe_top_k": TOP_K, "moe_every": 2, "moe_z_loss_coef": 1e-3}
-# Adam divides by each gradient's running RMS, so rounding differences between layouts (TP sums attention
-# outputs in another order) become absolute update errors, largest for expert weights that few tokens reach:
-# stay within a hundredth of one Adam step (a wrong shard or a missing reduction is off by whole steps).
-PARAM_ATOL = 1e-2 * LR
+# Parameters: tests/numerics.py. Adam divides by each gradient's running RMS, so rounding differences between
+# layouts (TP sums attention outputs in another order) become absolute update errors, largest for expert
+# weights that few tokens reach; a wrong shard or a missing reduction moves most of a tensor by whole steps.
 
 
 def moe_spec(run_dir: str, name: str, layout, capacity_factor: float = NO_DROP, steps: int = STEPS, **sections):
@@ -151,9 +151,7 @@ def _check(reference, run_dir: Path, cases, params, which="single") -> None:
         assert [r["moe_tokens_per_expert"] for r in records] == [r["moe_tokens_per_expert"] for r in ref_records]
         assert [r["moe_aux_loss"] for r in records] == pytest.approx([r["moe_aux_loss"] for r in ref_records],
                                                                      rel=1e-5)
-        assert _weights(got).keys() == _weights(ref_params).keys()
-        for key, expected in _weights(ref_params).items():
-            np.testing.assert_allclose(got[key], expected, rtol=1e-5, atol=PARAM_ATOL, err_msg=f"{name}: {key}")
+        assert_trained_close(_weights(got), _weights(ref_params), optimizer="adam", lr=LR, steps=STEPS, name=name)
         for key in got.keys() - _weights(got).keys():  # the very choices kept at step 10, sample by sample
             np.testing.assert_array_equal(got[key], ref_params[key], err_msg=f"{name}: {key}")
 
@@ -244,8 +242,8 @@ def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_ep1(reference, four_ranks,
         assert [r["step"] for r in records] == list(range(CHECKPOINT_AT + 1, STEPS + 1))
         assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in ref_records[CHECKPOINT_AT:]],
                                                              rel=1e-5)
-        for key, expected in _weights(ref_params).items():
-            np.testing.assert_allclose(resumed[key], expected, rtol=1e-5, atol=PARAM_ATOL, err_msg=f"ep{ep}: {key}")
+        assert_trained_close(_weights(resumed), _weights(ref_params), optimizer="adam", lr=LR, steps=STEPS,
+                             name=f"ep{ep}")
 
 
 # --- pure functions ---------------------------------------------------------------------------

@@ -8,13 +8,13 @@ import os
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from hpc.config import spec_from_dict
 from hpc.runtime.mesh import MeshShape, build_mesh
+from tests.numerics import LOSS_RTOL, assert_trained_close
 from tests.ranks import run_ranks
-from tests.test_3d import PARAM_ATOL, STEPS, _metrics, assemble, pieces_as_numpy
+from tests.test_3d import LR, STEPS, _metrics, assemble, pieces_as_numpy
 
 USER_MODULE = '''
 """A residual MLP classifier and a synthetic data set, as a user would write them."""
@@ -82,7 +82,7 @@ def user_spec(run_dir: str, name: str, layout, microbatches: int = 1, **model) -
         "job": {"run_dir": run_dir, "name": name, "seed": 3},
         "model": {"entry": "usernet:build", "args": {"depth": 4}, **model},
         "data": {"entry": "usernet:blobs", "args": {"samples": 512}, "batch_size": 16},
-        "train": {"steps": STEPS, "lr": 3e-3, "optimizer": "adam", "log_every": 100},
+        "train": {"steps": STEPS, "lr": LR, "optimizer": "adam", "log_every": 100},
         "parallel": {"dp": dp, "tp": tp, "pp": pp, "microbatches": microbatches},
     }
 
@@ -118,11 +118,9 @@ def test_a_user_model_and_data_set_train_under_dp_tp_and_pp_like_one_process(use
     reference = assemble([single[1]])
     for number, (name, *_) in enumerate(cases):
         losses, _ = _metrics(user_dir, name)
-        assert losses == pytest.approx(ref_losses, rel=1e-5), name
+        assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL), name
         params = assemble([results[number][1] for results in per_rank])
-        assert params.keys() == reference.keys()
-        for key, expected in reference.items():
-            np.testing.assert_allclose(params[key], expected, rtol=1e-5, atol=PARAM_ATOL, err_msg=f"{name}: {key}")
+        assert_trained_close(params, reference, optimizer="adam", lr=LR, steps=STEPS, name=name)
         evaluation = per_rank[0][number][0]
         assert evaluation.keys() == {"held_out_loss", "held_out_accuracy"}, name
         assert evaluation["held_out_loss"] == pytest.approx(single[0]["held_out_loss"], rel=1e-4), name

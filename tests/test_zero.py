@@ -19,8 +19,9 @@ import pytest
 
 from hpc.config import spec_from_dict, spec_to_dict
 from hpc.runtime.mesh import MeshShape, build_mesh
+from tests.numerics import assert_trained_close
 from tests.ranks import run_ranks
-from tests.test_3d import _check_matches, assemble, gpt_spec, pieces_as_numpy
+from tests.test_3d import LR, STEPS, _check_matches, assemble, gpt_spec, pieces_as_numpy
 from tests.test_3d import single_process as single_process  # the fixture
 
 
@@ -147,8 +148,7 @@ def test_a_sharded_checkpoint_resumes_without_zero_and_back(tmp_path, zero) -> N
     two = run_ranks(2, _train, str(tmp_path), resumed2, timeout=240)
     for got, source in ((assemble([one[0]]), "sharded"), (assemble([r[0][0] for r in two]), "plain")):
         expected = _final_params(tmp_path / source / "checkpoints" / "step-00000010")
-        for key, value in expected.items():
-            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5, err_msg=f"from {source}: {key}")
+        assert_trained_close(got, expected, optimizer="adam", lr=LR, steps=STEPS, name=f"from {source}")
 
 
 def test_a_zero3_checkpoint_from_four_ranks_resumes_under_zero1_and_without_zero(tmp_path) -> None:
@@ -170,8 +170,7 @@ def test_a_zero3_checkpoint_from_four_ranks_resumes_under_zero1_and_without_zero
     per_rank = run_ranks(2, _train, str(tmp_path), two, timeout=240)
     for name, got in [("dp1", assemble([one[0]]))] + [(case[0], assemble([r[i][0] for r in per_rank]))
                                                        for i, case in enumerate(two)]:
-        for key, value in expected.items():
-            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5, err_msg=f"{name}: {key}")
+        assert_trained_close(got, expected, optimizer="adam", lr=LR, steps=STEPS, name=name)
 
 
 def _final_params(step_dir: Path) -> dict[str, np.ndarray]:
