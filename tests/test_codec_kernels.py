@@ -24,7 +24,7 @@ from parallel.compression.powersgd import PowerSGDReducer
 from parallel.compression.topk import TopK
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = (1, 255, 256, 1000, 3 * 4096 + 300)  # one value, short blocks, a whole block, several programs, a ragged end
+SIZES = (1, 255, 256, 1000, 3 * 4096, 3 * 4096 + 300)  # one value, short blocks, whole blocks, several programs, ragged
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
