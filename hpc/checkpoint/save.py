@@ -23,8 +23,10 @@ threads to issue collectives on one group concurrently. Only step 1 runs in the
 caller; after it the background thread touches nothing but the file system.
 
 Asynchronous mode copies this rank's share of the pieces into host buffers kept
-between saves (the training loop waits only for that copy, measured against a bare
-memory copy by ``hpc bench checkpoint``), writes in the background, keeps at most one
+between saves (:class:`HostStaging`; from a GPU into pinned memory, on a copy stream of
+its own, with one wait at the end), and the training loop waits only for that copy,
+measured against a bare copy into the same kind of memory by ``hpc bench checkpoint``;
+it writes in the background, keeps at most one
 save in flight, and raises a failed save's error at the next ``save`` or at
 ``finalize``. What the loop would otherwise wait for besides the copy, found by timing
 each part of ``save`` on a loaded 2-core machine: the metadata exchange (two collectives
@@ -124,6 +126,59 @@ class _Agreement:
         return f"{self.token[:-8]}{since:08x}"
 
 
+class HostStaging:
+    """Host copies of what an asynchronous save writes, in buffers kept per dataset path between saves.
+
+    A buffer is allocated once, again only when its tensor's shape, dtype or kind of memory
+    changes, and dropped once a save no longer writes its path. A GPU tensor goes into pinned
+    memory, copied ``non_blocking`` on a stream of its device's own that first waits for the
+    current stream (the kernels computing the tensor); :meth:`wait` returns once every copy
+    issued since :meth:`begin` landed: that is the training loop's stall. A CPU tensor is
+    copied at once into ordinary memory. Nobody may ``begin`` while a writer still reads the
+    buffers: ``Checkpointer.save`` waits for the save in flight first.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, tuple[torch.Tensor, bool]] = {}  # path -> (buffer, pinned)
+        self._used: set[str] = set()
+        self._streams: dict[torch.device, Any] = {}  # device -> its torch.cuda.Stream of copies
+        self._issued: set[torch.device] = set()  # devices with copies issued since begin
+
+    def begin(self) -> None:
+        self._used.clear()
+        self._issued.clear()
+
+    def copy(self, path: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s host copy (a GPU's still in flight until :meth:`wait`)."""
+        buffer, pinned = self.buffers.get(path, (None, False))
+        if buffer is None or (buffer.shape, buffer.dtype, pinned) != (tensor.shape, tensor.dtype, tensor.is_cuda):
+            self.buffers.pop(path, None)  # the old one freed before its successor is allocated
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self.buffers[path] = (buffer, tensor.is_cuda)
+        self._used.add(path)
+        if not tensor.is_cuda:
+            return buffer.copy_(tensor)
+        with torch.cuda.stream(self._stream(tensor.device)):
+            return buffer.copy_(tensor, non_blocking=True)
+
+    def _stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        if device not in self._issued:
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self._issued.add(device)
+        return stream
+
+    def wait(self) -> None:
+        """Block until the copies issued since :meth:`begin` are in host memory; drop the buffers not used."""
+        for device in self._issued:
+            self._streams[device].synchronize()
+        self._issued.clear()
+        for path in set(self.buffers) - self._used:
+            del self.buffers[path]
+
+
 class Checkpointer:
     """Saves steps of a job into ``root``; every rank of ``group`` must call ``save`` for each step."""
 
@@ -145,7 +200,7 @@ class Checkpointer:
         self.keep = keep
         self.async_save = async_save
         self.commit_timeout_s = commit_timeout_s
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._staging = HostStaging()  # the asynchronous save's host buffers, reused between saves
         self._agreed: _Agreement | None = None
         self._since = 0  # saves since the last exchange, counted alike on every rank
         self._jobs: queue.SimpleQueue[tuple[_SaveJob, dist.Work]] = queue.SimpleQueue()
@@ -209,17 +264,20 @@ class Checkpointer:
         self, pieces: Sequence[Piece], metas: list[PieceMeta], plan: SavePlan, rank_state: Mapping[str, torch.Tensor]
     ) -> list[_Array]:
         mine = plan.written_by(self.rank)
+        self._staging.begin()
         arrays = [
             _Array(f"{TENSORS}/{meta.name}", self._host(f"{TENSORS}/{meta.name}", piece.tensor),
                    piece_attrs(meta.name, meta.dtype, meta.global_shape, meta.offsets, meta.shape))
             for piece, meta in zip(pieces, metas, strict=True)
             if meta.key in mine
         ]
-        return arrays + [
+        arrays += [
             _Array(f"{RANK_STATE}/{key}", self._host(f"{RANK_STATE}/{key}", tensor),
                    {"dtype": text_attr(dtype_name(tensor)), "shape": np.asarray(tensor.shape, dtype=np.int64)})
             for key, tensor in rank_state.items()
         ]
+        self._staging.wait()  # the tensors are still referenced here: none freed while a copy reads it
+        return arrays
 
     def _hand_over(self, job: _SaveJob) -> None:
         """To the writer thread, started once: a thread per save would cost a start-up the loop waits for.
@@ -269,14 +327,11 @@ class Checkpointer:
         return _Agreement(metas, plan, gathered[0]["token"])
 
     def _host(self, path: str, tensor: torch.Tensor) -> np.ndarray:
-        """The bytes to write: a view of the tensor itself when saving synchronously, else a host copy."""
+        """The bytes to write: a view of the tensor itself when saving synchronously, else a host copy
+        (from a GPU still in flight until ``self._staging.wait()``)."""
         tensor = tensor.detach()
         if self.async_save:
-            buffer = self._buffers.get(path)
-            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-                self._buffers[path] = buffer
-            tensor = buffer.copy_(tensor)
+            tensor = self._staging.copy(path, tensor)
         if tensor.dtype == torch.bfloat16:
             tensor = tensor.view(torch.uint16)
         return np.ascontiguousarray(tensor.cpu().numpy())
