@@ -1,8 +1,8 @@
 """The training loop's state as checkpoint pieces, and back; resume and save on schedule.
 
 Names in the checkpoint: ``model/<name>``, ``optim/<parameter name>/<key>`` and the per-rank
-``rng/torch_cpu``, as ``hpc/checkpoint/state.py`` writes them for any model and optimizer; here
-each tensor-parallel shard is placed by the ``partition_dims`` of its layer
+``rng/torch_cpu`` (and ``rng/torch_cuda`` on GPUs), as ``hpc/checkpoint/state.py`` writes them for
+any model and optimizer; here each tensor-parallel shard is placed by the ``partition_dims`` of its layer
 (``parallel.tensor_parallel.tp_split_dims``), and under pipeline parallelism a rank's model
 holds only its stages, so it writes only their tensors. Besides, per rank, ``comm/<key>``:
 the distributed optimizer's ``comm_state_dict()``, what data-parallel
@@ -10,8 +10,9 @@ communication carries into the next step: the reducer's error-feedback residuals
 (``comm/residual/...``) and PowerSGD's warm starts (``comm/q/...``), top-k's momentum
 velocity (``comm/velocity/...``, Deep Gradient Compression keeps SGD's momentum there
 instead of in the optimizer) and ``comm/steps_synchronized``, which decides when
-``compression_warmup_steps`` end. Under ZeRO stage 1 a rank holds, and so writes, only the
-optimizer state of the parameters it owns; the index still shows each state tensor whole.
+``compression_warmup_steps`` end; restored, each goes to the device of this rank's
+parameters. Under ZeRO stage 1 a rank holds, and so writes, only the optimizer state of the
+parameters it owns; the index still shows each state tensor whole.
 And the attributes ``layout_dp``, ``layout_tp``,
 ``layout_pp``, ``layout_ep`` (absent before expert parallelism: 1), ``job_spec`` (JSON) and ``loss``, the
 global loss of the last step before the save (absent from older checkpoints; a resume with no steps left reports it).
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from hpc.checkpoint import Checkpointer, Piece, state
 from hpc.checkpoint.format import read_index
 from hpc.checkpoint.load import load_rank_state, open_checkpoint
-from hpc.checkpoint.state import RNG
+from hpc.checkpoint.state import restore_rng, rng_state
 from hpc.config import JobSpec, spec_to_dict
 from hpc.runtime.mesh import Mesh
 from parallel.optimizer import DistributedOptimizerMixin
@@ -74,7 +75,7 @@ def state_pieces(
 def rank_state(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """This rank's private state: its RNG, and the communication state when ``optimizer`` is distributed."""
     comm = optimizer.comm_state_dict() if isinstance(optimizer, DistributedOptimizerMixin) else {}
-    return {RNG: torch.get_rng_state(), **{COMM + key: value for key, value in comm.items()}}
+    return {**rng_state(), **{COMM + key: value for key, value in comm.items()}}
 
 
 def restore(
@@ -107,9 +108,9 @@ def restore(
         print(f"note: {step_dir} was saved under (dp, tp, pp, ep) = {saved}, this run is {current}: "
               "every rank starts with a fresh RNG and communication state (codec residuals, warm starts, "
               "velocities)", flush=True)
-    if RNG in private:
-        torch.set_rng_state(private[RNG])
-    comm = {key.removeprefix(COMM): value for key, value in private.items() if key.startswith(COMM)}
+    restore_rng(private)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))  # where the gradients are
+    comm = {key.removeprefix(COMM): value.to(device) for key, value in private.items() if key.startswith(COMM)}
     if comm and isinstance(optimizer, DistributedOptimizerMixin):
         optimizer.load_comm_state_dict(comm)
     return index.step

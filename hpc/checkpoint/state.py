@@ -10,7 +10,14 @@ Names in the checkpoint:
 - ``optim/<parameter name>/<key>``: every tensor of the optimizer's per-parameter state
   (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``); one shaped like
   its parameter is placed like it;
-- per rank, ``rng/torch_cpu`` (:data:`RNG`): the default generator, which drives dropout.
+- per rank, ``rng/torch_cpu`` (:data:`RNG`): the default generator, which drives dropout on the CPU;
+  and ``rng/torch_cuda`` (:data:`CUDA_RNG`) once this process has used CUDA: the current GPU's
+  generator, which drives dropout there. A resume restores it only where CUDA is available (a CPU
+  resume of a GPU checkpoint ignores it; a GPU resume of a CPU checkpoint keeps the seeded one).
+
+Every tensor loads onto the device of the tensor it is copied into: parameters in place,
+optimizer state created on its parameter's device (``step`` on the CPU, where torch keeps
+it), so a checkpoint saved on GPUs loads on CPUs and back.
 
 Nothing here knows about tensor-parallel layers (``parallel/``) or a job spec (``jobs/``):
 ``jobs/checkpointing.py`` passes the TP split of its layers, ``hpc/script.py`` none.
@@ -30,6 +37,7 @@ from hpc.checkpoint.load import load_into, torch_dtype
 from hpc.checkpoint.pieces import Piece
 
 RNG = "rng/torch_cpu"
+CUDA_RNG = "rng/torch_cuda"
 NO_SPLIT: Mapping[str, int] = {}
 
 
@@ -97,11 +105,29 @@ def load_state(
         prefix = f"optim/{name}/"
         for stored in (record for key, record in index.tensors.items() if key.startswith(prefix)):
             like_param = tuple(stored.shape) == param_shape
-            tensor = torch.empty(param.shape if like_param else stored.shape, dtype=torch_dtype(stored.dtype))
+            on_param = like_param and stored.name != f"{prefix}step"  # torch keeps step counts on the CPU
+            tensor = torch.empty(param.shape if like_param else stored.shape, dtype=torch_dtype(stored.dtype),
+                                 device=param.device if on_param else "cpu")
             pieces.append(placed(stored.name, tensor, split_dims.get(name) if like_param else None, tp_rank, tp_size))
             state.setdefault(position, {})[stored.name.removeprefix(prefix)] = tensor
     load_into(index, pieces)
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's random generators as rank state: the CPU's, and the current GPU's once CUDA is in use."""
+    state = {RNG: torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state[CUDA_RNG] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(private: Mapping[str, torch.Tensor]) -> None:
+    """Set the generators :func:`rng_state` saved, of those in ``private``; the GPU's only where CUDA is."""
+    if RNG in private:
+        torch.set_rng_state(private[RNG])
+    if CUDA_RNG in private and torch.cuda.is_available():
+        torch.cuda.set_rng_state(private[CUDA_RNG])
 
 
 def choose_resume(resume: str, root: str | Path, group: dist.ProcessGroup) -> Path | None:
