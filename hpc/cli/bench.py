@@ -135,6 +135,8 @@ def _add_checkpoint_parser(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("--size", default="256M", help="bytes of training state, e.g. 64M, 1G (default %(default)s)")
     bench.add_argument("--iters", type=int, default=3, help="timed rounds; each row is the median (default 3)")
     bench.add_argument("--dir", default="runs/bench-checkpoint", help="where to write (default %(default)s)")
+    bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="where the state lives: auto is cuda where a GPU is visible (default %(default)s)")
     _launch_options(bench)
     bench.set_defaults(handler=cmd_bench_checkpoint)
 
@@ -291,7 +293,8 @@ def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
 
     def rank_argv(out: str, scratch: str) -> tuple[str, ...]:
         files = os.path.abspath(os.path.join(scratch, "files"))
-        return _rank_command("checkpoint", out, "--size", str(nbytes), "--iters", str(args.iters), "--dir", files)
+        return _rank_command("checkpoint", out, "--size", str(nbytes), "--iters", str(args.iters), "--dir", files,
+                             "--device", args.device)
 
     rows = launch.launch_for_rows(args.nprocs, launcher, rank_argv, parent=args.dir)
     print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))

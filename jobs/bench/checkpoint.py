@@ -14,6 +14,11 @@
   as ``disk`` is the floor of a save's ``time_s``; ``stall_of_memcpy`` is a save's stall
   over the memcpy row's, of the same run.
 
+With ``--device cuda`` (the default where a GPU is visible) the state lives on each rank's
+GPU: ``memcpy`` is then the device-to-host copy into pinned buffers (what the asynchronous
+save stages into), and ``memcpy-pageable`` the same copy into ordinary host memory, each
+timed up to a ``torch.cuda.synchronize``; the ``hdf5`` row copies through pageable memory.
+
 The state is replicated on every rank (data parallelism): parameters plus Adam's two
 moments, random float32. Every save is fsynced before its clock stops (DCP fsyncs by
 itself), so no row is timed against the page cache; loads read what was just written,
@@ -42,8 +47,10 @@ from hpc.checkpoint.save import Checkpointer, writeback_while_writing
 from hpc.rundir import fsync_path
 
 IMPLS = ("hdf5", "hdf5-async", "torch.save", "dcp", "disk", "memcpy")
-COLUMNS = ("impl", "op", "bytes", "ranks", "time_s", "MBps", "stall_s", "stall_of_memcpy", "of_disk")
-HEADER = ("impl", "op", "bytes", "ranks", "time(s)", "MB/s", "stall(s)", "of memcpy", "of disk")
+CUDA_IMPLS = (*IMPLS, "memcpy-pageable")  # memcpy: into pinned memory
+DEVICES = ("auto", "cpu", "cuda")
+COLUMNS = ("impl", "op", "device", "bytes", "ranks", "time_s", "MBps", "stall_s", "stall_of_memcpy", "of_disk")
+HEADER = ("impl", "op", "device", "bytes", "ranks", "time(s)", "MB/s", "stall(s)", "of memcpy", "of disk")
 BLOCK = 16 << 20
 WIDTH = 1024
 
@@ -65,10 +72,26 @@ def _slowest(seconds: float, group: dist.ProcessGroup) -> float:
     return value.item()
 
 
-def _timed(fn: Callable[[], object], group: dist.ProcessGroup) -> float:
+def resolve_device(asked: str) -> str:
+    """``auto``: ``cuda`` where a GPU is visible, else ``cpu``."""
+    if asked not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {asked!r}")
+    if asked == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if asked == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda, but torch sees no GPU")
+    return asked
+
+
+def _timed(fn: Callable[[], object], group: dist.ProcessGroup, cuda: bool = False) -> float:
+    """The slowest rank's seconds for ``fn``; with ``cuda``, from an idle GPU until its work is done."""
     dist.barrier(group=group)
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
+    if cuda:
+        torch.cuda.synchronize()
     return _slowest(time.perf_counter() - start, group)
 
 
@@ -78,20 +101,27 @@ class _Bench:
     def __init__(self, root: Path, state: dict[str, torch.Tensor], group: dist.ProcessGroup) -> None:
         self.root, self.state, self.group = root, state, group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.cuda = any(t.is_cuda for t in state.values())
+        self.impls = CUDA_IMPLS if self.cuda else IMPLS
         self.into = {name: torch.empty_like(t) for name, t in state.items()}
         self.savers = {mode: Checkpointer(root / mode, group, keep=1, async_save=mode == "hdf5-async")
                        for mode in ("hdf5", "hdf5-async")}
         metas = [Piece.whole(name, t).meta() for name, t in state.items()]
         mine = plan_writes([metas] * self.size).written_by(self.rank)
-        self.share = [(t, torch.empty_like(t)) for meta, t in zip(metas, state.values(), strict=True)
-                      if meta.key in mine]
+        share = [t for meta, t in zip(metas, state.values(), strict=True) if meta.key in mine]
+        self.shares = {"memcpy": [(t, torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)) for t in share]}
+        if self.cuda:
+            self.shares["memcpy-pageable"] = [(t, torch.empty(t.shape, dtype=t.dtype)) for t in share]
+
+    def timed(self, fn: Callable[[], object]) -> float:
+        return _timed(fn, self.group, self.cuda)
 
     def run(self, impl: str, step: int) -> tuple[float, float, float | None]:
         """(save seconds, stall seconds, load seconds or None), then the files are removed."""
         if impl in self.savers:
             measured = self.hdf5(self.savers[impl], step)
-        elif impl == "memcpy":
-            copy = _timed(self.copy_share, self.group)
+        elif impl in self.shares:
+            copy = self.timed(lambda: self.copy_share(impl))
             measured = (copy, copy, None)
         else:
             save, load = {"torch.save": self.torch_save, "dcp": self.dcp, "disk": self.disk}[impl]()
@@ -104,9 +134,10 @@ class _Bench:
         dist.barrier(group=self.group)
         return measured
 
-    def copy_share(self) -> None:
-        for tensor, buffer in self.share:
-            buffer.copy_(tensor)
+    def copy_share(self, impl: str) -> None:
+        """Into host buffers kept between rounds; from a GPU into pinned ones without blocking each copy."""
+        for tensor, buffer in self.shares[impl]:
+            buffer.copy_(tensor, non_blocking=self.cuda and impl == "memcpy")
 
     def hdf5(self, saver: Checkpointer, step: int) -> tuple[float, float, float]:
         pieces = [Piece.whole(name, t) for name, t in self.state.items()]
@@ -118,14 +149,14 @@ class _Bench:
             stalls.append(time.perf_counter() - started)
             saver.finalize()
 
-        elapsed = _timed(save, self.group)
+        elapsed = self.timed(save)
         stall = _slowest(stalls[0], self.group)
         step_dir = saver.root / f"step-{step:08d}"
 
         def load() -> None:
             load_into(open_checkpoint(step_dir), [Piece.whole(n, t) for n, t in self.into.items()])
 
-        return elapsed, stall, _timed(load, self.group)
+        return elapsed, stall, self.timed(load)
 
     def torch_save(self) -> tuple[float, float]:
         path = self.root / "torch" / "state.pt"
@@ -136,15 +167,15 @@ class _Bench:
                 torch.save(self.state, path)
                 fsync_path(path)
 
-        elapsed = _timed(save, self.group)
-        return elapsed, _timed(lambda: torch.load(path, weights_only=True), self.group)
+        elapsed = self.timed(save)
+        return elapsed, self.timed(lambda: torch.load(path, weights_only=True))
 
     def dcp(self) -> tuple[float, float]:
         import torch.distributed.checkpoint as dcp
 
         path = self.root / "dcp"
-        elapsed = _timed(lambda: dcp.save(self.state, checkpoint_id=path, process_group=self.group), self.group)
-        return elapsed, _timed(lambda: dcp.load(self.into, checkpoint_id=path, process_group=self.group), self.group)
+        elapsed = self.timed(lambda: dcp.save(self.state, checkpoint_id=path, process_group=self.group))
+        return elapsed, self.timed(lambda: dcp.load(self.into, checkpoint_id=path, process_group=self.group))
 
     def disk(self) -> tuple[float, float]:
         nbytes = sum(t.numel() * t.element_size() for t in self.state.values())
@@ -170,32 +201,39 @@ class _Bench:
                     while handle.readinto(buffer):
                         pass
 
-        elapsed = _timed(save, self.group)
-        return elapsed, _timed(load, self.group)
+        elapsed = self.timed(save)
+        return elapsed, self.timed(load)
 
 
-def bench_checkpoint(directory: Path, nbytes: int, iters: int, group: dist.ProcessGroup) -> list[dict]:
-    """Rows of ``COLUMNS``, the same on every rank; ``directory`` is this run's alone."""
-    state = training_state(nbytes)
+def bench_checkpoint(
+    directory: Path, nbytes: int, iters: int, group: dist.ProcessGroup, device: str = "auto"
+) -> list[dict]:
+    """Rows of ``COLUMNS``, the same on every rank; ``directory`` is this run's alone; the state on
+    ``device`` (:data:`DEVICES`; a GPU is the rank's current one)."""
+    device = resolve_device(device)
+    where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    state = {name: t.to(where) for name, t in training_state(nbytes).items()}
     total = sum(t.numel() * t.element_size() for t in state.values())
     bench = _Bench(directory, state, group)
     samples: dict[tuple[str, str], list[tuple[float, float | None]]] = {}
     for step in range(iters + 1):  # step 0 warms up (and allocates the async host buffers)
-        for impl in IMPLS:
+        for impl in bench.impls:
             save, stall, load = bench.run(impl, step)
             if step:
                 samples.setdefault((impl, "save"), []).append((save, stall))
                 if load is not None:
                     samples.setdefault((impl, "load"), []).append((load, None))
-    return _rows(samples, total, dist.get_world_size(group))
+    return _rows(samples, total, dist.get_world_size(group), device)
 
 
-def _rows(samples: dict[tuple[str, str], list[tuple[float, float | None]]], nbytes: int, ranks: int) -> list[dict]:
+def _rows(
+    samples: dict[tuple[str, str], list[tuple[float, float | None]]], nbytes: int, ranks: int, device: str = "cpu"
+) -> list[dict]:
     rows = []
     for (impl, op), runs in samples.items():
         seconds = statistics.median(t for t, _ in runs)
         stalls = [s for _, s in runs if s is not None]
-        rows.append({"impl": impl, "op": op, "bytes": nbytes, "ranks": ranks, "time_s": seconds,
+        rows.append({"impl": impl, "op": op, "device": device, "bytes": nbytes, "ranks": ranks, "time_s": seconds,
                      "MBps": nbytes / seconds / 1e6, "stall_s": statistics.median(stalls) if stalls else None})
     disk = {row["op"]: row["MBps"] for row in rows if row["impl"] == "disk"}
     floor = next(row["stall_s"] for row in rows if row["impl"] == "memcpy")
@@ -203,7 +241,7 @@ def _rows(samples: dict[tuple[str, str], list[tuple[float, float | None]]], nbyt
         row["stall_of_memcpy"] = None if row["stall_s"] is None else row["stall_s"] / floor
         row["of_disk"] = row["MBps"] / disk[row["op"]]
     return [{key: row[key] for key in COLUMNS}
-            for row in sorted(rows, key=lambda r: (r["op"] != "save", IMPLS.index(r["impl"])))]
+            for row in sorted(rows, key=lambda r: (r["op"] != "save", CUDA_IMPLS.index(r["impl"])))]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -212,5 +250,5 @@ def format_table(rows: list[dict]) -> str:
 
 def _cells(r: dict) -> tuple[object, ...]:
     stall, of_memcpy = ("-", "-") if r["stall_s"] is None else (f"{r['stall_s']:.3f}", f"{r['stall_of_memcpy']:.2f}x")
-    return (r["impl"], r["op"], r["bytes"], r["ranks"], f"{r['time_s']:.3f}", f"{r['MBps']:.0f}", stall, of_memcpy,
-            f"{r['of_disk']:.2f}x")
+    return (r["impl"], r["op"], r["device"], r["bytes"], r["ranks"], f"{r['time_s']:.3f}", f"{r['MBps']:.0f}", stall,
+            of_memcpy, f"{r['of_disk']:.2f}x")

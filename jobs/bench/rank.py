@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("--size", type=int, required=True, help="bytes")
     checkpoint.add_argument("--iters", type=int, required=True)
     checkpoint.add_argument("--dir", required=True, help="this run's own directory for the files")
+    checkpoint.add_argument("--device", default="auto", help="where the state lives: auto, cpu, cuda")
     memory = kinds.add_parser("memory", parents=[common])
     memory.add_argument("--zero", required=True, help="comma list of our ZeRO stages")
     memory.add_argument("--impls", required=True, help="comma list: ours, torch-zero, fsdp2")
@@ -103,7 +104,7 @@ def _checkpoint(args: argparse.Namespace, group) -> list[dict]:
 
     from jobs.bench.checkpoint import bench_checkpoint
 
-    return bench_checkpoint(Path(args.dir), args.size, args.iters, group)
+    return bench_checkpoint(Path(args.dir), args.size, args.iters, group, args.device)
 
 
 def _memory(args: argparse.Namespace, group) -> list[dict]:
