@@ -34,7 +34,7 @@ with its source, in docs/PLANNER.md; the names below follow it:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -379,13 +379,16 @@ class Plan:
 
 
 def plan(model: Transformer, train: Training, cluster: Cluster, gpus: int,
-         zero_stages: tuple[int, ...] = (0,)) -> Plan:
-    """Estimate every layout of ``gpus`` ranks; keep those whose memory fits a device, fastest first."""
+         zero_stages: tuple[int, ...] = (0,), only: Callable[[Layout], bool] | None = None) -> Plan:
+    """Estimate every layout of ``gpus`` ranks (those ``only`` accepts); keep those whose memory fits a device,
+    fastest first."""
     capacity = cluster.memory_gib * GIB * cluster.usable_memory
     fitting: list[Estimate] = []
     leanest: Estimate | None = None
     considered = 0
     for lay in layouts(model, train, gpus, zero_stages):
+        if only is not None and not only(lay):
+            continue
         considered += 1
         need = memory_bytes(model, train, cluster, lay)
         if need <= capacity:

@@ -213,6 +213,109 @@ def test_bad_input_is_one_line(capsys, tmp_path: Path) -> None:
     assert "--model is missing heads, seq, vocab" in capsys.readouterr().err
 
 
+ONE_T = ["--model", "layers=128,hidden=25600,heads=160,seq=2048,vocab=51200", "--batch", "3072",
+         "--cluster", "a100-superpod", "--no-overlap"]  # Megatron-LM's 1T run, as the README plans it
+
+
+def test_hpc_plan_layout_predicts_the_one_layout_given(capsys) -> None:
+    """Issue 28: one layout's prediction, without filtering it out of --json --top 1000000."""
+    asked = "dp=6,tp=8,pp=64,m=512,schedule=interleaved/2,ckpt=on"
+    assert main(["plan", *ONE_T, "--layout", asked]) == 0  # --gpus: dp tp pp
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(f"on 3072 x A100 DGX SuperPOD (Selene): 1 layout matches --layout {asked}, 1 fit in "
+                             "72.0 GiB per rank")
+    assert len(lines) == 4 and lines[2].split()[:10] == ["dp=6", "tp=8", "pp=64", "m=512", "interleaved/2", "ckpt",
+                                                        "113", "s", "55,554", "148"]
+    assert lines[3] == ("dp=6 tp=8 pp=64 m=512 interleaved/2 ckpt: number 1 of the 35 fitting layouts of 3072 "
+                        "ranks, predicted +0% against the recommended, dp=6 tp=8 pp=64 m=512 interleaved/2 ckpt")
+    assert main(["plan", *ONE_T, "--layout", "dp=6,tp=8,pp=64,m=512,schedule=1f1b,ckpt=on", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    model = Transformer(128, 25600, 160, 2048, 51200)
+    lay = Layout(6, 8, 64, 512, "1f1b", 1, True)
+    expected = estimate(model, replace(MIXED_ADAM, batch=3072, dp_overlap=False), load_cluster("a100-superpod"), lay)
+    assert (data["fitting"], data["considered"]) == (1, 1) and data["layout_asked"].endswith("schedule=1f1b,ckpt=on")
+    assert data["recommended"]["step_s"] == expected.step_s and data["recommended"]["layout"]["schedule"] == "1f1b"
+
+
+def test_hpc_plan_layout_chooses_what_it_leaves_out_as_the_planner_would(capsys) -> None:
+    assert main(["plan", *ONE_T, "--layout", "dp=6,tp=8,pp=64", "--top", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    full = plan(Transformer(128, 25600, 160, 2048, 51200), replace(MIXED_ADAM, batch=3072, dp_overlap=False),
+                load_cluster("a100-superpod"), 3072)
+    assert data["recommended"]["step_s"] == best_of(full.fitting, 6, 8, 64).step_s
+    assert len(data["layouts"]) == 2 and data["fitting"] == 4 and data["considered"] == 48
+    assert main(["plan", *ONE_T, "--layout", "dp=6,tp=8,pp=64,m=1,schedule=1f1b,ckpt=off"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "dp=6 tp=8 pp=64 m=1 1f1b does not fit: it needs 1106.7 GiB per rank, 1034.7 GiB more than the usable "
+        "72.0 GiB")
+
+
+@pytest.mark.parametrize(("layout", "extra", "message"), [
+    ("dp=6,tp=7,pp=64", [], "--layout dp=6,tp=7,pp=64: tp=7 does not divide the model's 160 heads"),
+    ("dp=6,tp=8,pp=63", [], "pp=63 does not divide the model's 128 layers"),
+    ("dp=5,tp=8,pp=64", ["--gpus", "2560"], "dp=5 does not divide the global batch of 3072 sequences"),
+    ("dp=6,tp=8,pp=64,m=3", [], "m=3 does not divide a replica's batch of 512 sequences"),
+    ("dp=6,tp=8,pp=64,m=4,schedule=interleaved", [], "interleaved needs m a multiple of pp=64, got m=4"),
+    ("dp=6,tp=8,pp=64,schedule=interleaved/3", [], "interleaved/3: 3 does not divide a stage's 2 layers"),
+    ("dp=3072,tp=1,pp=1,schedule=gpipe", [], "schedule=gpipe needs a pipeline (pp > 1)"),
+    ("dp=6,tp=8,pp=64,ep=2", [], "ep=2 needs a mixture of experts"),
+    ("dp=1,tp=8,pp=64,zero=1", ["--gpus", "512"], "ZeRO shards over data parallelism: it needs dp > 1"),
+    ("dp=6,tp=8", [], "--layout is missing pp (give at least dp=,tp=,pp=)"),
+    ("dp=6,tp=8,pp=64,v=2", [], "--layout v=2: expected KEY=VALUE with KEY one of dp, tp, pp, m, schedule, ckpt"),
+    ("dp=6,tp=8,pp=64,dp=6", [], "--layout gives dp twice"),
+    ("dp=6,tp=8,pp=x", [], "--layout pp must be a positive integer, got x"),
+    ("dp=6,tp=8,pp=64,zero=4", [], "--layout zero must be 0, 1, 2 or 3, got 4"),
+    ("dp=6,tp=8,pp=64,ckpt=yes", [], "--layout ckpt must be on or off, got yes"),
+    ("dp=6,tp=8,pp=64,schedule=interleaved/1", [], "or interleaved/V with V at least 2, got interleaved/1"),
+    ("dp=6,tp=8,pp=64", ["--gpus", "16"], "--layout dp=6 tp=8 pp=64 is 3072 ranks, --gpus 16"),
+    ("dp=6,tp=8,pp=64,ckpt=off", ["--checkpointing", "on"], "--layout ckpt=off contradicts --checkpointing on"),
+])
+def test_a_bad_layout_is_one_line_naming_the_problem(capsys, layout, extra, message) -> None:
+    assert main(["plan", *ONE_T, "--layout", layout, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_every_layout_the_planner_considers_can_be_asked_for_alone() -> None:
+    """--layout's checks agree with layouts(): none of its layouts is refused, and all its keys name only it."""
+    from hpc.cli.plan import _layout_problem, _matches
+
+    every = list(layouts(MOE, MOE_TRAIN, 8, (0, 1, 2, 3)))
+    assert len(every) > 100
+    for lay in every:
+        want = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "m": lay.microbatches, "ckpt": lay.checkpointing,
+                "zero": lay.zero, "ep": lay.ep,
+                "schedule": (lay.schedule, lay.virtual_stages if lay.schedule == "interleaved" else None)}
+        assert _layout_problem(MOE, MOE_TRAIN, want) is None, lay
+        assert [other for other in every if _matches(other, want)] == [lay]
+
+
+def test_hpc_plan_refuses_a_set_it_would_ignore(capsys) -> None:
+    """Issue 28: --set with --model, or of a key the planner does not read, exited 0 having changed nothing."""
+    cases = [
+        ([*ONE_T, "--gpus", "8", "--set", "parallel.tp=2", "--set", "bogus.key=1"],
+         "--set parallel.tp=2: hpc plan --model reads no job spec, so --set has nothing to change"),
+        ([str(GPT), "--cluster", "a100-superpod", "--gpus", "8", "--set", "bogus.key=1"],
+         "--set bogus.key=1: unknown key bogus"),
+        ([str(GPT), "--cluster", "a100-superpod", "--gpus", "8", "--set", "train.lr=1"],
+         "--set train.lr=1: hpc plan does not use train.lr (it reads model.kind, "),
+        ([str(GPT), "--cluster", "a100-superpod", "--gpus", "8", "--set", "parallel.zero=1"],
+         "--set parallel.zero=1: hpc plan does not use parallel.zero (--zero considers every ZeRO stage"),
+        ([str(GPT), "--cluster", "a100-superpod", "--set", "parallel.tp=4", "--layout", "dp=2,tp=2,pp=2"],
+         "--set parallel.tp=4: hpc plan --layout does not use the spec's layout; give it in --layout"),
+        ([str(GPT), "--cluster", "a100-superpod", "--gpus", "8", "--batch", "16", "--set", "data.batch_size=8"],
+         "--set data.batch_size=8: --batch gives the batch; give one or the other"),
+        (["--calibrate", "--set", "train.lr=1"], "--set train.lr=1: hpc plan --calibrate reads no job spec"),
+    ]
+    for args, message in cases:
+        assert main(["plan", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    used = ["--set", "parallel.tp=4", "--set", "parallel.pp=1", "--set", "parallel.compression=int8"]
+    assert main(["plan", str(GPT), "--cluster", "a100-superpod", "--gpus", "8", *used]) == 0
+    assert "the spec's layout, dp=2 tp=4 pp=1 m=4 1f1b: number " in capsys.readouterr().out
+
+
 def test_the_planner_imports_no_torch() -> None:
     code = ("import sys, parallel.plan, parallel.cluster, hpc.cli.plan\n"
             "print(sorted(m for m in ('torch', 'numpy', 'h5py') if m in sys.modules))")

@@ -13,6 +13,15 @@ from hpc.config import show_text
 from hpc.errors import ConfigError
 
 MODEL_KEYS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "seq": "seq_len", "vocab": "vocab"}
+LAYOUT_KEYS = ("dp", "tp", "pp", "m", "schedule", "ckpt", "zero", "ep")  # --layout's, as Layout.label() spells them
+# The spec keys hpc plan reads (--set of any other is refused): the GPT, the batch, the optimizer's bytes, the codec,
+# the DP all-reduce's overlap and buckets; and the spec's own layout, which it ranks among the others.
+SPEC_LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.microbatches",
+                    "parallel.schedule", "parallel.virtual_stages", "train.activation_checkpointing")
+PLANNED_KEYS = ("model.kind", "model.entry", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len",
+                "model.moe_experts", "model.moe_top_k", "model.moe_every", "data.batch_size", "train.optimizer",
+                "train.momentum", "train.bf16_autocast", "parallel.compression", "parallel.topk_fraction",
+                "parallel.powersgd_rank", "parallel.overlap", "parallel.bucket_mb", *SPEC_LAYOUT_KEYS)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -26,11 +35,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                       help="a GPT without a spec: layers=,hidden=,heads=,seq=,vocab= (mixed-precision Adam)")
     plan.add_argument("--batch", type=int, help="global batch in sequences (default: the spec's data.batch_size)")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a spec value (repeatable)")
+                      help="override a spec value the planner reads (repeatable; another key is refused; "
+                           "--validate passes every one to hpc run)")
     plan.add_argument("--zero", action="store_true", help="also consider ZeRO stages 1, 2 and 3")
     plan.add_argument("--no-overlap", action="store_true", help="DP all-reduce after backward, not behind it")
     plan.add_argument("--checkpointing", choices=("any", "on", "off"), default="any",
                       help="activation checkpointing: consider both (default), or only on, or only off")
+    plan.add_argument("--layout", metavar="dp=,tp=,pp=[,...]",
+                      help="predict this layout alone: dp=,tp=,pp= and optionally m= (microbatches), schedule= "
+                           "(1f1b, gpipe, interleaved, interleaved/V), ckpt=on|off, zero=0-3, ep=; what is left out "
+                           "is chosen as the planner would (the fastest that fits); --gpus defaults to dp tp pp")
     plan.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     plan.add_argument("--json", action="store_true", help="the plan as one JSON object")
     plan.add_argument("--calibrate", action="store_true",
@@ -62,27 +76,169 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from parallel.cluster import load_cluster
     from parallel.plan import plan
 
+    if args.layout and (args.calibrate or args.validate):
+        raise ConfigError("--layout predicts one layout; --calibrate and --validate do not take it "
+                          "(--validate runs the layouts of --layouts)")
+    if args.validate:
+        return cmd_validate(args)  # every --set goes to the runs
+    _check_overrides(args)
     if args.calibrate:
         return cmd_calibrate(args)
-    if args.validate:
-        return cmd_validate(args)
+    want = _parse_layout(args) if args.layout else None
+    if want is not None and args.gpus is None:
+        args.gpus = want["dp"] * want["tp"] * want["pp"]
     if args.cluster is None or args.gpus is None:
         raise ConfigError("hpc plan needs --cluster and --gpus (or --calibrate to write a cluster file)")
     if args.gpus < 1 or args.top < 1:
         raise ConfigError(f"--gpus and --top must be at least 1, got {args.gpus} and {args.top}")
     model, train = _workload(args)
     cluster = load_cluster(args.cluster)
+    if want is not None:
+        return _plan_layout(args, model, train, cluster, want)
     result = plan(model, train, cluster, args.gpus, (0, 1, 2, 3) if args.zero else (0,))
     if args.checkpointing != "any":
         keep = tuple(e for e in result.fitting if e.layout.checkpointing == (args.checkpointing == "on"))
         result = replace(result, fitting=keep)
-    if args.json:
-        print(json.dumps(_as_json(model, train, cluster, args.gpus, result, args.top)))
-    else:
-        print(_as_text(model, cluster, args.gpus, result, args.top))
-        if args.spec and result.fitting:
-            print(_spec_layout_line(args, result))
+    _print_plan(args, model, train, cluster, result)
+    if args.spec and result.fitting and not args.json:
+        print(_spec_layout_line(args, result))
     return 0 if result.fitting else 1
+
+
+def _print_plan(args: argparse.Namespace, model, train, cluster, result) -> None:
+    """The plan as text or JSON; with --layout, the layout asked for and, when none of its layouts fits, the
+    leanest of them."""
+    if not args.json:
+        print(_layout_text(args, model, train, cluster, result) if args.layout
+              else _as_text(model, cluster, args.gpus, result, args.top))
+        return
+    out = _as_json(model, train, cluster, args.gpus, result, args.top)
+    if args.layout:
+        lean = result.leanest
+        out.update(layout_asked=args.layout,
+                   leanest={**asdict(lean), "shares": lean.shares()} if lean and not result.fitting else None)
+    print(json.dumps(out))
+
+
+def _check_overrides(args: argparse.Namespace) -> None:
+    """Refuse a --set that hpc plan would ignore: every one without a job spec (--model, --calibrate), and with
+    one a key it does not read; an unknown key or a bad value gets the spec's own message first."""
+    from hpc.config import load_spec
+
+    if args.overrides and args.spec and not args.calibrate:
+        load_spec(args.spec, args.overrides)
+    for override in args.overrides:
+        key, shown = override.partition("=")[0].strip(), f"--set {show_text(override)}"
+        if args.calibrate or not args.spec:
+            hint = "" if args.calibrate else " (the layout of one prediction: --layout dp=,tp=,pp=)"
+            raise ConfigError(f"{shown}: hpc plan {'--calibrate' if args.calibrate else '--model'} reads no job "
+                              f"spec, so --set has nothing to change{hint}")
+        if key == "parallel.zero":
+            raise ConfigError(f"{shown}: hpc plan does not use parallel.zero (--zero considers every ZeRO stage; "
+                              "--layout ...,zero=N predicts one)")
+        if key not in PLANNED_KEYS:
+            raise ConfigError(f"{shown}: hpc plan does not use {show_text(key)} (it reads {', '.join(PLANNED_KEYS)})")
+        if args.layout and key in SPEC_LAYOUT_KEYS:
+            raise ConfigError(f"{shown}: hpc plan --layout does not use the spec's layout; give it in --layout")
+        if args.batch is not None and key == "data.batch_size":
+            raise ConfigError(f"{shown}: --batch gives the batch; give one or the other")
+
+
+def _plan_layout(args: argparse.Namespace, model, train, cluster, want: dict) -> int:
+    """The layouts --layout names (one, when it gives every key), predicted and printed as hpc plan prints any."""
+    from parallel.plan import plan
+
+    problem = _layout_problem(model, train, want)
+    if problem:
+        raise ConfigError(f"--layout {show_text(args.layout)}: {problem}")
+    zero = (want["zero"],) if "zero" in want else (0, 1, 2, 3) if args.zero else (0,)
+    result = plan(model, train, cluster, args.gpus, zero, only=lambda lay: _matches(lay, want))
+    if not result.considered:
+        raise ConfigError(f"--layout {show_text(args.layout)}: no layout of {args.gpus} ranks the planner "
+                          "considers matches it")
+    _print_plan(args, model, train, cluster, result)
+    return 0 if result.fitting else 1
+
+
+def _parse_layout(args: argparse.Namespace) -> dict:
+    """--layout dp=,tp=,pp=[,m=,schedule=,ckpt=,zero=,ep=] as {key: value}; schedule as (name, chunks or None)."""
+    want: dict = {}
+    for item in args.layout.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in LAYOUT_KEYS:
+            raise ConfigError(f"--layout {show_text(item)}: expected KEY=VALUE with KEY one of "
+                              f"{', '.join(LAYOUT_KEYS)}")
+        if key in want:
+            raise ConfigError(f"--layout gives {key} twice")
+        want[key] = _layout_value(key, value)
+    missing = [key for key in ("dp", "tp", "pp") if key not in want]
+    if missing:
+        raise ConfigError(f"--layout is missing {', '.join(missing)} (give at least dp=,tp=,pp=)")
+    if args.checkpointing != "any":
+        if want.setdefault("ckpt", args.checkpointing == "on") != (args.checkpointing == "on"):
+            raise ConfigError(f"--layout ckpt={'on' if want['ckpt'] else 'off'} contradicts --checkpointing "
+                              f"{args.checkpointing}")
+    if args.gpus is not None and want["dp"] * want["tp"] * want["pp"] != args.gpus:
+        raise ConfigError(f"--layout dp={want['dp']} tp={want['tp']} pp={want['pp']} is "
+                          f"{want['dp'] * want['tp'] * want['pp']} ranks, --gpus {args.gpus}")
+    return want
+
+
+def _layout_value(key: str, value: str):
+    from parallel.plan import SCHEDULES
+
+    if key == "schedule":
+        name, slash, chunks = value.partition("/")
+        if name not in SCHEDULES or (slash and (name != "interleaved" or not _digits(chunks) or int(chunks) < 2)):
+            raise ConfigError(f"--layout schedule must be one of {', '.join(SCHEDULES)} or interleaved/V with V at "
+                              f"least 2, got {show_text(value)}")
+        return name, int(chunks) if slash else None
+    if key == "ckpt":
+        if value not in ("on", "off"):
+            raise ConfigError(f"--layout ckpt must be on or off, got {show_text(value)}")
+        return value == "on"
+    low, high = (0, 3) if key == "zero" else (1, None)
+    if not _digits(value) or int(value) < low or (high is not None and int(value) > high):
+        wanted = "0, 1, 2 or 3" if key == "zero" else "a positive integer"
+        raise ConfigError(f"--layout {key} must be {wanted}, got {show_text(value)}")
+    return int(value)
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def _layout_problem(model, train, want: dict) -> str | None:
+    """Why no layout of the planner (parallel/plan.py's ``layouts``) can match ``want``, or None."""
+    dp, tp, pp, m, ep = want["dp"], want["tp"], want["pp"], want.get("m"), want.get("ep", 1)
+    name, chunks = want.get("schedule", ("1f1b", None))
+    stage = model.layers // pp
+    checks = (
+        (model.heads % tp, f"tp={tp} does not divide the model's {model.heads} heads"),
+        (model.layers % pp, f"pp={pp} does not divide the model's {model.layers} layers"),
+        (train.batch % dp, f"dp={dp} does not divide the global batch of {train.batch} sequences"),
+        (m and train.batch // dp % m, f"m={m} does not divide a replica's batch of {train.batch // dp} sequences"),
+        (name != "1f1b" and pp == 1, f"schedule={name} needs a pipeline (pp > 1)"),
+        (name == "interleaved" and m and m % pp, f"interleaved needs m a multiple of pp={pp}, got m={m}"),
+        (name == "interleaved" and stage < 2, "interleaved needs at least 2 layers per stage"),
+        (chunks and stage % chunks, f"interleaved/{chunks}: {chunks} does not divide a stage's {stage} layers"),
+        (ep > 1 and not model.experts, f"ep={ep} needs a mixture of experts"),
+        (ep > 1 and (dp % ep or model.experts % ep), f"ep={ep} must divide dp={dp} and the {model.experts} experts"),
+        (want.get("zero") and dp == 1, "ZeRO shards over data parallelism: it needs dp > 1"),
+    )
+    return next((text for bad, text in checks if bad), None)
+
+
+def _matches(lay, want: dict) -> bool:
+    have = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "m": lay.microbatches, "ckpt": lay.checkpointing,
+            "zero": lay.zero, "ep": lay.ep}
+    for key, value in want.items():
+        if key == "schedule":
+            if lay.schedule != value[0] or (value[1] is not None and lay.virtual_stages != value[1]):
+                return False
+        elif have[key] != value:
+            return False
+    return True
 
 
 def _workload(args: argparse.Namespace):
@@ -188,14 +344,23 @@ def _spec_layout_line(args: argparse.Namespace, result) -> str:
            f"the fitting layouts of {args.gpus} ranks"
 
 
-def _as_text(model, cluster, gpus: int, result, top: int) -> str:
-    from hpc.text import format_table, human_bytes
+HEADER = ["layout", "step", "tokens/s", "TFLOP/s/GPU", "MFU", "memory", "compute", "tp", "pp", "dp", "ep"]
+
+
+def _head(model, cluster, gpus: int, result, layouts: str) -> str:
+    from hpc.text import human_bytes
 
     count = f"{model.params / 1e9:.4g}B" if model.params >= 1e9 else f"{model.params / 1e6:.3g}M"
     moe = f", {model.experts} experts top-{model.top_k} every {model.moe_every} layers" if model.experts else ""
-    head = (f"{count}-parameter GPT ({model.layers} layers, hidden {model.hidden}, {model.heads} "
-            f"heads, seq {model.seq_len}{moe}) on {gpus} x {cluster.name}: {result.considered} layouts, "
+    return (f"{count}-parameter GPT ({model.layers} layers, hidden {model.hidden}, {model.heads} "
+            f"heads, seq {model.seq_len}{moe}) on {gpus} x {cluster.name}: {layouts}, "
             f"{len(result.fitting)} fit in {human_bytes(result.capacity_bytes)} per rank")
+
+
+def _as_text(model, cluster, gpus: int, result, top: int) -> str:
+    from hpc.text import format_table, human_bytes
+
+    head = _head(model, cluster, gpus, result, f"{result.considered} layouts")
     if not result.fitting:
         if result.leanest is None:
             return f"{head}\nno layout divides the model (tp | heads, pp | layers, dp | batch) on {gpus} ranks"
@@ -203,9 +368,39 @@ def _as_text(model, cluster, gpus: int, result, top: int) -> str:
         return (f"{head}\nno layout fits: the leanest, {lean.layout.label()}, needs {human_bytes(lean.memory_bytes)}"
                 f" per rank, {human_bytes(result.shortfall_bytes)} more than the usable "
                 f"{human_bytes(result.capacity_bytes)}")
-    header = ["layout", "step", "tokens/s", "TFLOP/s/GPU", "MFU", "memory", "compute", "tp", "pp", "dp", "ep"]
-    table = format_table(header, [_row(e) for e in result.fitting[:top]])
+    table = format_table(HEADER, [_row(e) for e in result.fitting[:top]])
     return f"{head}\n{table}\nrecommended: {result.fitting[0].layout.label()}"
+
+
+def _layout_text(args: argparse.Namespace, model, train, cluster, result) -> str:
+    """--layout's rows: those that fit, fastest first, and where the fastest ranks among every layout; or the
+    leanest, and by how much it misses."""
+    from hpc.text import format_table, human_bytes
+
+    n = result.considered
+    asked = f"{n} layout{'s' * (n != 1)} match{'es' * (n == 1)} --layout {show_text(args.layout)}"
+    head = _head(model, cluster, args.gpus, result, asked)
+    table = format_table(HEADER, [_row(e) for e in result.fitting[: args.top] or (result.leanest,)])
+    if result.fitting:
+        return f"{head}\n{table}\n{_place_line(args, model, train, cluster, result.fitting[0])}"
+    lean = result.leanest
+    which = f"the leanest, {lean.layout.label()}," if n > 1 else lean.layout.label()
+    return (f"{head}\n{table}\n{which} does not fit: it needs "
+            f"{human_bytes(lean.memory_bytes)} per rank, {human_bytes(result.shortfall_bytes)} more than the usable "
+            f"{human_bytes(result.capacity_bytes)}")
+
+
+def _place_line(args: argparse.Namespace, model, train, cluster, chosen) -> str:
+    """Where a layout ranks among every fitting layout of the ranks, and how much slower it is predicted."""
+    from parallel.plan import plan
+
+    fitting = plan(model, train, cluster, args.gpus, (0, 1, 2, 3) if args.zero or chosen.layout.zero else (0,)).fitting
+    if args.checkpointing != "any":
+        fitting = tuple(e for e in fitting if e.layout.checkpointing == (args.checkpointing == "on"))
+    place = next(place for place, e in enumerate(fitting, start=1) if e.layout == chosen.layout)
+    return (f"{chosen.layout.label()}: number {place} of the {len(fitting)} fitting layouts of {args.gpus} ranks, "
+            f"predicted {chosen.step_s / fitting[0].step_s - 1:+.0%} against the recommended, "
+            f"{fitting[0].layout.label()}")
 
 
 def _as_json(model, train, cluster, gpus: int, result, top: int) -> dict:
