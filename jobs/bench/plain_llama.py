@@ -25,8 +25,9 @@ SPEC = Path(__file__).with_name("llama_bench.toml")
 def bench_settings() -> dict:
     """The benchmark spec's model, batch and optimizer settings, so both loops train the same thing."""
     spec = tomllib.loads(SPEC.read_text())
-    return {"args": spec["model"]["args"], "seq_len": spec["model"]["seq_len"], "batch": spec["data"]["batch_size"],
-            "lr": spec["train"]["lr"], "weight_decay": spec["train"]["weight_decay"], "clip": spec["train"]["grad_clip"]}
+    model, train = spec["model"], spec["train"]
+    return {"args": model["args"], "seq_len": model["seq_len"], "batch": spec["data"]["batch_size"],
+            "lr": train["lr"], "weight_decay": train["weight_decay"], "clip": train["grad_clip"]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
