@@ -86,12 +86,12 @@ class AttachAuxLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        ctx.scale, ctx.aux_dtype, ctx.aux_device = scale, aux.dtype, aux.device
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.tensor(ctx.scale, dtype=ctx.aux_dtype), None
+        return grad, torch.tensor(ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device), None
 
 
 class MoE(nn.Module):

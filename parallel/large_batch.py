@@ -35,9 +35,9 @@ class _TrustRatioOptimizer(torch.optim.Optimizer):
     def _whole_norms(self, params: list[torch.Tensor], pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """``[len(pairs), 2]`` float64 norms of each pair, summed over the TP group for the split parameters."""
         if not pairs:
-            return torch.zeros((0, 2), dtype=torch.float64)
+            return torch.zeros((0, 2), dtype=torch.float64, device=params[0].device if params else None)
         squares = torch.stack([torch.stack([a.double().square().sum(), b.double().square().sum()]) for a, b in pairs])
-        split = torch.tensor([id(p) in self._split for p in params], dtype=torch.bool)
+        split = torch.tensor([id(p) in self._split for p in params], dtype=torch.bool, device=squares.device)
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1 and bool(split.any()):
             shards = squares[split].contiguous()
             dist.all_reduce(shards, group=self.tp_group)

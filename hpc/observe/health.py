@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from hpc.errors import HpcError
 from hpc.observe.probe import Probe
 from hpc.runtime.mesh import AXES, Mesh
+from hpc.runtime.placement import carries_cuda
 
 MESSAGE_BYTES = 1 << 20
 
@@ -90,11 +91,13 @@ def check_mesh(mesh: Mesh, probe: Probe, timeout_s: float, message_bytes: int = 
 
     groups = _groups(mesh)
     me = mesh.rank
-    timings = torch.zeros(len(groups), 2, dtype=torch.float64)  # per group: all-reduce s, ring receive s
-    payload = torch.ones(message_bytes // 4, dtype=torch.float32)
+    # the mesh's device where its backend carries it (NCCL: the links training uses), else the host (Gloo)
+    device = mesh.device if carries_cuda(None) else torch.device("cpu")
+    timings = torch.zeros(len(groups), 2, dtype=torch.float64, device=device)  # per group: all-reduce s, ring s
+    payload = torch.ones(message_bytes // 4, dtype=torch.float32, device=device)
     received = torch.empty_like(payload)
     for row, (axis, group, members) in enumerate(groups):
-        ones = torch.ones(1)
+        ones = torch.ones(1, device=device)
         started = time.perf_counter()
         with probe.collective(f"health check all-reduce ({axis})", f"health-{axis}", members, abort_s=timeout_s):
             dist.all_reduce(ones, group=group)
