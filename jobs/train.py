@@ -70,12 +70,13 @@ def base_learning_rate(cfg: TrainConfig, global_batch: int) -> float:
 
 
 def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float, optimizer=None,
-                   experts: tuple[ExpertGroups, list[torch.nn.Parameter]] | None = None) -> float:
+                   experts: tuple[ExpertGroups, list[torch.nn.Parameter]] | None = None) -> torch.Tensor:
     """Clip to the single-device model's global norm: TP shards counted on every TP rank, tensors
     replicated over TP on TP rank 0 only, summed over TP and PP. Under ZeRO-2 (``optimizer.zero_stage``)
     each DP rank holds only its owners' gradients: it counts those, and the sum goes over DP too.
     With sharded ``experts`` (their groups and this rank's expert parameters) each EP rank counts its
-    experts and EP rank 0 the dense rest, summed over the EP group too. Returns the norm before clipping."""
+    experts and EP rank 0 the dense rest, summed over the EP group too. Returns the norm before clipping, a 0-dim
+    tensor on the gradients' device (``parallel.clip``)."""
     split = tp_split_dims(model)
     sharded = optimizer is not None and getattr(optimizer, "zero_stage", 0) >= 2
     own = {id(p) for p in experts[1]} if experts else set()
@@ -91,16 +92,17 @@ def forward_backward(
     workload: Workload, actions: list[Action] | None, pp: Transport,
     inputs: torch.Tensor, targets: torch.Tensor, microbatches: int, probe: Probe | None = None,
     lookahead: int = 4,
-) -> tuple[float | None, float]:
+) -> tuple[torch.Tensor | float | None, float]:
     """Accumulate this step's gradients; ``pp`` carries the pipeline's messages over its group. Returns the
-    replica's mean loss on its last pipeline stage (else None) and the seconds spent waiting for pipeline messages."""
+    replica's mean loss on its last pipeline stage (else None), without a pipeline a 0-dim tensor on the device
+    (no host synchronization mid-step), and the seconds spent waiting for pipeline messages."""
     probe = probe or Probe()
     if actions is None:
         with probe.span("forward"):
             loss = workload.loss(workload.chunks[0](inputs), targets)
         with probe.span("backward"):
             loss.backward()
-        return loss.item(), 0.0
+        return loss.detach(), 0.0
     stats = run_pipeline_step(
         actions, workload.chunks, pp.group, activation_shape=workload.activation_shape(len(inputs) // microbatches),
         loss_fn=workload.loss, inputs=inputs.chunk(microbatches), targets=targets.chunk(microbatches), probe=probe,
@@ -255,8 +257,9 @@ class StepRunner:
         with probe.span("optimizer step"), optimizer.skip_synchronize():
             optimizer.step()
         with probe.collective("loss all-reduce", "world", self.everyone):
-            global_loss = sum_over_replicas([loss or 0.0], self.mesh)[0] / self.mesh.size("dp")
-        return StepOutcome(global_loss, lr, grad_norm, pipeline_wait, self.workload.moe_metrics())
+            global_loss = sum_over_replicas([0.0 if loss is None else loss], self.mesh)[0] / self.mesh.size("dp")
+        # the step's one host synchronization was the loss sum's: the norm is computed by now
+        return StepOutcome(global_loss, lr, float(grad_norm), pipeline_wait, self.workload.moe_metrics())
 
 
 class RunRecords:

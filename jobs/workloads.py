@@ -229,13 +229,14 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=tensor.is_pinned())
 
 
-def sum_over_replicas(values: Sequence[float], mesh: Mesh) -> list[float]:
+def sum_over_replicas(values: Sequence[float | torch.Tensor], mesh: Mesh) -> list[float]:
     """Sums over the DP replicas of numbers held by the last pipeline stage, on every rank.
 
     One all-reduce over the whole mesh in float64, to which only the ranks of the last
     stage with TP index 0 contribute (their TP peers hold the same numbers).
     """
     reports = mesh.index("pp") == mesh.size("pp") - 1 and mesh.index("tp") == 0
-    totals = torch.tensor(values if reports else [0.0] * len(values), dtype=torch.float64, device=mesh.device)
+    totals = torch.stack([torch.as_tensor(value if reports else 0.0, dtype=torch.float64, device=mesh.device)
+                          for value in values])
     dist.all_reduce(totals)
     return totals.tolist()

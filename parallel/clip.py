@@ -28,12 +28,14 @@ def clip_grad_norm_(
     *,
     counted: Iterable[torch.Tensor],
     groups: Sequence[ProcessGroup] = (),
-) -> float:
+) -> torch.Tensor:
     """Scale this rank's gradients so the global 2-norm is at most ``max_norm``; returns the norm before.
 
     ``counted`` are the parameters whose gradients this rank contributes to the norm
     (each part of the model counted by exactly one rank across ``groups``); all of
-    ``parameters`` are scaled. Collective over each group of ``groups`` with more than one rank.
+    ``parameters`` are scaled. Collective over each group of ``groups`` with more than one rank. The norm
+    comes back as a 0-dim tensor on the gradients' device: reading it (``float``) is the caller's host
+    synchronization, which a training step takes once, at its end.
     """
     parameters = list(parameters)
     grads = [p.grad for p in counted if p.grad is not None]
@@ -49,4 +51,4 @@ def clip_grad_norm_(
         total = local
     if math.isfinite(max_norm):  # inf: measure the norm only (for metrics)
         clip_grads_with_norm_(parameters, max_norm, total)
-    return total.item()
+    return total.detach()

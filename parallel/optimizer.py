@@ -151,6 +151,8 @@ class DistributedOptimizerMixin:
         self._pending_stats = CommStats()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         self._momentum = reducer.momentum_correction(self)  # top-k applies SGD's momentum before reducing
+        # alone with no momentum to apply, a bucket has nothing to exchange
+        self._idle = self._alone and self._momentum is None
         # ZeRO (parallel/zero.py): stage 2 assigns owners per bucket, so each bucket reduce-scatters to them
         buckets = [bucket.params for bucket in self.buckets] if zero >= 2 else ()
         self.zero = ZeroShards(params, transport.group, buckets) if zero else None
@@ -176,6 +178,9 @@ class DistributedOptimizerMixin:
 
     def _launch(self, bucket: Bucket) -> None:
         self._next_launch += 1
+        if self._idle:  # only unused gradients to fill in: here, no thread or stream hand-off
+            self._reduce_now(bucket)
+            return
         self._pending_stats.launch_times.append(time.perf_counter())
         if self._executor is None:
             started = time.perf_counter()

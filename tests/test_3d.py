@@ -174,7 +174,7 @@ def _clip_once(world, layout, max_norm: float):
     inputs, targets = workload.batch(0)
     forward_backward(workload, actions, TorchTransport(mesh.group("pp")), inputs, targets, microbatches=2)
     model = workload.model
-    norm = clip_gradients(model, mesh, max_norm)
+    norm = float(clip_gradients(model, mesh, max_norm))
     grads = dict(model.named_parameters())
     return norm, [(name, shape, offsets, grads[name.removeprefix("model/")].grad.numpy().copy())
                   for name, shape, offsets, _ in pieces_as_numpy(model, mesh)]
