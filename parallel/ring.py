@@ -95,6 +95,8 @@ class TorchTransport:
 
     def post(self, ops: Sequence[PointToPoint]) -> list[Pending]:
         """One ``batch_isend_irecv``: a single launch where the backend coalesces (NCCL)."""
+        if not ops:
+            return []
         carried = [_host_side(op) if self._stages(op.tensor) else op for op in ops]
         works = dist.batch_isend_irecv([
             dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, group=self.group, group_peer=op.peer,
