@@ -5,6 +5,8 @@ with its source, in docs/PLANNER.md; the names below follow it:
 
 - compute from FLOPs: a transformer layer's forward is 24 b s h^2 + 4 b s^2 h (Narayanan et al. SC21, section
   5.1), the logits 2 b s h V; backward twice the forward; activation checkpointing recomputes the layers' forward.
+  In general 2 b s FLOPs per matrix parameter (grouped-query attention's K and V have k/a of Q's; a gated MLP
+  three h x ffn matrices) and 4 b s s' h for the scores and weighted values, s' = s or the sliding window.
   Matrix products run at ``matmul_efficiency`` of the device's peak; the elementwise work (layer norms, softmax,
   dropout, GeLU) is bound by memory bandwidth, moving the bytes of the layer's activations (Korthikanti et al.,
   MLSys 2023, eq. 1: s b h (10 + 24/t + 5 a s / (h t))).
@@ -41,13 +43,20 @@ from typing import Literal
 from parallel.cluster import Cluster, Dtype
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Family = Literal["gpt", "llama"]
 SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved")
 GIB = 1 << 30
 
 
 @dataclass(frozen=True)
 class Transformer:
-    """A GPT: layers of attention (heads split over tp) and a 4h MLP, token and position embeddings, logits."""
+    """A decoder-only transformer: layers of attention (heads split over tp) and an MLP, embeddings, logits.
+
+    The defaults are Megatron-LM's GPT: a 4h MLP, a bias on every linear, LayerNorms, learned positions and the
+    head tied to the embedding. ``family="llama"`` is the shape transformers' Llama, Mistral and Qwen models share:
+    RMSNorm weights (the final one counted too), rotary positions (no parameters), no biases but ``layer_biases``;
+    with ``kv_heads`` (grouped-query attention), ``gated`` (SwiGLU) and ``ffn``. ``counted``: a model the planner
+    counted on the meta device instead (``hpc plan`` of a ``model.entry``)."""
 
     layers: int
     hidden: int
@@ -57,32 +66,104 @@ class Transformer:
     experts: int = 0  # a mixture of experts in every moe_every-th layer's MLP (jobs/moe.py); 0: dense
     top_k: int = 1  # experts per token
     moe_every: int = 1
+    kv_heads: int = 0  # grouped-query attention: the heads of K and V (0: as many as Q's)
+    head_dim: int = 0  # 0: hidden / heads
+    ffn: int = 0  # the MLP's intermediate size (0: 4 hidden)
+    gated: bool = False  # three hidden x ffn matrices (gate, up, down) instead of two
+    tied: bool = True  # the head's weight is the embedding's: counted once (the logits are computed all the same)
+    window: int = 0  # sliding-window attention: at most this many keys per query (0: the whole sequence)
+    window_layers: int = 0  # how many layers have the window, the others attend to the whole sequence (0: all)
+    family: Family = "gpt"
+    layer_biases: int = 0  # llama: a layer's parameters beyond its matrices and norms (Qwen2's q, k, v biases)
+    counted: tuple[int, ...] = ()  # counted on the meta device: (first part, one block, last part) parameters
+    shared: int = 0  # counted: parameters the first and last parts share (tied embeddings)
+    name: str = "GPT"
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def intermediate(self) -> int:
+        return self.ffn or 4 * self.hidden
 
     @property
     def moe_layers(self) -> int:
         return self.layers // self.moe_every if self.experts else 0
 
     @property
+    def layer_matrices(self) -> int:
+        """A layer's matrix parameters, 2 FLOPs per token each: Q and the output projection (h a d each), K and V
+        (h k d each: fewer with grouped-query attention), the MLP's 2 (3 gated) h x ffn; 12 h^2 for Megatron's."""
+        if self.counted:
+            return self.counted[1]
+        h, mlp = self.hidden, (3 if self.gated else 2) * self.hidden * self.intermediate
+        return h * (2 * self.heads + 2 * self.kv) * self.dim + mlp
+
+    @property
     def expert_params(self) -> int:
-        """One expert: the 4h MLP, 8 h^2 + 5 h."""
-        return 8 * self.hidden**2 + 5 * self.hidden
+        """One MLP (an expert of an MoE layer): its matrices and, in the GPT, their biases: 8 h^2 + 5 h for 4h."""
+        matrices = (3 if self.gated else 2) * self.hidden * self.intermediate
+        biases = (2 if self.gated else 1) * self.intermediate + self.hidden
+        return matrices + (biases if self.family == "gpt" else 0)
+
+    @property
+    def layer_params(self) -> int:
+        """GPT: the matrices, a bias on each (QKV's, the projection's, the MLP's) and two LayerNorms, 12 h^2 + 13 h
+        for Megatron's; llama: the matrices, two RMSNorm weights and ``layer_biases``."""
+        h = self.hidden
+        if self.counted:
+            return self.counted[1]
+        if self.family == "llama":
+            return self.layer_matrices + 2 * h + self.layer_biases
+        qkv = (self.heads + 2 * self.kv) * self.dim
+        return self.layer_matrices + qkv + h + (2 if self.gated else 1) * self.intermediate + h + 4 * h
+
+    @property
+    def positions(self) -> int:
+        """Learned position embeddings' parameters (the GPT's); rotary ones have none."""
+        return self.seq_len * self.hidden if self.family == "gpt" and not self.counted else 0
+
+    @property
+    def final_norm(self) -> int:
+        """The final norm's parameters as ``params`` counts them: an RMSNorm's h; none for the GPT, as in
+        Megatron's formula (its pipeline's last stage holds the LayerNorm's 2 h: ``stage_params``)."""
+        return self.hidden if self.family == "llama" and not self.counted else 0
+
+    @property
+    def attended(self) -> float:
+        """Keys a query attends to, averaged over the layers: s, or the window on the layers that have one."""
+        if not self.window or self.window >= self.seq_len:
+            return self.seq_len
+        sliding = self.window_layers or self.layers
+        return (sliding * self.window + (self.layers - sliding) * self.seq_len) / self.layers
 
     @property
     def params(self) -> int:
-        """12 l h^2 + 13 l h + (V + s) h (Narayanan et al. SC21, section 5.1); an MoE layer has E experts for its
-        one MLP, and a router of h E."""
+        """12 l h^2 + 13 l h + (V + s) h (Narayanan et al. SC21, section 5.1) for Megatron's GPT; in general the
+        layers, the embedding (and the head's own weight when untied), the positions and the final norm; an MoE
+        layer has E experts for its one MLP, and a router of h E."""
         h = self.hidden
-        dense = 12 * self.layers * h * h + 13 * self.layers * h + (self.vocab + self.seq_len) * h
-        return dense + self.moe_layers * ((self.experts - 1) * self.expert_params + h * self.experts)
+        if self.counted:
+            return self.counted[0] + self.layers * self.counted[1] + self.counted[2] - self.shared
+        ends = self.vocab * h * (1 if self.tied else 2) + self.positions + self.final_norm
+        return self.layers * self.layer_params + ends + \
+            self.moe_layers * ((self.experts - 1) * self.expert_params + h * self.experts)
 
     def moe_extra_flops(self, tokens: int) -> float:
-        """What an MoE layer's forward adds to a dense one's: top_k - 1 more MLPs per token (16 b s h^2 each)
-        and the router's 2 b s h E (capacity only drops tokens, so it is left out)."""
-        return 16.0 * tokens * self.hidden**2 * (self.top_k - 1) + 2.0 * tokens * self.hidden * self.experts
+        """What an MoE layer's forward adds to a dense one's: top_k - 1 more MLPs per token (16 b s h^2 each for
+        4h) and the router's 2 b s h E (capacity only drops tokens, so it is left out)."""
+        mlp = (3 if self.gated else 2) * self.hidden * self.intermediate
+        return 2.0 * tokens * mlp * (self.top_k - 1) + 2.0 * tokens * self.hidden * self.experts
 
     def layer_flops(self, tokens: int) -> float:
-        """One layer's forward over ``tokens`` = b s tokens: 24 b s h^2 + 4 b s^2 h."""
-        return 24.0 * tokens * self.hidden**2 + 4.0 * tokens * self.seq_len * self.hidden
+        """One layer's forward over ``tokens`` = b s tokens: 2 b s per matrix parameter, and 4 b s s' a d for the
+        scores and the weighted values, s' the keys a query attends to: 24 b s h^2 + 4 b s^2 h for the GPT."""
+        return 2.0 * tokens * self.layer_matrices + 4.0 * tokens * self.attended * self.heads * self.dim
 
     def logit_flops(self, tokens: int) -> float:
         """The logits' forward: 2 b s h V."""
@@ -90,9 +171,12 @@ class Transformer:
 
     def activation_bytes(self, tokens: int, tp: int, act_bytes: int) -> float:
         """Bytes one layer keeps for backward: s b h (10 + 24/t + 5 a s / (h t)) with 16-bit activations
-        (Korthikanti et al., eq. 1 and section 4.1), scaled for 4-byte ones."""
-        h, a, s = self.hidden, self.heads, self.seq_len
-        return tokens * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * act_bytes / 2
+        (Korthikanti et al., eq. 1 and section 4.1), scaled for 4-byte ones. Of the 24: Q, K, V and the output
+        projection's input 8 (4 (a + k) d / h with k KV heads), the MLP's 16 (4 ffn / h: its first layer's output
+        and the activation's; gated, 8 ffn / h: the gate's and up's outputs, the activation's and the product)."""
+        h, a, s = self.hidden, self.heads, self.attended
+        split = (4 * (a + self.kv) * self.dim + (8 if self.gated else 4) * self.intermediate) / h
+        return tokens * h * (10 + split / tp + 5 * a * s / (h * tp)) * act_bytes / 2
 
 
 @dataclass(frozen=True)
@@ -253,19 +337,32 @@ def dp_comm_s(model: Transformer, train: Training, cluster: Cluster, lay: Layout
 
 
 def stage_tensors(model: Transformer, lay: Layout) -> float:
-    """Parameter tensors on the rank holding the most (what the optimizer's per-tensor cost counts): 11 per block
-    (two layer norms, QKV, two projections, the MLP's two layers), the embedding's 2 and the head's 3."""
-    return model.layers / lay.pp * 11 + (5 if lay.pp == 1 else 3)
+    """Parameter tensors on the rank holding the most (what the optimizer's per-tensor cost counts): the GPT's 11 per
+    block (two layer norms, QKV, two projections, the MLP's two layers), the embedding's 2 and the head's 3; a Llama's
+    9 (two norms, Q, K, V, O, three MLP matrices) and 3 biases, the embedding's 1 and the head's 2 (norm and
+    weight)."""
+    if model.family == "llama":
+        block = 6 + (3 if model.gated else 2) + (3 if model.layer_biases else 0)
+        return model.layers / lay.pp * block + (3 - model.tied if lay.pp == 1 else 2)
+    block = 11 + (2 if model.gated else 0)
+    return model.layers / lay.pp * block + (5 if lay.pp == 1 else 3)
 
 
 def stage_params(model: Transformer, lay: Layout) -> float:
     """Parameters on the rank holding the most: a stage's layers over tp, and the embedding (first stage; the last
-    holds the tied copy for the logits); an MoE layer adds its router and its E/ep experts past the first."""
+    holds the tied copy, or its own head, for the logits, and the final norm); an MoE layer adds its router and its
+    E/ep experts past the first. A model counted on the meta device: its first and last parts' parameters over tp."""
     h = model.hidden
-    layers = model.layers / lay.pp * (12 * h * h + 13 * h) / lay.tp
+    layers = model.layers / lay.pp * model.layer_params / lay.tp
     moe = model.moe_layers / lay.pp * (h * model.experts - model.expert_params) / lay.tp  # router for the dense MLP
-    return layers + model.vocab * h / lay.tp + (model.seq_len * h if lay.pp == 1 else 2 * h) + moe + \
-        stage_expert_params(model, lay)
+    if model.counted:
+        first, _, last = model.counted
+        return layers + (first + last - model.shared if lay.pp == 1 else last) / lay.tp
+    if lay.pp == 1:  # besides the embedding: the untied head, learned positions, the final norm
+        rest = (0 if model.tied else model.vocab * h / lay.tp) + model.positions + model.final_norm
+    else:  # the last stage: the head (the tied copy, or its own) and the final norm
+        rest = model.final_norm or 2 * h
+    return layers + model.vocab * h / lay.tp + rest + moe + stage_expert_params(model, lay)
 
 
 def stage_expert_params(model: Transformer, lay: Layout) -> float:
@@ -335,11 +432,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(model: Transformer, train: Training, gpus: int, zero_stages: tuple[int, ...] = (0,)) -> Iterator[Layout]:
-    """Every layout of ``gpus`` ranks that divides the model: tp divides the heads, pp the layers, dp the batch,
-    the microbatches the replica's batch; interleaved needs m a multiple of pp and v dividing a stage's layers;
-    with experts, ep divides both dp and the experts."""
+    """Every layout of ``gpus`` ranks that divides the model: tp divides the heads and the KV heads, pp the layers,
+    dp the batch, the microbatches the replica's batch; interleaved needs m a multiple of pp and v dividing a stage's
+    layers; with experts, ep divides both dp and the experts."""
     for tp in _divisors(gpus):
-        if model.heads % tp:
+        if model.heads % tp or model.kv % tp:
             continue
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
