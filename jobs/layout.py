@@ -53,6 +53,9 @@ def check_job_layout(spec: JobSpec, shape: MeshShape) -> None:
         _check_builtin_model(spec, shape)
     if spec.data.entry:
         load_entry(spec.data.entry, "data.entry")
+        from jobs.tokens import check_spec  # a prepared token set: complete, its ids within the model's vocabulary
+
+        check_spec(spec)
     if uses_pipeline(par):
         build_schedule(par.schedule, shape.pp, m, par.virtual_stages)
 

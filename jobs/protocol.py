@@ -69,6 +69,7 @@ STYLE_MODULES = {"vocab": "Linear or Embedding", "embedding_rowwise": "Embedding
 
 BUILTIN_MODELS = {"mlp": "jobs.models:mlp", "gpt": "jobs.gpt:gpt"}
 BUILTIN_DATA = {"digits": "jobs.datasets:digits", "licenses": "jobs.datasets:licenses"}
+TOKENS_ENTRY = "jobs.tokens:tokens"  # a set hpc data prepare wrote: given the model's seq_len and vocab_size
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,10 @@ def moe_args(model_cfg: ModelConfig) -> dict[str, int | float]:
 def data_entry(spec: JobSpec) -> tuple[str, dict[str, Any]]:
     """The data's entry and keyword arguments: ``data.entry`` or the built-in ``data.name``."""
     data = spec.data
+    if data.entry == TOKENS_ENTRY:
+        from jobs.tokens import entry_args
+
+        return data.entry, entry_args(spec)
     if data.entry:
         return data.entry, dict(data.args)
     return BUILTIN_DATA[data.name], ({"seq_len": spec.model.seq_len} if data.name == "licenses" else {})

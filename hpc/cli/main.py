@@ -42,10 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--markdown", action="store_true", help="as docs/JOB_SPEC.md")
     spec.set_defaults(handler=cmd_spec)
 
-    from hpc.cli import bench, ckpt, plan, report, slurm
+    from hpc.cli import bench, ckpt, data, plan, report, slurm
 
     bench.add_parser(commands)
     ckpt.add_parser(commands)
+    data.add_parser(commands)
     slurm.add_parser(commands)
     report.add_parser(commands)
     plan.add_parser(commands)
