@@ -34,7 +34,7 @@ from torch import nn
 
 from jobs.moe import MoE
 from jobs.protocol import moe_args
-from parallel.tensor_parallel import vocab_parallel_cross_entropy
+from parallel.tensor_parallel import IGNORE_INDEX, vocab_parallel_cross_entropy
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -203,7 +203,12 @@ def build_gpt(model_cfg: ModelConfig, seed: int) -> GPT:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:
-    """Mean next-byte cross-entropy; with ``tp_group`` the logits are that group's vocabulary slices."""
+    """Mean next-byte cross-entropy over the targets that are not ``IGNORE_INDEX`` (-100: prompt tokens, as
+    torch and Hugging Face count them; 0 when none is counted under TP); with ``tp_group`` the logits are that
+    group's vocabulary slices."""
     if tp_group is None:
-        return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
-    return vocab_parallel_cross_entropy(logits, targets, tp_group).mean()
+        return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
+    losses = vocab_parallel_cross_entropy(logits, targets, tp_group, IGNORE_INDEX)
+    counted = targets != IGNORE_INDEX
+    # without ignored targets exactly the plain mean; no host synchronization either way
+    return torch.where(counted.all(), losses.mean(), losses.sum() / counted.sum().clamp(min=1))

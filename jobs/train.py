@@ -16,7 +16,7 @@ import contextlib
 import math
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +38,7 @@ from hpc.runtime.preemption import Preempted, Preemption
 from jobs.checkpointing import TrainingCheckpoints
 from jobs.layout import check_job_layout, uses_pipeline
 from jobs.optim import build_optimizer, learning_rate
-from jobs.workloads import Workload, sum_over_replicas
+from jobs.workloads import Workload, counted_targets, sum_over_replicas, to_device, token_weighted
 from parallel.clip import clip_grad_norm_
 from parallel.compression.registry import make_reducer
 from parallel.ep import ExpertGroups, reduce_expert_gradients
@@ -91,21 +91,22 @@ def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float, optimize
 def forward_backward(
     workload: Workload, actions: list[Action] | None, pp: Transport,
     inputs: torch.Tensor, targets: torch.Tensor, microbatches: int, probe: Probe | None = None,
-    lookahead: int = 4,
+    lookahead: int = 4, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | float | None, float]:
     """Accumulate this step's gradients; ``pp`` carries the pipeline's messages over its group. Returns the
     replica's mean loss on its last pipeline stage (else None), without a pipeline a 0-dim tensor on the device
-    (no host synchronization mid-step), and the seconds spent waiting for pipeline messages."""
-    probe = probe or Probe()
+    (no host synchronization mid-step), and the seconds spent waiting for pipeline messages. ``loss_fn``: what
+    each (micro)batch backpropagates (``StepRunner.step_loss``), default ``workload.loss``."""
+    probe, loss_fn = probe or Probe(), loss_fn or workload.loss
     if actions is None:
         with probe.span("forward"):
-            loss = workload.loss(workload.chunks[0](inputs), targets)
+            loss = loss_fn(workload.chunks[0](inputs), targets)
         with probe.span("backward"):
             loss.backward()
         return loss.detach(), 0.0
     stats = run_pipeline_step(
         actions, workload.chunks, pp.group, activation_shape=workload.activation_shape(len(inputs) // microbatches),
-        loss_fn=workload.loss, inputs=inputs.chunk(microbatches), targets=targets.chunk(microbatches), probe=probe,
+        loss_fn=loss_fn, inputs=inputs.chunk(microbatches), targets=targets.chunk(microbatches), probe=probe,
         transport=pp, device=workload.device, lookahead=lookahead,
     )
     return stats.loss, max(0.0, stats.wall_s - stats.forward_s - stats.backward_s)
@@ -242,10 +243,12 @@ class StepRunner:
         for group in optimizer.param_groups:
             group["lr"] = lr
         with probe.span("data"):
-            inputs, targets = self.workload.batch(step)
+            inputs, targets = self.workload.host_batch(step)
+        loss_fn = self.step_loss(targets)
+        inputs, targets = to_device(inputs, self.mesh.device), to_device(targets, self.mesh.device)
         optimizer.zero_grad(set_to_none=True)
         loss, pipeline_wait = forward_backward(self.workload, self.actions, self.pp, inputs, targets,
-                                               self.par.microbatches, probe, self.lookahead)
+                                               self.par.microbatches, probe, self.lookahead, loss_fn)
         optimizer.synchronize()
         groups = self.workload.expert_groups
         if groups is not None:
@@ -260,6 +263,25 @@ class StepRunner:
             global_loss = sum_over_replicas([0.0 if loss is None else loss], self.mesh)[0] / self.mesh.size("dp")
         # the step's one host synchronization was the loss sum's: the norm is computed by now
         return StepOutcome(global_loss, lr, float(grad_norm), pipeline_wait, self.workload.moe_metrics())
+
+    def step_loss(self, targets: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """What each (micro)batch backpropagates, from this replica's host ``targets``: the workload's mean loss
+        when every target of the global batch counts (the numbers exactly as ever); with targets marked -100
+        (prompt tokens), the sum over a microbatch's counted targets / the global batch's count * dp * m, so that
+        the pipeline's 1/m and the DP average make the global batch's mean over its counted targets, whatever
+        the layout. The count is summed over the DP group (a collective of one integer, when dp > 1)."""
+        counted = counted_targets(targets)
+        if counted is None:
+            return self.workload.loss
+        dp = self.mesh.size("dp")
+        total = torch.tensor(counted, dtype=torch.int64)
+        if dp > 1:
+            with self.probe.collective("counted targets all-reduce", "token-count", self.mesh.members["dp"]):
+                dist.all_reduce(total, group=self.mesh.group("dp"))
+        if int(total) == targets.numel() * dp:
+            return self.workload.loss
+        m = self.par.microbatches if self.actions is not None else 1
+        return token_weighted(self.workload.loss, dp * m / int(total) if int(total) else 0.0)
 
 
 class RunRecords:

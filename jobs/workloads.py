@@ -11,7 +11,7 @@ user's model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ from jobs.parallelize import Stage, keep_stages, parallelize_ep, parallelize_tp
 from jobs.protocol import DataSplits, build_data, build_model, tp_plan
 from parallel.ep import ExpertGroups, build_expert_groups
 from parallel.ring import TorchTransport, Transport, make_transport
+from parallel.tensor_parallel import IGNORE_INDEX
 
 EVAL_SAMPLES = 256  # held-out samples evaluated, spread evenly over the whole held-out set
 
@@ -114,16 +115,21 @@ class Workload:
         return (rows, *self.hidden_shape)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This data-parallel replica's (inputs, targets) at ``step``, identical on its TP and PP ranks."""
+        """This data-parallel replica's (inputs, targets) at ``step`` on the device, identical on its TP and PP
+        ranks."""
+        inputs, targets = self.host_batch(step)
+        return to_device(inputs, self.device), to_device(targets, self.device)
+
+    def host_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch(step)`` as the data set gives it (on the host: what is counted there costs no device sync)."""
         train, cfg = self.data.train, self.spec
         sampler = getattr(train, "batch_indices", None)
         indices = (sampler(step, cfg.data.batch_size, cfg.job.seed) if sampler is not None
                    else global_batch_indices(len(train), cfg.data.batch_size, cfg.job.seed, step))
-        inputs, targets = fetch(train, dp_shard(np.asarray(indices), self.mesh.index("dp"), self.mesh.size("dp")))
-        return to_device(inputs, self.device), to_device(targets, self.device)
+        return fetch(train, dp_shard(np.asarray(indices), self.mesh.index("dp"), self.mesh.size("dp")))
 
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss of a (micro)batch from the last stage's output."""
+        """Mean loss of a (micro)batch from the last stage's output (over its counted targets: not -100)."""
         if self.split_output:
             return self.model.loss(output, targets, tp_group=self.tp_group)
         return self.model.loss(output, targets)
@@ -220,6 +226,27 @@ def forward_through_stages(
         if stage < last and p > 1:
             transport.send(x.contiguous(), (stage + 1) % p).wait()
     return x if rank == last % p else None
+
+
+def counted_targets(targets: torch.Tensor) -> int | None:
+    """The targets a loss counts: those not ``IGNORE_INDEX`` (-100); None for floating-point targets, which
+    are values, never a mark."""
+    if targets.is_floating_point():
+        return None
+    return int((targets != IGNORE_INDEX).sum())
+
+
+def token_weighted(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   scale: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss`` (a mean over a microbatch's counted targets) turned into their sum times ``scale``; 0, with
+    no gradient, for a microbatch without a counted target (where a mean is 0/0). On the device: no sync."""
+
+    def weighted(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        counted = (targets != IGNORE_INDEX).sum()
+        mean = loss(output, targets)
+        return torch.where(counted > 0, mean * (counted * scale), torch.zeros_like(mean))
+
+    return weighted
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -27,6 +27,8 @@ from hpc.errors import LayoutError
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+IGNORE_INDEX = -100  # a target the loss leaves out (prompt tokens): torch's and Hugging Face's ignore_index
+
 
 class _CopyToTP(torch.autograd.Function):
     """forward: identity; backward: all-reduce (sum) of the gradient over the TP group.
@@ -183,11 +185,13 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """forward: per-token cross-entropy from vocabulary-split logits, with three all-reduces of
     one number per token (max, sum of exponentials, target logit); backward: no communication,
-    ``softmax - one_hot(target)`` on this rank's vocabulary slice.
+    ``softmax - one_hot(target)`` on this rank's vocabulary slice. A target equal to ``ignore_index``
+    has loss 0 and no gradient.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: ProcessGroup,
+                ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
         local_vocab = logits.shape[-1]
         vocab_start = dist.get_rank(group) * local_vocab
         row_max = logits.max(dim=-1).values
@@ -205,27 +209,29 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         dist.all_reduce(sum_exp, group=group)
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_targets, outside)
-        return sum_exp.log() - target_logit
+        ignored = targets == ignore_index
+        ctx.save_for_backward(softmax, local_targets, outside, ignored)
+        return (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0)
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        softmax, local_targets, outside = ctx.saved_tensors
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, local_targets, outside, ignored = ctx.saved_tensors
         grad = softmax.clone()
         hit = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_targets.unsqueeze(-1), -hit.unsqueeze(-1))
-        return grad.mul_(grad_loss.unsqueeze(-1)), None, None
+        return grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)), None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits_shard: torch.Tensor, targets: torch.Tensor, group: ProcessGroup
+    logits_shard: torch.Tensor, targets: torch.Tensor, group: ProcessGroup, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:
     """Per-token cross-entropy (``reduction="none"``) from logits split over the vocabulary.
 
     ``logits_shard[..., v]`` is the logit of token ``rank * V_local + v``, as a
-    ``ColumnParallelLinear`` head produces; ``targets`` holds full-vocabulary ids.
+    ``ColumnParallelLinear`` head produces; ``targets`` holds full-vocabulary ids, or ``ignore_index``
+    where a token is not counted (loss 0 and no gradient there, as ``F.cross_entropy(reduction="none")``).
     """
-    return _VocabParallelCrossEntropy.apply(logits_shard, targets, group)
+    return _VocabParallelCrossEntropy.apply(logits_shard, targets, group, ignore_index)
 
 
 def tp_split_dims(model: nn.Module) -> dict[str, int]:

@@ -1,0 +1,162 @@
+"""Fine-tuning: loss on chosen tokens only (targets marked -100), frozen parameters, and weights from
+another run's checkpoint with the schedule counted from the fine-tune's own first step.
+
+The masked loss is the mean over the counted targets of the whole global batch, whatever splits the batch
+(DP shards and pipeline microbatches hold different numbers of counted targets); frozen parameters stay as
+they were under every layout while the rest trains as one process would.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpc.config import spec_from_dict
+from hpc.runtime.mesh import MeshShape, build_mesh
+from tests.numerics import LOSS_RTOL, assert_trained_close
+from tests.ranks import run_ranks
+from tests.test_3d import LR, TINY_GPT, assemble, pieces_as_numpy
+
+STEPS, SEQ = 4, 16
+MASKED_DATA = "tests.test_finetune:masked_licenses"
+
+
+class PromptAnswerWindows:
+    """The licenses' byte windows as prompt/answer pairs: the first ``prompt_length(i)`` targets of sample
+    ``i`` are the prompt (-100, not counted), so every sample, shard and microbatch counts another number."""
+
+    def __init__(self, windows) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    @staticmethod
+    def prompt_length(index: int) -> int:
+        return int(index * 7919 % (SEQ - 1))  # 0 .. SEQ-2: every sample keeps an answer
+
+    def __getitem__(self, index: int):
+        inputs, targets = self.windows[index]
+        targets = targets.clone()
+        targets[: self.prompt_length(index)] = -100
+        return inputs, targets
+
+    def batch_indices(self, step: int, batch_size: int, seed: int) -> np.ndarray:
+        return self.windows.batch_indices(step, batch_size, seed)
+
+
+def masked_licenses(seq_len: int = SEQ):
+    """A data entry returning masked targets (``data.entry``)."""
+    from jobs.datasets import licenses
+    from jobs.protocol import DataSplits
+
+    splits = licenses(seq_len)
+    return DataSplits(PromptAnswerWindows(splits.train), splits.held_out)
+
+
+def finetune_spec(run_dir: str, name: str, layout, microbatches: int = 1, masked: bool = True, **sections):
+    dp, tp, pp = layout
+    data = {"entry": MASKED_DATA, "args": {"seq_len": SEQ}} if masked else {"name": "licenses"}
+    table = {
+        "job": {"run_dir": run_dir, "name": name, "seed": 5},
+        "model": {**TINY_GPT, "seq_len": SEQ},
+        "data": {**data, "batch_size": 8},
+        "train": {"steps": STEPS, "lr": LR, "optimizer": "adam", "grad_clip": 0.5, "log_every": 100},
+        "parallel": {"dp": dp, "tp": tp, "pp": pp, "microbatches": microbatches},
+    }
+    for section, values in sections.items():
+        table[section] = {**table.get(section, {}), **values}
+    return spec_from_dict(table)
+
+
+def _train(world, run_dir: str, cases):
+    from jobs.train import train
+
+    results = []
+    for name, layout, microbatches, sections in cases:
+        spec = finetune_spec(run_dir, name, layout, microbatches, **sections)
+        mesh = build_mesh(MeshShape(*layout), world.rank)
+        _, model = train(spec, world, mesh)
+        results.append(pieces_as_numpy(model, mesh))
+    return results
+
+
+def _records(run_dir: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / name / "metrics.jsonl").open()]
+
+
+def _losses(run_dir: Path, name: str) -> list[float]:
+    return [record["loss"] for record in _records(run_dir, name)]
+
+
+def _first_batch_losses() -> tuple[float, float]:
+    """One process, by hand: step 0's global batch through the initial GPT, the mean over counted targets
+    (F.cross_entropy's ignore_index) and over every target."""
+    import torch
+    import torch.nn.functional as F
+
+    from jobs.gpt import build_gpt
+    from jobs.workloads import fetch
+
+    spec = finetune_spec("unused", "by-hand", (1, 1, 1))
+    train = masked_licenses().train
+    inputs, targets = fetch(train, train.batch_indices(0, 8, 5))
+    model = build_gpt(spec.model, 5)
+    with torch.no_grad():
+        logits = model(inputs).flatten(0, 1)
+    _, unmasked = fetch(train.windows, train.batch_indices(0, 8, 5))
+    assert (targets == -100).any() and (targets != -100).any()
+    return (F.cross_entropy(logits, targets.flatten()).item(),
+            F.cross_entropy(logits, unmasked.flatten()).item())
+
+
+@pytest.fixture(scope="module")
+def masked_single(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("masked-single")
+    (pieces,) = run_ranks(1, _train, str(run_dir), [("single", (1, 1, 1), 1, {})], timeout=120)[0]
+    return _losses(run_dir, "single"), assemble([pieces])
+
+
+def test_the_masked_loss_is_the_global_mean_over_counted_targets(masked_single) -> None:
+    losses, _ = masked_single
+    masked, unmasked = _first_batch_losses()
+    assert losses[0] == pytest.approx(masked, rel=LOSS_RTOL)
+    assert abs(masked - unmasked) > 1e-3  # the mask changes what is averaged
+
+
+MASKED_LAYOUTS = [  # (name, (dp, tp, pp), microbatches, spec sections)
+    ("mb4", (1, 1, 1), 4, {}),
+    ("dp2", (2, 1, 1), 1, {}),
+    ("tp2", (1, 2, 1), 1, {}),
+    ("pp2", (1, 1, 2), 2, {}),
+]
+
+
+@pytest.mark.parametrize("case", MASKED_LAYOUTS, ids=[case[0] for case in MASKED_LAYOUTS])
+def test_every_layout_trains_the_masked_loss_like_one_process(masked_single, tmp_path, case) -> None:
+    ref_losses, ref_params = masked_single
+    name, layout, *_ = case
+    (results,) = zip(*run_ranks(int(np.prod(layout)), _train, str(tmp_path), [case], timeout=180), strict=True)
+    assert _losses(tmp_path, name) == pytest.approx(ref_losses, rel=LOSS_RTOL), name
+    assert_trained_close(assemble(results), ref_params, optimizer="adam", lr=LR, steps=STEPS, name=name)
+
+
+def test_a_microbatch_without_a_counted_target_adds_nothing() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from jobs.workloads import token_weighted
+
+    logits = torch.randn(2, 3, 5, requires_grad=True)
+    ignored = torch.full((2, 3), -100)
+    loss = token_weighted(lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()), 0.5)(logits, ignored)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+    counted = torch.tensor([[1, -100, 2], [-100, -100, 4]])
+    logits.grad = None
+    weighted = token_weighted(lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()), 0.25)(logits, counted)
+    expected = F.cross_entropy(logits.flatten(0, 1), counted.flatten(), reduction="sum") * 0.25
+    assert weighted.item() == pytest.approx(expected.item(), rel=1e-6)
