@@ -67,8 +67,10 @@ def load_tokenizer(source: str, eos: str | None = None) -> Tokenizer:
     """A ``tokenizer.json``, or a transformers tokenizer directory holding one; its EOS is ``eos``, else the
     ``eos_token`` of ``tokenizer_config.json`` (or ``special_tokens_map.json``) beside it, else a special
     token of ``KNOWN_EOS``."""
-    from tokenizers import Tokenizer as HfTokenizer
-
+    try:
+        from tokenizers import Tokenizer as HfTokenizer
+    except ImportError:
+        raise ConfigError("hpc data prepare needs Hugging Face tokenizers (pip install 'hpc-batch[data]')") from None
     path = Path(source)
     file = path / TOKENIZER if path.is_dir() else path
     if not file.is_file():
