@@ -12,10 +12,13 @@ from pathlib import Path
 from hpc.config import show_text
 from hpc.errors import ConfigError
 
-MODEL_KEYS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "seq": "seq_len", "vocab": "vocab"}
+MODEL_KEYS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "seq": "seq_len", "vocab": "vocab",
+              "kv_heads": "kv_heads", "ffn": "ffn", "gated": "gated", "tied": "tied"}  # the last four optional
+REQUIRED_MODEL_KEYS = ("layers", "hidden", "heads", "seq", "vocab")
 LAYOUT_KEYS = ("dp", "tp", "pp", "m", "schedule", "ckpt", "zero", "ep")  # --layout's, as Layout.label() spells them
 # The spec keys hpc plan reads (--set of any other is refused): the GPT, the batch, the optimizer's bytes, the codec,
-# the DP all-reduce's overlap and buckets; and the spec's own layout, which it ranks among the others.
+# the DP all-reduce's overlap and buckets; and the spec's own layout, which it ranks among the others. Every
+# model.args.* key too (a model.entry's: jobs/model_shape.py reads its config or counts it).
 SPEC_LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.microbatches",
                     "parallel.schedule", "parallel.virtual_stages", "train.activation_checkpointing")
 PLANNED_KEYS = ("model.kind", "model.entry", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len",
@@ -27,12 +30,15 @@ PLANNED_KEYS = ("model.kind", "model.entry", "model.n_layers", "model.d_model", 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser("plan", help="predict step time and memory of every layout on a cluster, and "
                                             "recommend one (no ranks started)")
-    plan.add_argument("spec", nargs="?", help="job spec (TOML) with model.kind = \"gpt\"; or give --model and --batch")
+    plan.add_argument("spec", nargs="?", help="job spec (TOML): the built-in GPT, a jobs.hf:causal_lm (its config) "
+                                              "or a model.entry counted on the meta device; or --model and --batch")
     plan.add_argument("--cluster",
                       help="cluster file (TOML), or a built-in one: a100-superpod, h100-dgx (parallel/clusters/)")
     plan.add_argument("--gpus", type=int, help="ranks to lay out")
     plan.add_argument("--model", metavar="K=V,...",
-                      help="a GPT without a spec: layers=,hidden=,heads=,seq=,vocab= (mixed-precision Adam)")
+                      help="a GPT without a spec: layers=,hidden=,heads=,seq=,vocab= and optionally kv_heads= "
+                           "(grouped-query attention), ffn= (the MLP's size, default 4 hidden), gated=1 (three MLP "
+                           "matrices), tied=0 (an untied head); mixed-precision Adam")
     plan.add_argument("--batch", type=int, help="global batch in sequences (default: the spec's data.batch_size)")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a spec value the planner reads (repeatable; another key is refused; "
@@ -136,7 +142,7 @@ def _check_overrides(args: argparse.Namespace) -> None:
         if key == "parallel.zero":
             raise ConfigError(f"{shown}: hpc plan does not use parallel.zero (--zero considers every ZeRO stage; "
                               "--layout ...,zero=N predicts one)")
-        if key not in PLANNED_KEYS:
+        if key not in PLANNED_KEYS and not key.startswith("model.args."):
             raise ConfigError(f"{shown}: hpc plan does not use {show_text(key)} (it reads {', '.join(PLANNED_KEYS)})")
         if args.layout and key in SPEC_LAYOUT_KEYS:
             raise ConfigError(f"{shown}: hpc plan --layout does not use the spec's layout; give it in --layout")
@@ -215,6 +221,7 @@ def _layout_problem(model, train, want: dict) -> str | None:
     stage = model.layers // pp
     checks = (
         (model.heads % tp, f"tp={tp} does not divide the model's {model.heads} heads"),
+        (model.kv % tp, f"tp={tp} does not divide the model's {model.kv} KV heads"),
         (model.layers % pp, f"pp={pp} does not divide the model's {model.layers} layers"),
         (train.batch % dp, f"dp={dp} does not divide the global batch of {train.batch} sequences"),
         (m and train.batch // dp % m, f"m={m} does not divide a replica's batch of {train.batch // dp} sequences"),
@@ -257,22 +264,25 @@ def _workload(args: argparse.Namespace):
     from hpc.config import load_spec
 
     spec = load_spec(args.spec, args.overrides)
-    if spec.model.entry or spec.model.kind != "gpt":
-        raise ConfigError(f"{show_text(args.spec)}: hpc plan models the built-in GPT (model.kind = \"gpt\"); "
-                          "for another model give --model")
-    return spec_transformer(spec), _training(spec, args)
+    model = spec_transformer(spec)
+    return model, _training(spec, args, model.hidden)
 
 
 def spec_transformer(spec):
-    """The planner's picture of a spec's GPT, its mixture of experts included."""
+    """The planner's picture of a spec's model: the built-in GPT, its mixture of experts included, from the spec;
+    any other from its config (jobs.hf:causal_lm) or counted on the meta device (jobs/model_shape.py)."""
     from parallel.plan import Transformer
 
     m = spec.model
+    if m.entry or m.kind != "gpt":
+        from jobs.model_shape import spec_model
+
+        return spec_model(spec)
     return Transformer(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size, experts=m.moe_experts,
                        top_k=m.moe_top_k, moe_every=m.moe_every)
 
 
-def _training(spec, args: argparse.Namespace):
+def _training(spec, args: argparse.Namespace, hidden: int):
     """Our training loop's bytes: fp32 weights and gradients, the optimizer's state, the codec's wire ratio."""
     from parallel.plan import Training
 
@@ -284,7 +294,7 @@ def _training(spec, args: argparse.Namespace):
     if codec == "topk":
         ratio = 2 * spec.parallel.topk_fraction  # values and indices; first order, see docs/PLANNER.md
     if codec == "powersgd":
-        ratio = min(1.0, 2 * spec.parallel.powersgd_rank / spec.model.d_model)  # P and Q of h x h: 2 r / h
+        ratio = min(1.0, 2 * spec.parallel.powersgd_rank / hidden)  # P and Q of h x h: 2 r / h
     batch = _positive("--batch", args.batch) if args.batch is not None else spec.data.batch_size
     return Training(batch=batch, dtype="bf16" if half else "fp32", act_bytes=2 if half else 4, param_bytes=4,
                     grad_bytes=4, optimizer_bytes=state, wire_ratio=ratio,
@@ -299,20 +309,27 @@ def _positive(name: str, value: int) -> int:
 
 
 def _parse_model(text: str, transformer: type):
+    """--model's K=V,... as a Transformer: positive integers, gated= and tied= 0 or 1; heads divide hidden and the KV
+    heads divide the heads."""
     values = {}
     for item in text.split(","):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in MODEL_KEYS:
             raise ConfigError(f"--model {show_text(item)}: expected KEY=VALUE with KEY one of {', '.join(MODEL_KEYS)}")
-        if not value.strip().isdigit() or int(value) < 1:
+        flag = key in ("gated", "tied")
+        if flag and value.strip() not in ("0", "1"):
+            raise ConfigError(f"--model {key} must be 0 or 1, got {show_text(value)}")
+        if not value.strip().isdigit() or (int(value) < 1 and not flag):
             raise ConfigError(f"--model {key} must be a positive integer, got {show_text(value)}")
-        values[MODEL_KEYS[key]] = int(value)
-    missing = [key for key, name in MODEL_KEYS.items() if name not in values]
+        values[MODEL_KEYS[key]] = bool(int(value)) if flag else int(value)
+    missing = [key for key in REQUIRED_MODEL_KEYS if MODEL_KEYS[key] not in values]
     if missing:
         raise ConfigError(f"--model is missing {', '.join(missing)} (give layers=,hidden=,heads=,seq=,vocab=)")
     if values["hidden"] % values["heads"]:
         raise ConfigError(f"--model hidden must be divisible by heads={values['heads']}, got {values['hidden']}")
+    if values["heads"] % values.get("kv_heads", values["heads"]):
+        raise ConfigError(f"--model kv_heads must divide heads={values['heads']}, got {values['kv_heads']}")
     return transformer(**values)
 
 
@@ -351,10 +368,28 @@ def _head(model, cluster, gpus: int, result, layouts: str) -> str:
     from hpc.text import human_bytes
 
     count = f"{model.params / 1e9:.4g}B" if model.params >= 1e9 else f"{model.params / 1e6:.3g}M"
-    moe = f", {model.experts} experts top-{model.top_k} every {model.moe_every} layers" if model.experts else ""
-    return (f"{count}-parameter GPT ({model.layers} layers, hidden {model.hidden}, {model.heads} "
-            f"heads, seq {model.seq_len}{moe}) on {gpus} x {cluster.name}: {layouts}, "
+    return (f"{count}-parameter {model.name} ({_shape(model)}) on {gpus} x {cluster.name}: {layouts}, "
             f"{len(result.fitting)} fit in {human_bytes(result.capacity_bytes)} per rank")
+
+
+def _shape(model) -> str:
+    """The model in a few words: layers, hidden, heads (and KV heads), the MLP when not 4h, seq, window, experts."""
+    parts = [f"{model.layers} layers", f"hidden {model.hidden}", f"{model.heads} heads"]
+    if model.kv != model.heads:
+        parts[-1] += f" and {model.kv} KV heads"
+    if model.counted:
+        parts.append("counted on the meta device")
+    elif model.ffn or model.gated:
+        parts.append(f"{'gated ' if model.gated else ''}MLP {model.intermediate}")
+    parts.append(f"seq {model.seq_len}")
+    if model.attended != model.seq_len:
+        every = "" if model.window_layers in (0, model.layers) else f" on {model.window_layers} layers"
+        parts.append(f"window {model.window}{every}")
+    if not model.tied and not model.counted:
+        parts.append("untied head")
+    if model.experts:
+        parts.append(f"{model.experts} experts top-{model.top_k} every {model.moe_every} layers")
+    return ", ".join(parts)
 
 
 def _as_text(model, cluster, gpus: int, result, top: int) -> str:
@@ -521,12 +556,12 @@ def predict_case(spec_path: str, overrides: list[str], nprocs: int, cluster):
     from parallel.plan import Layout, estimate
 
     spec = load_spec(spec_path, overrides)
-    par = spec.parallel
-    train = _training(spec, argparse.Namespace(batch=None, no_overlap=False))
+    par, model = spec.parallel, spec_transformer(spec)
+    train = _training(spec, argparse.Namespace(batch=None, no_overlap=False), model.hidden)
     layout = Layout(nprocs // (par.tp * par.pp), par.tp, par.pp, par.microbatches, par.schedule,
                     par.virtual_stages if par.schedule == "interleaved" else 1, spec.train.activation_checkpointing,
                     par.zero, par.ep)
-    return estimate(spec_transformer(spec), train, cluster, layout)
+    return estimate(model, train, cluster, layout)
 
 
 def compare(spec_path: str, rows: list[dict], cluster) -> list[dict]:
