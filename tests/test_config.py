@@ -60,6 +60,7 @@ FULL = {
         "lr_reference_batch": 256,
         "bf16_autocast": True,
         "activation_checkpointing": True,
+        "compile": True,
         "timeline": True,
         "stall_warn_s": 5.0,
         "stall_abort_s": 20.0,
@@ -75,6 +76,7 @@ FULL = {
         "schedule": "interleaved",
         "virtual_stages": 2,
         "backend": "nccl",
+        "device": "cuda",
         "compression": "int8",
         "topk_fraction": 0.05,
         "powersgd_rank": 2,
@@ -243,7 +245,7 @@ def test_unknown_key_suggests_the_closest() -> None:
         "job.toml: unknown key train.lrr (did you mean train.lr? valid keys: steps, lr, "
         "optimizer, momentum, trust_coefficient, weight_decay, grad_clip, warmup_steps, lr_schedule, log_every, "
         "lr_reference_batch, "
-        "bf16_autocast, activation_checkpointing, timeline, stall_warn_s, stall_abort_s, health_check, "
+        "bf16_autocast, activation_checkpointing, compile, timeline, stall_warn_s, stall_abort_s, health_check, "
         "health_check_timeout_s)"
     )
 
