@@ -1,5 +1,7 @@
-"""``hpc plan``: rank every (dp, tp, pp, microbatches, schedule, checkpointing) layout of a GPT on a cluster, on
-paper (parallel/plan.py), and recommend the fastest that fits. Standard library only: no ranks are started.
+"""``hpc plan``: rank every (dp, tp, pp, microbatches, schedule, checkpointing) layout of a model on a cluster, on
+paper (parallel/plan.py), and recommend the fastest that fits. Standard library only (no ranks are started) for the
+built-in GPT and ``--model``; a spec's other model is read from its transformers config or counted on the meta
+device (jobs/model_shape.py, torch and transformers imported then).
 """
 
 from __future__ import annotations
