@@ -171,15 +171,21 @@ class MpiTransport:
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending:
         if self._stages(tensor):
             host = staged_copy_to_host(tensor)
-            return StagedSend(self.send(host, peer, tag), host)
-        if tensor.is_cuda:
-            torch.cuda.current_stream(tensor.device).synchronize()  # MPI reads the memory outside any stream
-        return self.comm.Isend(self._buffer(tensor), dest=self._peer(peer), tag=tag)
+            return StagedSend(self._isend(host, peer, tag), host)
+        return self._isend(tensor, peer, tag)
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending:
         if self._stages(tensor):
             host = host_staging_buffer(tensor)
-            return StagedReceive(self.recv(host, peer, tag), host, tensor)
+            return StagedReceive(self._irecv(host, peer, tag), host, tensor)
+        return self._irecv(tensor, peer, tag)
+
+    def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()  # MPI reads the memory outside any stream
+        return self.comm.Isend(self._buffer(tensor), dest=self._peer(peer), tag=tag)
+
+    def _irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
         return self.comm.Irecv(self._buffer(tensor), source=self._peer(peer), tag=tag)
 
     def post(self, ops: Sequence[PointToPoint]) -> list[Pending]:

@@ -9,7 +9,7 @@ import torch
 
 from hpc.runtime.placement import StagedReceive, StagedSend, host_staging_buffer, out_of_memory
 from parallel.ring import TorchTransport
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, run_under_mpirun
 
 
 class StagedEverywhere(TorchTransport):
@@ -97,3 +97,30 @@ def test_device_and_backend_mistakes_are_one_line(requested, backend, error) -> 
         pytest.skip("a GPU is visible")
     with pytest.raises(LaunchEnvError, match=error.replace("(", r"\(").replace(")", r"\)")):
         select_backend(backend, requested)
+
+
+def _mpi_staged_messages(world):
+    from parallel.ring import MpiTransport, PointToPoint, mpi_carries_cuda
+
+    class StagedMpi(MpiTransport):
+        def _stages(self, tensor: torch.Tensor) -> bool:
+            return True
+
+    transport, peer = StagedMpi(None), 1 - world.rank
+    received = [torch.zeros(3), torch.zeros(3)]
+    pending = transport.post([  # tag 3 carries 10 r + 1, tag 4 carries 10 r
+        PointToPoint(False, received[1], peer, 3), PointToPoint(True, torch.full((3,), 10.0 * world.rank + 1), peer, 3),
+        PointToPoint(False, received[0], peer, 4), PointToPoint(True, torch.full((3,), 10.0 * world.rank), peer, 4),
+    ])
+    for p in pending:
+        p.wait()
+    return [type(p).__name__ for p in pending], [r.tolist() for r in received], isinstance(mpi_carries_cuda(), bool)
+
+
+@pytest.mark.slow
+def test_the_mpi_transport_stages_through_host_buffers_where_mpi_is_not_cuda_aware() -> None:
+    """Tags keep the two messages apart; each lands in the caller's tensor when waited for."""
+    for rank, (kinds, received, asked) in enumerate(run_under_mpirun(2, _mpi_staged_messages, timeout=120)):
+        assert kinds == ["StagedReceive", "StagedSend", "StagedReceive", "StagedSend"] and asked
+        other = 1 - rank
+        assert received == [[10.0 * other] * 3, [10.0 * other + 1] * 3]
