@@ -161,6 +161,11 @@ class TrainConfig:
                                              "(||g|| + weight_decay * ||w||)", gt=0)
     weight_decay: float = _field(0.0, "weight decay (decoupled for adamw)", min=0)
     grad_clip: float = _field(0.0, "clip the global gradient norm, across TP and PP ranks, to this; 0 = off", min=0)
+    freeze: tuple[str, ...] = _field(
+        (), "parameters not trained (fine-tuning): fnmatch patterns over the single-device model's parameter "
+            "names, '*' crossing dots ('embedding.*', 'model.embed_tokens.*', 'blocks.[01].*'); what matches gets no "
+            "gradient, optimizer state or clipping share, and is still saved and loaded; a pattern matching no "
+            "parameter is an error")
     warmup_steps: int = _field(0, "linear learning-rate warm-up from lr/warmup_steps to lr", min=0)
     lr_schedule: Literal["constant", "cosine"] = _field(
         "constant", "the learning rate after warm-up: constant, or cosine decay to zero at the last step")

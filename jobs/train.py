@@ -16,14 +16,14 @@ import contextlib
 import math
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from hpc.config import JobSpec, TrainConfig
-from hpc.errors import DeviceOutOfMemoryError, LayoutError
+from hpc.errors import ConfigError, DeviceOutOfMemoryError, LayoutError
 from hpc.observe.health import check_mesh
 from hpc.observe.metrics import RANK_TOTALS, MetricsLog, device_peak_flops, peak_memory_bytes, write_rank_totals
 from hpc.observe.probe import Probe
@@ -37,7 +37,7 @@ from hpc.runtime.placement import out_of_memory
 from hpc.runtime.preemption import Preempted, Preemption
 from jobs.checkpointing import TrainingCheckpoints
 from jobs.layout import check_job_layout, uses_pipeline
-from jobs.optim import build_optimizer, learning_rate
+from jobs.optim import build_optimizer, freeze_parameters, learning_rate
 from jobs.workloads import Workload, counted_targets, sum_over_replicas, to_device, token_weighted
 from parallel.clip import clip_grad_norm_
 from parallel.compression.registry import make_reducer
@@ -48,7 +48,8 @@ from parallel.ring import Transport, make_transport
 from parallel.schedule import Action, build_schedule, matches_in_order
 from parallel.tensor_parallel import tp_split_dims
 
-__all__ = ["StepRunner", "TrainResult", "base_learning_rate", "clip_gradients", "forward_backward", "train"]
+__all__ = ["StepRunner", "TrainResult", "base_learning_rate", "clip_gradients", "forward_backward", "freeze",
+           "train"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float, optimize
     split = tp_split_dims(model)
     sharded = optimizer is not None and getattr(optimizer, "zero_stage", 0) >= 2
     own = {id(p) for p in experts[1]} if experts else set()
-    counted = [p for name, p in model.named_parameters() if (name in split or mesh.index("tp") == 0)
+    counted = [p for name, p in model.named_parameters() if p.requires_grad and (name in split or mesh.index("tp") == 0)
                and (not sharded or optimizer.holds_gradient(p))
                and (not experts or id(p) in own or experts[0].ep_rank == 0)]
     groups = (mesh.group("tp"), mesh.group("pp"), *((mesh.group("dp"),) if sharded else ()),
@@ -144,6 +145,7 @@ def _train(
         if world.rank == 0:
             print("\n".join(report.lines()), flush=True)
     workload = Workload(spec, mesh)
+    freeze(workload.model, spec.train.freeze, mesh)
     optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, probe, exclude=workload.expert_params)
     steps = StepRunner(spec, workload, mesh, probe, optimizer)
     checkpoints = TrainingCheckpoints(spec, dist.group.WORLD, mesh, workload.model, steps.optimizer)
@@ -183,18 +185,42 @@ def _train(
     return result, workload.model
 
 
+def freeze(model: torch.nn.Module, patterns: Sequence[str], mesh: Mesh) -> None:
+    """``train.freeze`` on this rank's share of ``model`` (``jobs.optim.freeze_parameters``). A pattern that
+    matches no parameter on any rank, or patterns that leave nothing to train, are one ConfigError, raised on
+    every rank alike (collective over the world, when there are patterns)."""
+    if not patterns:
+        return
+    matched = freeze_parameters(model, patterns)
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    tally = torch.tensor([*matched, trainable], dtype=torch.int64, device=mesh.device)
+    dist.all_reduce(tally)
+    *hits, left = tally.tolist()
+    missing = [pattern for pattern, hit in zip(patterns, hits, strict=True) if not hit]
+    if missing:
+        firsts: list[str | None] = [None] * dist.get_world_size()  # each rank's first name, the same everywhere
+        dist.all_gather_object(firsts, next((name for name, _ in model.named_parameters()), None))
+        example = ", ".join(repr(name) for name in dict.fromkeys(firsts) if name is not None)
+        raise ConfigError(f"train.freeze: {missing[0]!r} matches no parameter name of the model (fnmatch over the "
+                          f"single-device model's names, '*' crossing dots; they read like {example})")
+    if not left:
+        raise ConfigError(f"train.freeze={list(patterns)} leaves no parameter of the model to train")
+
+
 def build_data_parallel_optimizer(spec: JobSpec, model: torch.nn.Module, mesh: Mesh, probe: Probe,
                                   exclude: list[torch.nn.Parameter] | None = None):
     """The spec's optimizer, its gradients averaged over the DP group through the ring and the codec,
-    except those of ``exclude`` (sharded experts: ``parallel.ep`` reduces them over their replicas)."""
+    except those of ``exclude`` (sharded experts: ``parallel.ep`` reduces them over their replicas). Frozen
+    parameters (``train.freeze``) are in neither the optimizer nor a bucket (their hooks would never fire)."""
     par = spec.parallel
     split = tp_split_dims(model)
-    tp_split = [p for name, p in model.named_parameters() if name in split]
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    tp_split = [p for name, p in trainable if name in split]
     excluded = {id(p) for p in exclude or ()}
     return distributed_optimizer(
-        build_optimizer(spec.train, model.parameters(), mesh.group("tp"), tp_split),
+        build_optimizer(spec.train, [p for _, p in trainable], mesh.group("tp"), tp_split),
         make_transport(par.transport, mesh.group("dp")),
-        named_parameters=[(name, p) for name, p in model.named_parameters() if id(p) not in excluded],
+        named_parameters=[(name, p) for name, p in trainable if id(p) not in excluded],
         reducer=make_reducer(par.compression, par.topk_fraction, par.powersgd_rank),
         bucket_bytes=int(par.bucket_mb * 2**20),
         backward_passes_per_step=par.microbatches if uses_pipeline(par) else 1,  # each microbatch adds to .grad
@@ -235,6 +261,7 @@ class StepRunner:
         experts = workload.expert_groups.ep_members if workload.expert_groups else ()
         self.grad_norm_peers = sorted({*mesh.members["tp"], *mesh.members["pp"], *dp, *experts})
         self.everyone = range(mesh.shape.size)
+        self.expert_params = [p for p in workload.expert_params if p.requires_grad]  # sharded experts not frozen
 
     def run(self, step: int) -> StepOutcome:
         cfg, probe, optimizer = self.cfg, self.probe, self.optimizer
@@ -253,10 +280,10 @@ class StepRunner:
         groups = self.workload.expert_groups
         if groups is not None:
             with probe.collective("expert gradient all-reduce", "expert-grad", groups.replica_members):
-                reduce_expert_gradients(self.workload.expert_params, groups)
+                reduce_expert_gradients(self.expert_params, groups)
         with probe.collective("gradient norm", "grad-norm", self.grad_norm_peers):
             grad_norm = clip_gradients(self.workload.model, self.mesh, cfg.grad_clip or math.inf, optimizer,
-                                       (groups, self.workload.expert_params) if groups is not None else None)
+                                       (groups, self.expert_params) if groups is not None else None)
         with probe.span("optimizer step"), optimizer.skip_synchronize():
             optimizer.step()
         with probe.collective("loss all-reduce", "world", self.everyone):

@@ -235,7 +235,8 @@ class _Step:
         mb, stage = action.microbatch, action.stage
         x, out, nbytes = self.stash.pop((mb, stage))
         grad = None if stage == self.num_stages - 1 else self.inbox.pop(Message("B", mb, stage))
-        torch.autograd.backward(out, grad)
+        if out.requires_grad:  # not: a first stage whose parameters are all frozen, with nothing to differentiate
+            torch.autograd.backward(out, grad)
         self.held -= nbytes
         if stage > 0:
             self._deliver(Message("B", mb, stage - 1), x.grad)

@@ -85,8 +85,10 @@ class ZeroShards:
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.params = list(params)
         owner_of: dict[int, int] = {}
-        totals = [0] * self.size  # each bucket's greedy starts from what the others gave, those with the
-        for part in sorted(buckets or [self.params], key=lambda part: -max(p.numel() for p in part)):  # largest first
+        # each bucket's greedy starts from what the others gave, those with the largest first (none: a rank
+        # whose parameters are all frozen)
+        totals = [0] * self.size
+        for part in sorted(buckets or [self.params], key=lambda part: -max((p.numel() for p in part), default=0)):
             owners = assign_owners([p.numel() for p in part], self.size, totals)
             owner_of.update(zip((id(p) for p in part), owners, strict=True))
             for p, owner in zip(part, owners, strict=True):

@@ -54,6 +54,7 @@ FULL = {
         "trust_coefficient": 0.02,
         "weight_decay": 0.01,
         "grad_clip": 1.0,
+        "freeze": ["embedding.*", "blocks.[01].*"],
         "warmup_steps": 100,
         "lr_schedule": "cosine",
         "log_every": 50,
@@ -243,7 +244,8 @@ def test_slurm_time_formats() -> None:
 def test_unknown_key_suggests_the_closest() -> None:
     assert error_of("[train]\nlrr = 0.1") == (
         "job.toml: unknown key train.lrr (did you mean train.lr? valid keys: steps, lr, "
-        "optimizer, momentum, trust_coefficient, weight_decay, grad_clip, warmup_steps, lr_schedule, log_every, "
+        "optimizer, momentum, trust_coefficient, weight_decay, grad_clip, freeze, warmup_steps, lr_schedule, "
+        "log_every, "
         "lr_reference_batch, "
         "bf16_autocast, activation_checkpointing, compile, timeline, stall_warn_s, stall_abort_s, health_check, "
         "health_check_timeout_s)"

@@ -160,3 +160,92 @@ def test_a_microbatch_without_a_counted_target_adds_nothing() -> None:
     weighted = token_weighted(lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()), 0.25)(logits, counted)
     expected = F.cross_entropy(logits.flatten(0, 1), counted.flatten(), reduction="sum") * 0.25
     assert weighted.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+FROZEN = ["embedding.*", "blocks.0.attention.*"]
+FREEZE_LAYOUTS = [  # (name, (dp, tp, pp), microbatches, spec sections)
+    ("dp2-zero3", (2, 1, 1), 1, {"parallel": {"zero": 3}}),
+    ("tp2", (1, 2, 1), 1, {}),
+    ("pp2", (1, 1, 2), 2, {}),
+]
+
+
+def _frozen_cases(cases, freeze=FROZEN):
+    return [(name, layout, m, {**sections, "train": {"freeze": freeze}, "data": {"name": "licenses"}})
+            for name, layout, m, sections in cases]
+
+
+def _initial() -> dict[str, np.ndarray]:
+    from jobs.gpt import build_gpt
+
+    model = build_gpt(finetune_spec("unused", "initial", (1, 1, 1)).model, seed=5)
+    return {f"model/{name}": value.detach().numpy() for name, value in model.state_dict().items()}
+
+
+def _is_frozen(key: str, freeze) -> bool:
+    from fnmatch import fnmatchcase
+
+    return any(fnmatchcase(key.removeprefix("model/"), pattern) for pattern in freeze)
+
+
+@pytest.fixture(scope="module")
+def frozen_single(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("frozen-single")
+    cases = _frozen_cases([("single", (1, 1, 1), 1, {})]) + _frozen_cases(
+        [("single-stage", (1, 1, 1), 1, {})], ["embedding.*", "blocks.[01].*"])
+    pieces, stage = run_ranks(1, _train, str(run_dir), cases, timeout=120)[0]
+    return {"single": (_losses(run_dir, "single"), assemble([pieces])),
+            "single-stage": (_losses(run_dir, "single-stage"), assemble([stage]))}
+
+
+def _check_frozen(results, reference, freeze, name) -> None:
+    params, initial = assemble(results), _initial()
+    for key, value in params.items():
+        if _is_frozen(key, freeze):
+            assert np.array_equal(value, initial[key]), f"{name}: {key} is frozen, yet it moved"
+        else:
+            assert not np.array_equal(reference[key], initial[key]), f"{key} did not train"
+    assert any(_is_frozen(key, freeze) for key in params)
+    assert_trained_close(params, reference, optimizer="adam", lr=LR, steps=STEPS, name=name)
+
+
+@pytest.mark.parametrize("case", FREEZE_LAYOUTS, ids=[case[0] for case in FREEZE_LAYOUTS])
+def test_frozen_parameters_stay_and_the_rest_trains_like_one_process(frozen_single, tmp_path, case) -> None:
+    ref_losses, ref_params = frozen_single["single"]
+    (case,) = _frozen_cases([case])
+    name, layout, *_ = case
+    (results,) = zip(*run_ranks(int(np.prod(layout)), _train, str(tmp_path), [case], timeout=180), strict=True)
+    assert _losses(tmp_path, name) == pytest.approx(ref_losses, rel=LOSS_RTOL), name
+    _check_frozen(results, ref_params, FROZEN, name)
+
+
+def test_a_pipeline_stage_with_every_parameter_frozen_still_passes_gradients_on(frozen_single, tmp_path) -> None:
+    """Stage 0 of pp=2 holds the embedding and blocks 0-1, all frozen: it steps nothing, under ZeRO-1 too."""
+    freeze = ["embedding.*", "blocks.[01].*"]
+    ref_losses, ref_params = frozen_single["single-stage"]
+    cases = _frozen_cases([("dp2-pp2-zero1", (2, 1, 2), 2, {"parallel": {"zero": 1}})], freeze)
+    (results,) = zip(*run_ranks(4, _train, str(tmp_path), cases, timeout=180), strict=True)
+    assert _losses(tmp_path, "dp2-pp2-zero1") == pytest.approx(ref_losses, rel=LOSS_RTOL)
+    _check_frozen(results, ref_params, freeze, "dp2-pp2-zero1")
+
+
+def _freeze_error(world, run_dir: str, freeze):
+    from hpc.errors import ConfigError
+
+    try:
+        _train(world, run_dir, _frozen_cases([("bad", (1, 1, 2), 2, {})], freeze))
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(("freeze", "message"), [
+    (["embedding.*", "head.linear.weight", "nope.*"],
+     "train.freeze: 'nope.*' matches no parameter name of the model (fnmatch over the single-device model's names, "
+     "'*' crossing dots; they read like 'embedding.tokens.weight', 'blocks.2.ln_attention.weight')"),
+    (["*"], "train.freeze=['*'] leaves no parameter of the model to train"),
+])
+def test_a_freeze_pattern_that_matches_nothing_is_one_error_on_every_rank(tmp_path, freeze, message) -> None:
+    """'head.linear.weight' matches on the last stage only and 'embedding.*' on the first: both count."""
+    assert run_ranks(2, _freeze_error, str(tmp_path), freeze, timeout=120) == [message, message]
+
