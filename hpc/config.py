@@ -246,6 +246,20 @@ class CheckpointConfig:
         "auto", "auto: the newest complete checkpoint if any; never; or a checkpoint path",
         pattern=r".+", describe="'auto', 'never' or a checkpoint path", **_PATH
     )
+    init_from: str = _field(
+        "", "fine-tuning: the model's weights (only) from another run's checkpoint, a step directory or a directory "
+            "of checkpoints (its newest), saved under any layout; the run starts at step 0 with fresh optimizer "
+            "state, RNG and learning-rate schedule (warm-up and decay counted from this run's first step). A "
+            "checkpoint of this run's own that resume finds (a requeue) comes first and continues where it "
+            "stopped; empty: off", **_PATH)
+
+    def field_conflict(self) -> tuple[str, str] | None:
+        if self.init_from in ("auto", "never"):
+            return "init_from", "a checkpoint path (a step directory or a directory of checkpoints), or empty"
+        if self.init_from and self.resume not in ("auto", "never"):
+            return "resume", ("'auto' or 'never' with init_from set (a path to resume from continues that run: "
+                              "its step, optimizer state and schedule)")
+        return None
 
 
 @dataclass(frozen=True)

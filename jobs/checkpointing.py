@@ -25,6 +25,11 @@ residuals and velocities describe other buckets), except ``steps_synchronized``,
 every rank shares and which is taken from rank 0. ep counts as much as dp: at ep > 1 the
 sharded experts are outside the DP optimizer (``parallel.ep`` reduces them), so a change
 of ep, even at the same dp, puts other parameters in each bucket.
+
+Fine-tuning (``checkpoint.init_from``) reads only the ``model/`` tensors of another run's checkpoint,
+under any layout, and the run starts at step 0 with fresh optimizer, RNG and communication state, so
+the learning-rate schedule's warm-up and decay count from the fine-tune's own first step. A checkpoint
+of the run's own, which ``checkpoint.resume`` finds first (a requeue), continues where it stopped.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 from hpc.checkpoint import Checkpointer, Piece, state
-from hpc.checkpoint.format import read_index
-from hpc.checkpoint.load import load_rank_state, open_checkpoint
+from hpc.checkpoint.format import CheckpointError, CheckpointIndex, read_index
+from hpc.checkpoint.load import load_into, load_rank_state, open_checkpoint
 from hpc.checkpoint.state import restore_rng, rng_state
 from hpc.config import JobSpec, spec_to_dict
 from hpc.runtime.mesh import Mesh
@@ -116,6 +121,20 @@ def restore(
     return index.step
 
 
+def weights_problem(index: CheckpointIndex, pieces: list[Piece]) -> str | None:
+    """Why ``pieces`` (a model's) cannot be loaded from ``index``: a tensor missing there, or of another dtype or
+    shape; None when they all can. Tensors of the checkpoint that the model lacks do not matter."""
+    for piece in pieces:
+        name, meta = piece.name.removeprefix("model/"), piece.meta()
+        record = index.tensors.get(piece.name)
+        if record is None:
+            return f"this model's {name} is not in {index.path} (a checkpoint of another model?)"
+        if (record.dtype, tuple(record.shape)) != (meta.dtype, meta.global_shape):
+            return (f"{name} is {record.dtype}{list(record.shape)} in {index.path}, "
+                    f"{meta.dtype}{list(meta.global_shape)} in this model (the [model] settings must match its run's)")
+    return None
+
+
 class TrainingCheckpoints:
     """What ``jobs/train.py`` asks of checkpointing: resume once, save on schedule, finish writing at exit."""
 
@@ -140,9 +159,11 @@ class TrainingCheckpoints:
         )
 
     def resume(self) -> int:
-        """The step to start from: the resumed checkpoint's, or 0. Rank 0 chooses, so all ranks agree."""
+        """The step to start from: the resumed checkpoint's (its schedule continues), or 0 (after taking the weights
+        of ``checkpoint.init_from``, if set). Rank 0 chooses, so all ranks agree."""
         path = state.choose_resume(self.spec.checkpoint.resume, self.spec.checkpoint_path, self.group)
         if path is None:
+            self.init_from()
             return 0
         step = restore(path, self.rank, self.model, self.optimizer, self.mesh, self.spec.parallel.ep)
         loss = read_index(path).attrs.get("loss")
@@ -150,6 +171,28 @@ class TrainingCheckpoints:
         if self.rank == 0:
             print(f"resumed from {path} at step {step}", flush=True)
         return step
+
+    def init_from(self) -> None:
+        """``checkpoint.init_from``: the model's weights from another run's checkpoint (collective); the optimizer,
+        RNG and communication state stay fresh and the run starts at step 0. A tensor of this model missing there,
+        or of another shape or dtype, is one error, the same on every rank."""
+        source = self.spec.checkpoint.init_from
+        if not source:
+            return
+        path = state.choose_resume(source, source, self.group, key="checkpoint.init_from")
+        index = open_checkpoint(path)
+        pieces = model_pieces(self.model, self.mesh.index("tp"), self.mesh.size("tp"))
+        problems: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(problems, weights_problem(index, pieces), group=self.group)
+        problem = next((problem for problem in problems if problem is not None), None)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint.init_from={source}: {problem}")
+        distributed = isinstance(self.optimizer, DistributedOptimizerMixin)
+        with self.optimizer.parameters_allocated() if distributed else contextlib.nullcontext():  # ZeRO-3
+            load_into(index, pieces)
+        if self.rank == 0:
+            print(f"initialized the model from {path} (checkpoint.init_from): step 0, fresh optimizer state and "
+                  "learning-rate schedule", flush=True)
 
     def due(self, done: int, force: bool = False) -> bool:
         """A save is due when ``done`` steps are a multiple of ``every_steps``, after the last one, or when forced."""

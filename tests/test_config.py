@@ -95,6 +95,7 @@ FULL = {
         "keep": 2,
         "async_save": True,
         "resume": "/scratch/ckpt/step-500",
+        "init_from": "",
     },
     "slurm": {
         "nodes": 2,

@@ -249,3 +249,116 @@ def test_a_freeze_pattern_that_matches_nothing_is_one_error_on_every_rank(tmp_pa
     """'head.linear.weight' matches on the last stage only and 'embedding.*' on the first: both count."""
     assert run_ranks(2, _freeze_error, str(tmp_path), freeze, timeout=120) == [message, message]
 
+
+def _save_source(world, run_dir: str):
+    """Run A: trains STEPS steps with embedding.tokens frozen, saving after the last."""
+    from jobs.train import train
+
+    spec = finetune_spec(run_dir, "source", (1, 1, 1), masked=False, checkpoint={"every_steps": STEPS},
+                         train={"freeze": ["embedding.tokens.*"]})
+    train(spec, world, build_mesh(MeshShape(1, 1, 1), world.rank))
+
+
+def _start_from(world, run_dir: str, layout, source: str):
+    """The fine-tune's model and optimizer right after ``resume()``: its start step, its pieces, its optimizer state."""
+    import torch.distributed as dist
+
+    from hpc.observe.probe import Probe
+    from jobs.checkpointing import TrainingCheckpoints
+    from jobs.train import build_data_parallel_optimizer
+    from jobs.workloads import Workload
+
+    spec = finetune_spec(run_dir, "finetune", layout, masked=False, checkpoint={"init_from": source})
+    mesh = build_mesh(MeshShape(*layout), world.rank)
+    workload = Workload(spec, mesh)
+    optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, Probe())
+    try:
+        start = TrainingCheckpoints(spec, dist.group.WORLD, mesh, workload.model, optimizer).resume()
+    finally:
+        optimizer.close()
+    return start, pieces_as_numpy(workload.model, mesh), len(optimizer.state)
+
+
+def _finetune(world, run_dir: str, source: str, steps: int):
+    from jobs.train import train
+
+    checkpoint = {"init_from": source, "every_steps": 3}
+    spec = finetune_spec(run_dir, "finetune", (1, 2, 1), masked=False, checkpoint=checkpoint,
+                         train={"steps": steps, "warmup_steps": 4, "lr_schedule": "cosine"})
+    result, _ = train(spec, world, build_mesh(MeshShape(1, 2, 1), world.rank))
+    return result.start_step
+
+
+@pytest.fixture(scope="module")
+def source_checkpoint(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("source")
+    run_ranks(1, _save_source, str(run_dir), timeout=120)
+    return run_dir / "source" / "checkpoints"
+
+
+def test_init_from_takes_the_weights_only_and_starts_at_step_zero(source_checkpoint, tmp_path) -> None:
+    from hpc.checkpoint.discovery import find_latest
+    from hpc.checkpoint.format import read_index
+    from hpc.checkpoint.load import read_tensor
+
+    step_dir = find_latest(source_checkpoint)
+    index = read_index(step_dir)
+    assert index.step == STEPS and "model/embedding.tokens.weight" in index.tensors  # frozen, still saved
+    assert not any(name.startswith("optim/embedding.tokens.") for name in index.tensors)  # and never stepped
+    results = run_ranks(2, _start_from, str(tmp_path), (1, 2, 1), str(source_checkpoint), timeout=120)
+    assert [start for start, _, _ in results] == [0, 0]
+    assert [held for _, _, held in results] == [0, 0]  # fresh optimizer state
+    params = assemble([pieces for _, pieces, _ in results])
+    for name, value in params.items():
+        np.testing.assert_array_equal(value, read_tensor(index, name).numpy(), err_msg=name)
+    assert not np.array_equal(params["model/head.linear.weight"], _initial()["model/head.linear.weight"])
+
+
+def test_the_schedule_counts_from_the_finetunes_first_step_and_a_requeue_continues_it(source_checkpoint,
+                                                                                     tmp_path) -> None:
+    from jobs.optim import learning_rate
+
+    assert run_ranks(2, _finetune, str(tmp_path), str(source_checkpoint), 3, timeout=120) == [0, 0]
+    records = _records(tmp_path, "finetune")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["lr"] for r in records] == pytest.approx([LR / 4, LR / 2, 3 * LR / 4])  # the warm-up from its start
+    # requeued with more steps: its own checkpoint (step 3) comes first, and the schedule goes on from there
+    assert run_ranks(2, _finetune, str(tmp_path), str(source_checkpoint), 5, timeout=120) == [3, 3]
+    records = _records(tmp_path, "finetune")
+    assert [r["step"] for r in records][-2:] == [4, 5]
+    assert records[-1]["lr"] == pytest.approx(learning_rate(LR, 4, 5, 4, "cosine"))
+
+
+def _init_error(world, run_dir: str, source: str, model):
+    from hpc.checkpoint.format import CheckpointError
+    from jobs.train import train
+
+    spec = finetune_spec(run_dir, "bad", (1, 1, 2), 2, masked=False, checkpoint={"init_from": source}, model=model)
+    try:
+        train(spec, world, build_mesh(MeshShape(1, 1, 2), world.rank))
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_init_from_a_missing_or_mismatched_checkpoint_is_one_error_on_every_rank(source_checkpoint, tmp_path) -> None:
+    missing = str(tmp_path / "nowhere")
+    assert run_ranks(2, _init_error, str(tmp_path), missing, {}, timeout=120) == [
+        f"checkpoint.init_from={missing}: no complete checkpoint there"] * 2
+    errors = run_ranks(2, _init_error, str(tmp_path), str(source_checkpoint), {"d_model": 64}, timeout=120)
+    assert errors[0] == errors[1] and errors[0].startswith(f"checkpoint.init_from={source_checkpoint}: ")
+    assert errors[0].endswith("embedding.tokens.weight is float32[256, 32] in "
+                              f"{source_checkpoint / f'step-{STEPS:08d}'}, float32[256, 64] in this model "
+                              "(the [model] settings must match its run's)")
+
+
+@pytest.mark.parametrize(("checkpoint", "message"), [
+    ({"init_from": "auto"}, "checkpoint.init_from must be a checkpoint path"),
+    ({"init_from": "/runs/a/checkpoints", "resume": "/runs/b/checkpoints"},
+     "checkpoint.resume must be 'auto' or 'never' with init_from set"),
+])
+def test_init_from_settings_that_contradict_are_one_line(checkpoint, message) -> None:
+    from hpc.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        spec_from_dict({"checkpoint": checkpoint})

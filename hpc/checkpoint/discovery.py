@@ -63,11 +63,12 @@ def find_latest(root: str | Path) -> Path | None:
     return complete[-1].path if complete else None
 
 
-def resolve_resume(resume: str, root: str | Path) -> Path | None:
+def resolve_resume(resume: str, root: str | Path, key: str = "checkpoint.resume") -> Path | None:
     """``checkpoint.resume``: 'never', 'auto' (newest complete under ``root``, if any), or a path.
 
     A path may name a step directory or a directory of checkpoints (its newest one is
-    taken); either way it must exist and be complete, since the user asked for it.
+    taken); either way it must exist and be complete, since the user asked for it. Errors
+    name the setting ``key`` (``checkpoint.init_from`` takes a path the same way).
     """
     if resume == "never":
         return None
@@ -76,11 +77,11 @@ def resolve_resume(resume: str, root: str | Path) -> Path | None:
     path = Path(resume)
     if STEP_DIR.fullmatch(path.name) and path.is_dir():
         if not (path / COMPLETE).is_file():
-            raise CheckpointError(f"checkpoint.resume={resume}: that checkpoint is incomplete (no {COMPLETE} marker)")
+            raise CheckpointError(f"{key}={resume}: that checkpoint is incomplete (no {COMPLETE} marker)")
         return path
     latest = find_latest(path)
     if latest is None:
-        raise CheckpointError(f"checkpoint.resume={resume}: no complete checkpoint there")
+        raise CheckpointError(f"{key}={resume}: no complete checkpoint there")
     return latest
 
 

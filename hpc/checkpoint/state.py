@@ -130,13 +130,15 @@ def restore_rng(private: Mapping[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(private[CUDA_RNG])
 
 
-def choose_resume(resume: str, root: str | Path, group: dist.ProcessGroup) -> Path | None:
+def choose_resume(resume: str, root: str | Path, group: dist.ProcessGroup,
+                  key: str = "checkpoint.resume") -> Path | None:
     """Collective: the checkpoint every rank of ``group`` resumes from (``checkpoint.resume``: 'never', 'auto'
-    or a path; see :func:`resolve_resume`), or None. Rank 0 looks, so all ranks agree even while a save lands."""
+    or a path; see :func:`resolve_resume`, whose errors name ``key``), or None. Rank 0 looks, so all ranks agree
+    even while a save lands."""
     choice: list[tuple[str | None, str | None]] = [(None, None)]
     if dist.get_rank(group) == 0:
         try:
-            path = resolve_resume(resume, root)
+            path = resolve_resume(resume, root, key)
             choice = [(str(path) if path else None, None)]
         except CheckpointError as exc:
             choice = [(None, str(exc))]
