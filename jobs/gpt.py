@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jobs.materialize import run_init
 from jobs.moe import MoE
 from jobs.protocol import moe_args
 from parallel.tensor_parallel import IGNORE_INDEX, vocab_parallel_cross_entropy
@@ -153,18 +155,30 @@ class GPT(nn.Module):
         return self.head(x)
 
     def init_weights(self, seed: int) -> None:
-        """Draw every weight from ``seed`` alone; call it on the full model, before any split."""
+        """Draw every weight from ``seed`` alone; call it on the full model, before any split. Module by module
+        through ``run_init``: a meta build records it, and a rank replays it keeping only its share
+        (``jobs.materialize``)."""
+        run_init(self.init_steps(seed))
+
+    def init_steps(self, seed: int) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:
+        """``init_weights`` as (module, init) in module order, one generator drawing through all of them."""
         generator = torch.Generator().manual_seed(seed)
         residual_std = INIT_STD / math.sqrt(2 * self.n_layers)
-        with torch.no_grad():
-            for name, module in self.named_modules():
-                if isinstance(module, (nn.Linear, nn.Embedding)):
-                    std = residual_std if name.endswith("proj") else INIT_STD
-                    module.weight.normal_(0.0, std, generator=generator)
-                    if getattr(module, "bias", None) is not None:
-                        module.bias.zero_()
-                elif isinstance(module, nn.LayerNorm):
-                    module.reset_parameters()
+        steps = []
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith("proj") else INIT_STD
+                steps.append((module, functools.partial(_draw_normal, std=std, generator=generator)))
+            elif isinstance(module, nn.LayerNorm):
+                steps.append((module, nn.LayerNorm.reset_parameters))
+        return steps
+
+
+def _draw_normal(module: nn.Module, std: float, generator: torch.Generator) -> None:
+    """A Linear's or Embedding's weight from N(0, std), its bias zero."""
+    module.weight.normal_(0.0, std, generator=generator)
+    if getattr(module, "bias", None) is not None:
+        module.bias.zero_()
 
 
 @dataclass(frozen=True)

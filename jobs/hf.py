@@ -19,14 +19,19 @@ needed when the entry is used.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import difflib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 import torch
 from torch import nn
 
 from hpc.errors import ConfigError
+from jobs.materialize import recording, run_init, unrecorded
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -37,6 +42,7 @@ ENTRY = "jobs.hf:causal_lm"
 # What "Llama-shaped" means: the modules the adapter runs, by their names in the model.
 LLAMA_SHAPED = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
 CHECK_TOKENS = 5  # the forward compared with the transformers model's own at build time
+TWIN_VOCAB = 256  # the vocabulary of the small model the check runs on when the model is built on meta
 
 
 def _transformers() -> Any:
@@ -79,9 +85,13 @@ def causal_lm(model_type: str = "llama", **fields: Any) -> CausalLM:
     """The entry: a randomly initialized transformers causal LM of ``model_type``, float32, as a ``CausalLM``."""
     transformers = _transformers()
     config = build_config(model_type, **fields)
+    if recording():  # a meta build the trainer materializes: check the forward on a small twin instead
+        with unrecorded(), torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            _check_small_twin(transformers, config)
     try:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                               dtype=torch.float32)
+        with _recorded_inits(transformers):
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                                   dtype=torch.float32)
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise ConfigError(f"model.args.model_type={model_type!r} has no causal LM in transformers") from None
@@ -91,6 +101,57 @@ def causal_lm(model_type: str = "llama", **fields: Any) -> CausalLM:
     adapter = CausalLM(model)
     _check_same_forward(adapter, model)
     return adapter
+
+
+@contextlib.contextmanager
+def _recorded_inits(transformers: Any) -> Iterator[None]:
+    """While a meta build is recorded (``jobs.materialize``), each ``post_init`` records transformers' weight
+    initialization, which it skips on the meta device, where the host build would run it (sub-models first:
+    a sub-model's ``__init__`` runs its own ``post_init``)."""
+    if not recording():
+        yield
+        return
+    original = transformers.PreTrainedModel.init_weights
+
+    def init_weights(self: Any) -> None:
+        run_init(_init_steps(self))
+        original(self)  # on meta: ties the weights only
+
+    with mock.patch.object(transformers.PreTrainedModel, "init_weights", init_weights):
+        yield
+
+
+def _init_steps(model: Any) -> list[tuple[nn.Module, Any]]:
+    """``PreTrainedModel.initialize_weights`` as (module, init) steps: ``smart_apply``'s order (children first,
+    a sub-model's modules by its own ``_init_weights``), skipping and flagging ``_is_hf_initialized`` as it does."""
+    from transformers import PreTrainedModel
+
+    steps = []
+
+    def visit(module: nn.Module, owner: Any) -> None:
+        for child in module.children():
+            visit(child, child if isinstance(child, PreTrainedModel) else owner)
+        if not getattr(module, "_is_hf_initialized", False):
+            module._is_hf_initialized = True
+            steps.append((module, owner._init_weights))
+
+    visit(model, model)
+    return steps
+
+
+def _check_small_twin(transformers: Any, config: Any) -> None:
+    """``_check_same_forward`` on a model of ``config`` cut to one layer and a small vocabulary: what the check
+    looks for (embedding or logit scaling, soft-capping) does not depend on either, and the whole model is
+    never on one host when the trainer materializes it shard by shard."""
+    twin = copy.deepcopy(config)
+    twin.num_hidden_layers = 1
+    if getattr(twin, "layer_types", None):
+        twin.layer_types = twin.layer_types[:1]
+    twin.vocab_size = min(config.vocab_size, TWIN_VOCAB)
+    if getattr(twin, "pad_token_id", None) is not None and twin.pad_token_id >= twin.vocab_size:
+        twin.pad_token_id = None
+    model = transformers.AutoModelForCausalLM.from_config(twin, attn_implementation="sdpa", dtype=torch.float32)
+    _check_same_forward(CausalLM(model), model)
 
 
 def _has(module: nn.Module, name: str) -> bool:

@@ -1,12 +1,14 @@
 """What the training loop needs from a model and its data, whatever the model and the (dp, tp, pp) layout.
 
 A workload builds the full single-device model from the spec's entry and seed
-(``jobs.protocol``: built-in or the user's), then keeps this rank's share of it: the
-TP plan applied on the TP group, then the pipeline stages of this PP rank
-(``jobs.parallelize``). It draws this data-parallel replica's batch, a pure function of
-(seed, step), and evaluates the model on the held-out set at the end of a run. There is
-no per-model code here: the built-in MLP and GPT go through the same protocol as a
-user's model.
+(``jobs.protocol``: built-in or the user's) on the meta device, then keeps this rank's
+share of it: the TP plan applied on the TP group, the experts sharded, then the pipeline
+stages of this PP rank (``jobs.parallelize``); then gives that share the host build's
+values, tensor by tensor on the device (``jobs.materialize``). A model that does not defer
+its init that way is built whole on the host and then cut, as before. It draws this
+data-parallel replica's batch, a pure function of (seed, step), and evaluates the model
+on the held-out set at the end of a run. There is no per-model code here: the built-in
+MLP and GPT go through the same protocol as a user's model.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.utils.data import TensorDataset, default_collate
 from hpc.config import JobSpec
 from hpc.runtime.mesh import Mesh
 from jobs.datasets import dp_shard, global_batch_indices
+from jobs.materialize import NotReplayable, build_on_meta
 from jobs.moe import expert_parameters, moe_layers
 from jobs.parallelize import Stage, keep_stages, parallelize_ep, parallelize_tp
 from jobs.protocol import DataSplits, build_data, build_model, tp_plan
@@ -59,19 +62,40 @@ class Workload:
     def __init__(self, spec: JobSpec, mesh: Mesh) -> None:
         self.spec, self.mesh = spec, mesh
         self.data: DataSplits = build_data(spec)
-        model = build_model(spec)  # seeded: the same full model on every rank
+        self.device = mesh.device
+        # seeded: the same full model on every rank; on meta (no memory yet), or whole on the host for a model
+        # that does not defer its init (jobs/materialize.py)
+        model, replay = build_on_meta(spec)
         sample_inputs, _ = fetch(self.data.train, [0])
         self.unit, self.items_per_sample = _unit(sample_inputs)
         self.flops_per_item = model_flops_per_item(model, sample_inputs, self.unit)
         self.hidden_shape = _hidden_shape(model, sample_inputs) if self._cut() else ()
         self.tp_group = mesh.group("tp") if mesh.size("tp") > 1 else None
-        self.split_output = parallelize_tp(model, tp_plan(model, spec), self.tp_group) if self.tp_group else False
-        train, par = spec.train, spec.parallel
-        self.moe_names = [name for name, _ in moe_layers(model)]  # every MoE layer, before the pipeline cut
-        self.moe_experts = max((layer.n_experts for _, layer in moe_layers(model)), default=0)
+        par = spec.parallel
         self.pp_transport = make_transport(par.transport, mesh.group("pp"))
         self.expert_groups: ExpertGroups | None = (
             build_expert_groups(mesh, par.ep, par.transport) if par.ep > 1 else None)
+        self.built_on = "meta" if replay is not None else "host"  # where the model was built, and why
+        self._cut_share(model)
+        if replay is not None:
+            try:  # each tensor of the share made on the host, sliced, moved to the device, the full one dropped
+                replay.materialize(model, self.device, mesh.index("tp"))
+            except NotReplayable as exc:  # the same values, from the whole model built on the host
+                self.built_on = f"host: {exc}"
+                model = build_model(spec)
+                self._cut_share(model)
+        model.to(self.device)  # this rank's share only (already there when materialized)
+        self.model: nn.Module = model  # this rank's share, with the single-device parameter names
+        # sharded experts: their gradients are reduced over their replicas, not the DP group (parallel/ep.py)
+        self.expert_params = expert_parameters(model) if self.expert_groups else []
+
+    def _cut_share(self, model: nn.Module) -> None:
+        """Keep this rank's share of the full ``model`` (on meta or on the host; collective-free): the TP plan
+        applied, the experts sharded, this pipeline rank's stages kept (``jobs.parallelize``)."""
+        spec, mesh, train, par = self.spec, self.mesh, self.spec.train, self.spec.parallel
+        self.split_output = parallelize_tp(model, tp_plan(model, spec), self.tp_group) if self.tp_group else False
+        self.moe_names = [name for name, _ in moe_layers(model)]  # every MoE layer, before the pipeline cut
+        self.moe_experts = max((layer.n_experts for _, layer in moe_layers(model)), default=0)
         parallelize_ep(model, self.expert_groups, par.microbatches,
                        spec.data.batch_size // (mesh.size("dp") * par.microbatches))
         if getattr(model, "pipeline_parts", None) is None:
@@ -82,11 +106,6 @@ class Workload:
         if train.compile:
             for chunk in self.chunks:
                 chunk.compile_layers()
-        self.device = mesh.device
-        model.to(self.device)  # this rank's share only: built on the host, the rest dropped above
-        self.model: nn.Module = model  # this rank's share, with the single-device parameter names
-        # sharded experts: their gradients are reduced over their replicas, not the DP group (parallel/ep.py)
-        self.expert_params = expert_parameters(model) if self.expert_groups else []
 
     def moe_metrics(self) -> dict[str, Any]:
         """Since the last call, over the global batch (collective over the world when the model has MoE
@@ -184,15 +203,15 @@ def model_flops_per_item(model: nn.Module, sample_inputs: torch.Tensor, unit: st
 
 
 def _hidden_shape(model: nn.Module, sample_inputs: torch.Tensor) -> tuple[int, ...]:
-    """The shape per sample of what ``first`` hands the blocks: one sample through it, without
-    touching the RNG (dropout) or the model's mode."""
+    """The shape per sample of what ``first`` hands the blocks: one sample through it (on the meta device when
+    the model is there), without touching the RNG (dropout) or the model's mode."""
     first = model.pipeline_parts()[0] if getattr(model, "pipeline_parts", None) else None
     if first is None:
         return ()
     was_training = model.training
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         model.eval()
-        hidden = first(sample_inputs)
+        hidden = first(sample_inputs.to(next(first.parameters(), sample_inputs).device))  # meta for a meta build
     model.train(was_training)
     return tuple(hidden.shape[1:])
 
