@@ -181,8 +181,12 @@ class Workload:
         return _mean_over_reports(sums)
 
     def _measures(self, output: torch.Tensor, targets: torch.Tensor, count: int) -> dict[str, float]:
-        """Count-weighted sums of the held-out loss and the model's metrics on one replica's share."""
-        sums = {"count": float(count), "held_out_loss": self.loss(output, targets).item() * count}
+        """Count-weighted sums of the held-out loss and the model's metrics on one replica's share; the loss
+        weighted by the counted targets instead where some are -100 (its mean is over those)."""
+        counted = counted_targets(targets)
+        weight = float(count) if counted is None or counted == targets.numel() else count * counted / targets.numel()
+        loss = self.loss(output, targets).item() * weight if weight else 0.0
+        sums = {"count": float(count), "loss_weight": weight, "held_out_loss": loss}
         metrics = getattr(self.model, "metrics", None)
         if metrics is not None:
             sums.update({f"held_out_{name}": value * count for name, value in metrics(output, targets).items()})
@@ -222,8 +226,12 @@ def _mean_over_reports(sums: dict[str, float]) -> dict[str, float]:
     dist.all_gather_object(gathered, sums)
     reports = [entry for entry in gathered if entry]
     count = sum(entry["count"] for entry in reports)
-    names = [name for name in (reports[0] if reports else {}) if name != "count"]
-    return {name: sum(entry[name] for entry in reports) / count for name in names}
+    weights = {"held_out_loss": sum(entry["loss_weight"] for entry in reports)}  # the counted targets' share
+    means = {}
+    for name in (name for name in (reports[0] if reports else {}) if name not in ("count", "loss_weight")):
+        weight = weights.get(name, count)
+        means[name] = sum(entry[name] for entry in reports) / weight if weight else float("nan")
+    return means
 
 
 def forward_through_stages(

@@ -54,7 +54,7 @@ def masked_licenses(seq_len: int = SEQ):
     from jobs.protocol import DataSplits
 
     splits = licenses(seq_len)
-    return DataSplits(PromptAnswerWindows(splits.train), splits.held_out)
+    return DataSplits(PromptAnswerWindows(splits.train), PromptAnswerWindows(splits.held_out))
 
 
 def finetune_spec(run_dir: str, name: str, layout, microbatches: int = 1, masked: bool = True, **sections):
@@ -73,14 +73,17 @@ def finetune_spec(run_dir: str, name: str, layout, microbatches: int = 1, masked
 
 
 def _train(world, run_dir: str, cases):
+    """Each case trained; its pieces, and its held-out loss in <run>/held_out.json."""
     from jobs.train import train
 
     results = []
     for name, layout, microbatches, sections in cases:
         spec = finetune_spec(run_dir, name, layout, microbatches, **sections)
         mesh = build_mesh(MeshShape(*layout), world.rank)
-        _, model = train(spec, world, mesh)
+        result, model = train(spec, world, mesh)
         results.append(pieces_as_numpy(model, mesh))
+        if world.rank == 0:
+            (spec.run_path / "held_out.json").write_text(json.dumps(result.evaluation["held_out_loss"]))
     return results
 
 
@@ -89,7 +92,9 @@ def _records(run_dir: Path, name: str) -> list[dict]:
 
 
 def _losses(run_dir: Path, name: str) -> list[float]:
-    return [record["loss"] for record in _records(run_dir, name)]
+    """The training losses, then the held-out loss."""
+    held_out = json.loads((run_dir / name / "held_out.json").read_text())
+    return [record["loss"] for record in _records(run_dir, name)] + [held_out]
 
 
 def _first_batch_losses() -> tuple[float, float]:
