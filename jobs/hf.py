@@ -12,9 +12,11 @@ A pipeline block is one decoder layer that computes its own position ids, rotary
 (cos, sin) and causal mask from the hidden state, so one tensor is all that crosses
 stages. The model is built from a config alone (random init, offline), float32,
 with SDPA attention: its causal mask may be None and SDPA then masks causally
-(eager attention with no mask would attend to the future). transformers is imported
-lazily: importing this module is cheap, and ``pip install hpc-batch[hf]`` is only
-needed when the entry is used.
+(eager attention with no mask would attend to the future). The trainer builds it on the
+meta device, recording transformers' weight initialization (``_recorded_inits``) for each
+rank to replay keeping only its share (``jobs.materialize``); the forward check then runs on
+a one-layer twin of the config. transformers is imported lazily: importing this
+module is cheap, and ``pip install hpc-batch[hf]`` is only needed when the entry is used.
 """
 
 from __future__ import annotations
