@@ -290,8 +290,9 @@ class DistributedOptimizerMixin:
         return loss
 
     def holds_parameter(self, param: torch.Tensor) -> bool:
-        """Whether ``param``'s values live on this rank between steps: always, except under ZeRO-3 for others'."""
-        return self.sharded is None or self.zero.owns(param)
+        """Whether ``param``'s values live on this rank between steps: always, except under ZeRO-3 for others' (a
+        parameter outside the optimizer, frozen, is whole everywhere)."""
+        return self.sharded is None or not self.zero.manages(param) or self.zero.owns(param)
 
     @contextlib.contextmanager
     def parameters_allocated(self) -> Iterator[None]:

@@ -99,6 +99,10 @@ class ZeroShards:
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._owned
 
+    def manages(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of those sharded here (not: a frozen parameter, whole on every rank)."""
+        return id(param) in self._owner_of
+
     def owner(self, param: torch.Tensor) -> int:
         return self._owner_of[id(param)]
 

@@ -169,7 +169,7 @@ def test_a_microbatch_without_a_counted_target_adds_nothing() -> None:
 
 FROZEN = ["embedding.*", "blocks.0.attention.*"]
 FREEZE_LAYOUTS = [  # (name, (dp, tp, pp), microbatches, spec sections)
-    ("dp2-zero3", (2, 1, 1), 1, {"parallel": {"zero": 3}}),
+    ("dp2-zero3", (2, 1, 1), 1, {"parallel": {"zero": 3}, "checkpoint": {"every_steps": STEPS}}),
     ("tp2", (1, 2, 1), 1, {}),
     ("pp2", (1, 1, 2), 2, {}),
 ]
@@ -222,6 +222,14 @@ def test_frozen_parameters_stay_and_the_rest_trains_like_one_process(frozen_sing
     (results,) = zip(*run_ranks(int(np.prod(layout)), _train, str(tmp_path), [case], timeout=180), strict=True)
     assert _losses(tmp_path, name) == pytest.approx(ref_losses, rel=LOSS_RTOL), name
     _check_frozen(results, ref_params, FROZEN, name)
+    if (tmp_path / name / "checkpoints").is_dir():  # saved as trained, frozen tensors included (ZeRO-3: whole)
+        from hpc.checkpoint.discovery import find_latest
+        from hpc.checkpoint.format import read_index
+        from hpc.checkpoint.load import read_tensor
+
+        index = read_index(find_latest(tmp_path / name / "checkpoints"))
+        for key, value in assemble(results).items():
+            np.testing.assert_array_equal(read_tensor(index, key).numpy(), value, err_msg=key)
 
 
 def test_a_pipeline_stage_with_every_parameter_frozen_still_passes_gradients_on(frozen_single, tmp_path) -> None:
