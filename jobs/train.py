@@ -95,7 +95,8 @@ def forward_backward(
     lookahead: int = 4, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | float | None, float]:
     """Accumulate this step's gradients; ``pp`` carries the pipeline's messages over its group. Returns the
-    replica's mean loss on its last pipeline stage (else None), without a pipeline a 0-dim tensor on the device
+    replica's mean loss (with targets marked -100, its share of the global mean times dp) on its last pipeline
+    stage (else None), without a pipeline a 0-dim tensor on the device
     (no host synchronization mid-step), and the seconds spent waiting for pipeline messages. ``loss_fn``: what
     each (micro)batch backpropagates (``StepRunner.step_loss``), default ``workload.loss``."""
     probe, loss_fn = probe or Probe(), loss_fn or workload.loss
