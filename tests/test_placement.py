@@ -13,7 +13,7 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "arange", "randn", "ran
              "linspace", "eye"}
 TRAINING_PATH = ["hpc/runtime", "hpc/observe/health.py", "parallel", "parallel/compression", "jobs/train.py",
                  "jobs/workloads.py", "jobs/parallelize.py", "jobs/moe.py", "jobs/gpt.py", "jobs/hf.py",
-                 "jobs/optim.py", "jobs/checkpointing.py"]
+                 "jobs/optim.py", "jobs/checkpointing.py", "jobs/materialize.py"]
 NOT_TRAINING = {"parallel/plan.py", "parallel/cluster.py"}  # the planner computes with numbers, not tensors
 HOST_BY_DESIGN = {  # (file, the call as written) -> why it belongs on the host
     ("hpc/runtime/placement.py", "torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)"):
@@ -21,6 +21,8 @@ HOST_BY_DESIGN = {  # (file, the call as written) -> why it belongs on the host
     ("hpc/runtime/preemption.py", "torch.tensor([_PRIORITY[self.received] if self.received is not None else 0])"):
         "a flag agreed over the world's Gloo side, before any device work",
     ("jobs/workloads.py", "torch.as_tensor(np.asarray(indices, dtype=np.int64))"): "indices into a host data set",
+    ("jobs/train.py", "torch.tensor(counted, dtype=torch.int64)"):
+        "the count of the host batch's counted targets, agreed over the DP group before forward",
     ("jobs/hf.py", "torch.arange(CHECK_TOKENS)"): "the build-time check runs on the host-built model",
     ("jobs/moe.py", "torch.zeros(self.n_experts, dtype=torch.float64)"): "routing statistics, reported on the host",
     ("jobs/moe.py", "torch.tensor([dropped, self.routed, float(self.aux_sum), self.calls], dtype=torch.float64)"):
