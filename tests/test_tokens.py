@@ -198,7 +198,7 @@ def test_an_interrupted_prepare_leaves_no_directory(tmp_path, jsonl, monkeypatch
     monkeypatch.setattr(prep.TokenWriter, "append", interrupt)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare([jsonl[0]], str(EXAMPLE), tmp_path / "out", text_field="body")
-    assert len(appended) == 3 and list(tmp_path.iterdir()) == []
+    assert len(appended) >= 3 and list(tmp_path.iterdir()) == []
 
 
 def test_a_killed_prepare_leaves_no_directory_and_the_next_run_clears_its_leftovers(tmp_path, jsonl) -> None:
