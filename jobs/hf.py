@@ -15,7 +15,10 @@ with SDPA attention: its causal mask may be None and SDPA then masks causally
 (eager attention with no mask would attend to the future). The trainer builds it on the
 meta device, recording transformers' weight initialization (``_recorded_inits``) for each
 rank to replay keeping only its share (``jobs.materialize``); the forward check then runs on
-a one-layer twin of the config. transformers is imported lazily: importing this
+a one-layer twin of the config. With ``pretrained = DIR`` the config is DIR/config.json
+under ``[model.args]`` and the weights are DIR's safetensors files (``jobs.pretrained``): checked
+against the model on every build (the pre-launch one too), then read by each rank, its own tensors'
+slices only, instead of the recorded init. transformers is imported lazily: importing this
 module is cheap, and ``pip install hpc-batch[hf]`` is only needed when the entry is used.
 """
 
@@ -83,26 +86,54 @@ def build_config(model_type: str = "llama", **fields: Any) -> Any:
     return config
 
 
-def causal_lm(model_type: str = "llama", **fields: Any) -> CausalLM:
-    """The entry: a randomly initialized transformers causal LM of ``model_type``, float32, as a ``CausalLM``."""
+def causal_lm(model_type: str | None = None, pretrained: str | None = None, **fields: Any) -> CausalLM:
+    """The entry: a transformers causal LM of ``model_type`` (default llama), float32, as a ``CausalLM``: randomly
+    initialized, or with ``pretrained = DIR`` of DIR/config.json (``fields`` over it) and DIR's safetensors
+    weights, checked against the model before anything is read (``jobs.pretrained``). On the meta device the
+    weights are left to ``jobs.materialize`` (``stored_weights``); on the host they are read whole."""
+    from jobs.model_shape import hf_config
+
     transformers = _transformers()
-    config = build_config(model_type, **fields)
+    args = {**fields, **({"model_type": model_type} if model_type else {})}
+    config = hf_config({**args, "pretrained": pretrained} if pretrained is not None else args)
     if recording():  # a meta build the trainer materializes: check the forward on a small twin instead
         with unrecorded(), torch.random.fork_rng(devices=[]), torch.device("cpu"):
             _check_small_twin(transformers, config)
-    try:
-        with _recorded_inits(transformers):
-            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                                   dtype=torch.float32)
-    except ValueError as exc:
-        if "Unrecognized configuration class" in str(exc):
-            raise ConfigError(f"model.args.model_type={model_type!r} has no causal LM in transformers") from None
-        raise ConfigError(f"model.args do not make a {model_type} model: {_last_line(exc)}") from None
-    except Exception as exc:
-        raise ConfigError(f"model.args do not make a {model_type} model: {_last_line(exc)}") from None
+    if pretrained is None or torch.get_default_device().type == "meta":
+        model = _from_config(transformers, config)
+        weights = None if pretrained is None else _open_weights(pretrained, model)
+    else:  # on the host: checked on a meta build first; the random init, overwritten, leaves the generator be
+        with unrecorded(), torch.device("meta"):
+            weights = _open_weights(pretrained, _from_config(transformers, config))
+        with torch.random.fork_rng(devices=[]):
+            model = _from_config(transformers, config)
     adapter = CausalLM(model)
+    if weights is not None:
+        adapter.stored_weights = weights
+        if not adapter.lm_head.weight.is_meta:
+            weights.load_whole(adapter)
     _check_same_forward(adapter, model)
     return adapter
+
+
+def _from_config(transformers: Any, config: Any) -> nn.Module:
+    """The transformers model of ``config`` (float32, SDPA); one error line when it cannot be built."""
+    try:
+        with _recorded_inits(transformers):
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                                  dtype=torch.float32)
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise ConfigError(f"model.args.model_type={config.model_type!r} has no causal LM in transformers") from None
+        raise ConfigError(f"model.args do not make a {config.model_type} model: {_last_line(exc)}") from None
+    except Exception as exc:
+        raise ConfigError(f"model.args do not make a {config.model_type} model: {_last_line(exc)}") from None
+
+
+def _open_weights(directory: str, model: nn.Module) -> Any:
+    from jobs.pretrained import open_weights
+
+    return open_weights(directory, model)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,11 @@ name) is then sliced to the rank's TP shard, moved to the device, and the full t
 Host memory while building: the rank's share plus one module's full tensors, not the whole
 model. The global generator ends where the host build leaves it (dropout draws on from there).
 
+A pretrained model (``jobs.hf`` with ``pretrained = DIR``) carries ``stored_weights`` (``jobs.pretrained``):
+``materialize`` reads each tensor of the share from its files instead, the rank's TP slice alone, straight
+into the device tensor; only the inits of the tensors the files do not hold (non-persistent buffers: rotary
+``inv_freq``) run, and no draw is replayed (its host build draws nothing either: the generator stays at the seed).
+
 A model opts in by deferring every tensor's initialization to ``run_init`` (the built-in
 MLP and GPT, and ``jobs.hf``'s transformers models do); any other model is built whole on the
 host as before. ``NotReplayable`` says the record cannot give the host build's values (an init
@@ -228,17 +233,26 @@ class Replay:
 
     def materialize(self, share: nn.Module, device: torch.device, tp_rank: int = 0) -> None:
         """Give every meta tensor of ``share`` (the model with its share cut) its value on ``device``:
-        the host build's, sliced to ``tp_rank``'s shard where a TP layer holds one."""
+        the host build's, sliced to ``tp_rank``'s shard where a TP layer holds one. A pretrained model's
+        (``share.stored_weights``, ``jobs.pretrained``) tensors are read from its files, each shard's slice
+        alone; only the inits of what the files do not hold (rotary ``inv_freq``) run, and nothing is drawn."""
         targets = {name: t for name, t in named_tensors(share).items() if t.is_meta}
         placed = _Placement(targets, tp_split_dims(share), tp_rank, device)
-        held = {key for key, names in self.names.items() if any(name in targets for name in names)}
+        stored = getattr(share, "stored_weights", None)
+        for name in targets if stored is not None else ():
+            placed.read(name, stored)
+        left = {name for name, t in targets.items() if id(t) not in placed.placed}
+        held = {key for key, names in self.names.items() if any(name in left for name in names)}
         host: dict[int, torch.Tensor] = {}
         torch.manual_seed(self.seed)
         with torch.no_grad():
             for index, event in enumerate(self.events):
                 if isinstance(event, _Draw):
-                    event.replay()
+                    if stored is None:
+                        event.replay()
                     continue
+                if stored is not None and not any(id(t) in held for _, _, t in event.tensors):
+                    continue  # its tensors came from the files (or are not this rank's)
                 _run(event, host, held)
                 for _, _, tensor in event.tensors:
                     if self.last_init[id(tensor)] == index and id(tensor) in host:
@@ -303,6 +317,22 @@ class _Placement:
         self.targets, self.split_dims, self.tp_rank = targets, split_dims, tp_rank
         self.values = {id(t): torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets.values()}
         self.placed: set[int] = set()
+
+    def read(self, name: str, stored: Any) -> None:
+        """``name``'s shard from a pretrained model's files (``stored.read``: its slice alone), where they hold it."""
+        target = self.targets[name]
+        if id(target) in self.placed:
+            return
+        dim = self.split_dims.get(name)
+        index = tuple(slice(self.tp_rank * size, (self.tp_rank + 1) * size) if d == dim else slice(None)
+                      for d, size in enumerate(target.shape))
+        shard = stored.read(name, index)
+        if shard is None:
+            return
+        if tuple(shard.shape) != tuple(target.shape):
+            raise NotReplayable(f"{name}: the share holds {tuple(target.shape)}, the files gave {tuple(shard.shape)}")
+        self.values[id(target)].copy_(shard)  # to the device, widened to the model's dtype on the way
+        self.placed.add(id(target))
 
     def place(self, name: str, full: torch.Tensor) -> None:
         target = self.targets.get(name)
