@@ -304,20 +304,25 @@ def is_hf_entry(spec: JobSpec) -> bool:
     return spec.model.entry == ENTRY
 
 
-def export_hf(step_dir: str | Path, dest: str | Path, spec: JobSpec) -> int:
-    """Write ``dest/config.json`` and ``dest/model.safetensors`` (the ``model/`` tensors, whatever layout
-    saved them) from a checkpoint of ``spec``; returns how many tensors. ``from_pretrained(dest)`` loads it."""
-    from hpc.checkpoint.export import export_tensors
+def export_hf(step_dir: str | Path, dest: str | Path, spec: JobSpec, max_shard_bytes: int | None = None) -> int:
+    """Write ``dest/config.json`` and the ``model/`` tensors (whatever layout saved them) as ``model.safetensors``,
+    or as shards of at most ``max_shard_bytes`` and their index when the model is larger (default
+    ``hpc.checkpoint.export.MAX_SHARD_BYTES``), from a checkpoint of ``spec``; returns how many tensors.
+    ``from_pretrained(dest)`` loads it, in float32 (the trainer's masters). A model of ``pretrained = DIR``
+    needs DIR/config.json still (its weights, no longer)."""
+    from hpc.checkpoint.export import MAX_SHARD_BYTES, export_model_dir
     from hpc.checkpoint.format import CheckpointError
     from hpc.checkpoint.load import open_checkpoint
+    from jobs.model_shape import hf_config
 
     if not is_hf_entry(spec):
         model = f"model.entry={spec.model.entry!r}" if spec.model.entry else f"model.kind={spec.model.kind!r}"
         raise ConfigError(f"{step_dir}: its {model} is not model.entry={ENTRY!r}: --format hf exports "
                           "transformers models only (use --format safetensors)")
-    config = build_config(**spec.model.args)
+    config = hf_config(spec.model.args)
     with torch.device("meta"):
-        expected = {f"model/{name}": tuple(t.shape) for name, t in causal_lm(**spec.model.args).state_dict().items()}
+        built = CausalLM(_from_config(_transformers(), config))
+    expected = {f"model/{name}": tuple(t.shape) for name, t in built.state_dict().items()}
     index = open_checkpoint(step_dir)
     stored = {name: tuple(record.shape) for name, record in index.tensors.items() if name.startswith("model/")}
     if stored != expected:
@@ -329,8 +334,9 @@ def export_hf(step_dir: str | Path, dest: str | Path, spec: JobSpec) -> int:
         raise ConfigError(f"--to {dest}: not a directory (--format hf writes config.json and model.safetensors)")
     dest.mkdir(parents=True, exist_ok=True)
     config.architectures = [_causal_lm_class(config)]
+    config.dtype = torch.float32  # what the tensors are, whatever a pretrained config.json said
     config.save_pretrained(dest)
-    return export_tensors(step_dir, dest / "model.safetensors", "model/")
+    return export_model_dir(step_dir, dest, "model/", max_shard_bytes or MAX_SHARD_BYTES)
 
 
 def _causal_lm_class(config: Any) -> str:

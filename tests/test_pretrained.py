@@ -7,7 +7,9 @@ tensor and logit for logit; a directory that is corrupt or does not fit the conf
 tensor and the file, and ``hpc run`` stops there (exit 2, no run directory). Through the trainer: under
 (1,1,1), (2,1,1), (1,2,1), (1,1,2) and (1,2,2) the first step's loss is ``from_pretrained``'s loss on the
 same batch (within 1e-5), and every layout trains like one process; each rank of (1,2,2) reads exactly its
-own tensors' slices from the files (``safe_open`` wrapped and every read recorded).
+own tensors' slices from the files (``safe_open`` wrapped and every read recorded); a checkpoint of the
+fine-tuned (1,2,2) run exports with ``--format hf`` (sharded by ``--max-shard-size``) to a directory
+``from_pretrained`` loads with the trained logits.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import ClassVar
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 
@@ -347,3 +350,56 @@ def test_a_rank_of_1_2_2_reads_only_its_own_tensors_and_slices(saved, trained) -
     qwen2 = {name for recorded in reads["qwen2-tp2-pp2"] for _, name, index in recorded if name.endswith("bias")}
     assert len(qwen2) == 12  # Q, K and V biases of 4 layers, read in slices too
     assert all(index is not None for recorded in reads["qwen2-tp2-pp2"] for _, _, index in recorded)
+
+
+@pytest.mark.slow
+def test_the_fine_tuned_checkpoint_exports_sharded_and_reloads_with_the_trained_logits(saved, trained, tmp_path,
+                                                                                     capsys) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hpc.cli.main import main
+    from jobs.hf import causal_lm
+
+    run_dir, runs, _ = trained
+    step_dir = run_dir / "llama-tp2-pp2" / "checkpoints" / f"step-{STEPS:08d}"
+    out = tmp_path / "hf"
+    assert main(["ckpt", "export", str(step_dir), "--to", str(out), "--format", "hf", "--max-shard-size", "40K"]) == 0
+    assert capsys.readouterr().out.strip().endswith(" shards and their index)")
+    files = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in files and "model.safetensors" not in files
+    assert files[1].startswith("model-00001-of-") and len(files) > 4
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    assert loaded.dtype == torch.float32  # the trained masters, whatever the pretrained files stored
+    trained_model = causal_lm(pretrained=str(saved["llama"]))
+    trained_model.load_state_dict({key.removeprefix("model/"): torch.from_numpy(value)
+                                   for key, value in runs["llama-tp2-pp2"].items()})
+    with torch.no_grad():
+        expected = trained_model.eval()(_ids())
+        assert not torch.allclose(expected, reference(saved["llama"])(input_ids=_ids()).logits, atol=1e-3)
+        torch.testing.assert_close(loaded.eval()(input_ids=_ids()).logits, expected, rtol=0, atol=1e-5)
+    # the default size: one file, and the shards of the export before are gone (from_pretrained reads one layout)
+    assert main(["ckpt", "export", str(step_dir), "--to", str(out), "--format", "hf"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(input_ids=_ids()).logits, expected, rtol=0, atol=1e-5)
+    head = reloaded.lm_head.weight.detach().numpy()
+    np.testing.assert_array_equal(head, runs["llama-tp2-pp2"]["model/lm_head.weight"])  # float32, bit for bit
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--to", "out.safetensors", "--max-shard-size", "1G"], "--max-shard-size applies to --format hf"),
+        (["--to", "out", "--format", "hf", "--max-shard-size", "lots"], "--max-shard-size: 'lots' is not a size"),
+    ],
+)
+def test_max_shard_size_errors_are_one_line(tmp_path, capsys, args, message) -> None:
+    from hpc.cli.main import main
+    from tests.test_hf import _save_gpt
+
+    run_ranks(1, _save_gpt, str(tmp_path / "ckpt"))
+    code = main(["ckpt", "export", str(tmp_path / "ckpt" / "step-00000001"), *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err

@@ -1,4 +1,5 @@
-"""``hpc ckpt export``: the global tensors of a checkpoint as one safetensors (or torch) file.
+"""``hpc ckpt export``: the global tensors of a checkpoint as one safetensors (or torch) file, or as the
+safetensors files of a transformers model directory (``--format hf``: one file, or shards and their index).
 
 safetensors is the format downstream tools load without executing code; ``.pt``
 is for code that wants ``torch.load(..., weights_only=True)``.
@@ -6,12 +7,16 @@ is for code that wants ``torch.load(..., weights_only=True)``.
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 from hpc.checkpoint.format import CheckpointError
 from hpc.checkpoint.load import open_checkpoint, read_tensor
 
 SUFFIXES = (".safetensors", ".pt")
+MAX_SHARD_BYTES = 5 << 30  # a model directory's files (transformers' save_pretrained wrote 5 GB shards for years)
+SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def export_tensors(step_dir: str | Path, dest: str | Path, only: str = "") -> int:
@@ -33,3 +38,48 @@ def export_tensors(step_dir: str | Path, dest: str | Path, only: str = "") -> in
 
         save_file(tensors, dest, metadata={"step": str(index.step), "source": str(index.path)})
     return len(tensors)
+
+
+def export_model_dir(step_dir: str | Path, dest: Path, only: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> int:
+    """The tensors under ``only`` (prefix stripped) as the weights of a transformers model directory ``dest``:
+    ``model.safetensors``, or, when they exceed ``max_shard_bytes``, ``model-00001-of-0000N.safetensors`` files
+    of at most that size each (a larger tensor alone in its file), in the model's order, and
+    ``model.safetensors.index.json`` naming each tensor's file: what ``save_pretrained`` writes and
+    ``from_pretrained`` loads. Weight files of an earlier export that this one does not write are removed
+    (beside an index, a stale ``model.safetensors`` would be loaded instead). Returns how many tensors."""
+    from safetensors.torch import save_file
+
+    index = open_checkpoint(step_dir)
+    names = sorted((name for name in index.tensors if name.startswith(only)), key=_natural_order)
+    if not names:
+        raise CheckpointError(f"{index.path} has no tensor whose name starts with {only!r}")
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = index.tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+    metadata = {"format": "pt", "step": str(index.step), "source": str(index.path)}
+    for file, shard in zip(files, shards, strict=True):
+        save_file({name.removeprefix(only): read_tensor(index, name) for name in shard}, dest / file, metadata)
+    if len(files) > 1:
+        weight_map = {name.removeprefix(only): file for file, shard in zip(files, shards, strict=True)
+                      for name in shard}
+        total = sum(index.tensors[name].nbytes for name in names)
+        (dest / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    for stale in dest.iterdir():
+        weights = stale.name == "model.safetensors" or SHARD_FILE.fullmatch(stale.name)
+        if (weights and stale.name not in files) or (stale.name == "model.safetensors.index.json" and len(files) == 1):
+            stale.unlink()
+    return len(names)
+
+
+def _natural_order(name: str) -> list[int | str]:
+    """``layers.2`` before ``layers.10``: numbers compared as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

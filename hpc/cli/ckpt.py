@@ -44,6 +44,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                              "jobs.hf:causal_lm)")
     export.add_argument("--only", default="", metavar="PREFIX",
                         help="keep tensors whose name starts with PREFIX, and strip it (e.g. --only model/)")
+    export.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                        help="--format hf: a model larger than SIZE (default 5G) is written as shards of at most "
+                             "SIZE, model-00001-of-0000N.safetensors, with model.safetensors.index.json")
     export.set_defaults(handler=cmd_export)
 
 
@@ -136,9 +139,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "hf":
         if args.only:
             raise ConfigError("--only applies to --format safetensors and pt; --format hf writes the model's tensors")
-        count = _export_hf(args.step_dir, args.to)
-        print(f"wrote {count} tensors and config.json to {args.to}")
+        count = _export_hf(args.step_dir, args.to, _shard_bytes(args.max_shard_size))
+        files = len(list(Path(args.to).glob("model*.safetensors")))
+        print(f"wrote {count} tensors and config.json to {args.to}" + (f" ({files} shards and their index)"
+                                                                        if files > 1 else ""))
         return 0
+    if args.max_shard_size is not None:
+        raise ConfigError("--max-shard-size applies to --format hf (a model directory)")
     if args.format and suffix != args.format:
         raise ConfigError(f"--to {args.to}: --format {args.format} writes a file ending in .{args.format}")
     if not args.format and suffix not in EXPORT_FORMATS[:2]:
@@ -151,7 +158,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_hf(step_dir: str, dest: str) -> int:
+def _shard_bytes(text: str | None) -> int | None:
+    from hpc.errors import ConfigError
+    from hpc.text import parse_size
+
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ConfigError(f"--max-shard-size: {exc}") from None
+
+
+def _export_hf(step_dir: str, dest: str, max_shard_bytes: int | None) -> int:
     """The stored job spec names the model; jobs.hf rebuilds its config and writes the directory."""
     from hpc.checkpoint.format import CheckpointError, read_index
     from hpc.config import spec_from_dict
@@ -165,4 +184,4 @@ def _export_hf(step_dir: str, dest: str) -> int:
     if not isinstance(data, dict):
         raise CheckpointError(f"the job_spec attribute of {index.path} is not a JSON table")
     spec = spec_from_dict(data, f"{index.path} job_spec")
-    return export_hf(index.path, dest, spec)
+    return export_hf(index.path, dest, spec, max_shard_bytes)
