@@ -18,7 +18,7 @@ input size (a single document is held whole). Parsing and the ids' conversion ru
 GIL, about 90 MB/s of the benchmark's JSONL here against about 5 MB/s per core for the example tokenizer's
 ``encode_batch``: past some twenty such cores they, not the tokenizer, would bound the rate.
 
-Atomic: everything is written into ``OUT.tmp-<pid>`` beside ``OUT``, fsynced, and renamed to ``OUT``,
+Atomic: everything is written into ``OUT.tmp-<pid>-<random>`` beside ``OUT``, fsynced, and renamed to ``OUT``,
 so an interrupted or failed run leaves no ``OUT`` (and removes its temporary directory; one a killed
 run left is removed by the next run). The same inputs give byte-identical files.
 """
@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -321,7 +322,7 @@ def write_set(directory: Path, tokenizer: Tokenizer, sources: list[Source], text
 def remove_stale(out: Path) -> None:
     """Temporary directories of ``out`` that a killed run left (its process is gone)."""
     for stale in out.parent.glob(f"{glob.escape(out.name)}.tmp-*"):
-        pid = stale.name.rpartition("-")[2]
+        pid = stale.name[len(out.name) + len(".tmp-"):].partition("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -342,7 +343,10 @@ def publish(tmp: Path, out: Path, force: bool) -> None:
     if force and out.exists():
         old = out.with_name(f"{out.name}.old-{os.getpid()}")
         os.rename(out, old)
-    os.rename(tmp, out)
+    try:
+        os.rename(tmp, out)  # refuses a non-empty out: another run's set stays whole
+    except OSError as exc:
+        raise ConfigError(f"--out {out} appeared while this run prepared it ({exc.strerror}): another run?") from None
     fsync_path(out.parent)
     if old is not None:
         shutil.rmtree(old)
@@ -360,8 +364,7 @@ def prepare(files: Sequence[str | Path], tokenizer: str, out: str | Path, text_f
         raise ConfigError(f"--out {out} exists: remove it, or --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(out)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     bar = _bar(sum(source.size for source in sources), progress)
     try:
         meta = write_set(tmp, loaded, sources, text_field, bar.update)

@@ -217,6 +217,23 @@ def test_a_killed_prepare_leaves_no_directory_and_the_next_run_clears_its_leftov
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def test_a_set_another_run_published_meanwhile_is_left_whole(tmp_path, jsonl, monkeypatch) -> None:
+    (tmp_path / "in.txt").write_text("one\n\ntwo\n")
+    real = prep.write_set
+
+    def other_run_first(directory, *args):
+        meta = real(directory, *args)
+        monkeypatch.setattr(prep, "write_set", real)
+        prep.prepare([tmp_path / "in.txt"], str(EXAMPLE), tmp_path / "out")  # the other run, done first
+        return meta
+
+    monkeypatch.setattr(prep, "write_set", other_run_first)
+    with pytest.raises(ConfigError, match="appeared while this run prepared it"):
+        prep.prepare([jsonl[0]], str(EXAMPLE), tmp_path / "out", text_field="body")
+    assert TokenSet(tmp_path / "out").documents == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out"]
+
+
 def test_force_replaces_a_set_once_the_new_one_is_complete(tmp_path, jsonl) -> None:
     (tmp_path / "in.txt").write_text("one\n\ntwo\n")
     prep.prepare([tmp_path / "in.txt"], str(EXAMPLE), tmp_path / "out")

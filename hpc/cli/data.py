@@ -17,7 +17,7 @@ without special tokens, then the tokenizer's EOS appended.
 
 OUT gets tokens.bin (uint16 ids when the vocabulary fits, else uint32), offsets.bin (int64, where each
 document starts), tokenizer.json and meta.json (tokenizer, vocabulary size, dtype, counts, source files
-and their sha256). It is written as OUT.tmp-PID and renamed when complete: a failed or interrupted run
+and their sha256). It is written as OUT.tmp-PID-* and renamed when complete: a failed or interrupted run
 leaves no OUT. Train on it with data.entry = "jobs.tokens:tokens" and data.args.path = OUT.
 """
 
