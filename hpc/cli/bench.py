@@ -74,16 +74,23 @@ def _add_alltoall_parser(kinds: argparse._SubParsersAction) -> None:
     bench.set_defaults(handler=cmd_bench_alltoall)
 
 
+def _sizes(text: str) -> list[int]:
+    """``--sizes``: a comma list of sizes (1K, 64M, ...) in bytes; one line naming the option when one is not."""
+    from hpc.errors import ConfigError
+    from hpc.text import parse_size
+
+    try:
+        return [parse_size(size) for size in text.split(",")]
+    except ValueError as exc:
+        raise ConfigError(f"--sizes: {exc}") from None
+
+
 def cmd_bench_alltoall(args: argparse.Namespace) -> int:
     from hpc.errors import ConfigError
     from hpc.runtime import launch
-    from hpc.text import parse_size
     from jobs.bench.alltoall import format_table
 
-    try:
-        sizes = [parse_size(size) for size in args.sizes.split(",")]
-    except ValueError as exc:
-        raise ConfigError(f"--sizes: {exc}") from None
+    sizes = _sizes(args.sizes)
     if args.iters < 1 or args.nprocs < 2:
         raise ConfigError("--iters must be at least 1 and -n at least 2")
     launcher = args.launcher or launch.default_launcher()
@@ -110,13 +117,9 @@ def _add_codecs_parser(kinds: argparse._SubParsersAction) -> None:
 
 def cmd_bench_codecs(args: argparse.Namespace) -> int:
     from hpc.errors import ConfigError
-    from hpc.text import parse_size
     from jobs.bench.codecs import CODECS, bench_codecs, format_table
 
-    try:
-        sizes = [parse_size(size) for size in args.sizes.split(",")]
-    except ValueError as exc:
-        raise ConfigError(f"--sizes: {exc}") from None
+    sizes = _sizes(args.sizes)
     unknown = set(args.codecs.split(",")) - set(CODECS)
     if unknown or args.iters < 1 or args.warmup < 0:
         raise ConfigError(f"--codecs takes {', '.join(CODECS)} (unknown: {', '.join(sorted(unknown)) or 'none'}); "
