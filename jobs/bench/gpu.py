@@ -78,7 +78,7 @@ def rows(out: Path, steps: int, only: set[str]) -> list[tuple[str, callable]]:
         ("llama", lambda: plain("plain eager AdamW", [], steps)),
         ("llama", lambda: plain("plain eager fused AdamW", ["--fused"], steps)),
         ("codecs", lambda: bench_output("codecs", ["codecs", "--json"])),
-        ("checkpoint", lambda: bench_output("checkpoint", ["checkpoint", "-n", "1", "--size", "2G", "--iters", "3",
+        ("checkpoint", lambda: bench_output("checkpoint", ["checkpoint", "-n", "1", "--size", "512M", "--iters", "3",
                                                            "--launcher", "local", "--device", "cuda",
                                                            "--dir", str(out / "checkpoint")])),
         ("dp", lambda: ours("gpt 1 rank cuda", out, [*shared], 30, 1, GPT)),
