@@ -96,11 +96,15 @@ def load_licenses(directory: Path = LICENSES_DIR, test_fraction: float = 0.1) ->
 def digits() -> DataSplits:
     """The built-in ``digits`` entry: the training images and the held-out test images."""
     data = load_digits()
-    return DataSplits(TensorDataset(data.x_train, data.y_train), TensorDataset(data.x_test, data.y_test))
+    train, test = TensorDataset(data.x_train, data.y_train), TensorDataset(data.x_test, data.y_test)
+    train.masks_targets = test.masks_targets = False  # every label counts
+    return DataSplits(train, test)
 
 
 class ByteWindows:
     """Map-style windows of ``seq_len + 1`` bytes every ``stride`` bytes of a text: item i is (inputs, next bytes)."""
+
+    masks_targets = False  # every next byte counts: no -100 marks, so no count of counted targets to agree on
 
     def __init__(self, text: torch.Tensor, seq_len: int, stride: int = 1) -> None:
         if len(text) <= seq_len:

@@ -175,6 +175,8 @@ class TokenWindows:
     """Map-style windows over runs of a token file joined end to end: item i is (inputs, next tokens),
     ``seq_len`` each, starting ``i * stride`` tokens into the joined runs."""
 
+    masks_targets = False  # every next token counts: no -100 marks, so no count of counted targets to agree on
+
     def __init__(self, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, seq_len: int,
                  stride: int = 1) -> None:
         self.tokens, self.starts, self.seq_len, self.stride = tokens, starts, seq_len, stride

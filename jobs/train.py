@@ -297,7 +297,10 @@ class StepRunner:
         when every target of the global batch counts (the numbers exactly as ever); with targets marked -100
         (prompt tokens), the sum over a microbatch's counted targets / the global batch's count * dp * m, so that
         the pipeline's 1/m and the DP average make the global batch's mean over its counted targets, whatever
-        the layout. The count is summed over the DP group (a collective of one integer, when dp > 1)."""
+        the layout. The count is summed over the DP group (a collective of one integer, when dp > 1), unless the
+        training set says it never marks a target (``masks_targets = False``, as the built-in sets do)."""
+        if not getattr(self.workload.data.train, "masks_targets", True):
+            return self.workload.loss
         counted = counted_targets(targets)
         if counted is None:
             return self.workload.loss
