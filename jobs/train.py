@@ -263,6 +263,7 @@ class StepRunner:
         self.grad_norm_peers = sorted({*mesh.members["tp"], *mesh.members["pp"], *dp, *experts})
         self.everyone = range(mesh.shape.size)
         self.expert_params = [p for p in workload.expert_params if p.requires_grad]  # sharded experts not frozen
+        self.may_mask = getattr(workload.data.train, "masks_targets", True)  # see step_loss
 
     def run(self, step: int) -> StepOutcome:
         cfg, probe, optimizer = self.cfg, self.probe, self.optimizer
@@ -299,7 +300,7 @@ class StepRunner:
         the pipeline's 1/m and the DP average make the global batch's mean over its counted targets, whatever
         the layout. The count is summed over the DP group (a collective of one integer, when dp > 1), unless the
         training set says it never marks a target (``masks_targets = False``, as the built-in sets do)."""
-        if not getattr(self.workload.data.train, "masks_targets", True):
+        if not self.may_mask:
             return self.workload.loss
         counted = counted_targets(targets)
         if counted is None:

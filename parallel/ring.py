@@ -33,6 +33,7 @@ from torch.distributed import ProcessGroup
 
 from hpc.errors import LaunchEnvError
 from hpc.runtime.placement import (
+    Pending,
     StagedReceive,
     StagedSend,
     carries_cuda,
@@ -42,10 +43,6 @@ from hpc.runtime.placement import (
 from parallel.compression.base import Codec
 
 IDENTITY = Codec()
-
-
-class Pending(Protocol):
-    def wait(self) -> object: ...
 
 
 @dataclass(frozen=True)

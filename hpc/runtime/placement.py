@@ -75,14 +75,6 @@ class StagedReceive:
         return result
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so that a host clock read after it times that work too."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class CommStream:
     """Orders a communication thread against compute on a GPU (nothing to do on the CPU).
 
