@@ -43,7 +43,7 @@ from parallel.clip import clip_grad_norm_
 from parallel.compression.registry import make_reducer
 from parallel.ep import ExpertGroups, reduce_expert_gradients
 from parallel.optimizer import distributed_optimizer
-from parallel.pipeline import lookahead_for, run_pipeline_step
+from parallel.pipeline import StepStats, lookahead_for, run_pipeline_step
 from parallel.ring import Transport, make_transport
 from parallel.schedule import Action, build_schedule, matches_in_order
 from parallel.tensor_parallel import tp_split_dims
@@ -93,11 +93,11 @@ def forward_backward(
     workload: Workload, actions: list[Action] | None, pp: Transport,
     inputs: torch.Tensor, targets: torch.Tensor, microbatches: int, probe: Probe | None = None,
     lookahead: int = 4, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor | float | None, float]:
+) -> tuple[torch.Tensor | None, StepStats | None]:
     """Accumulate this step's gradients; ``pp`` carries the pipeline's messages over its group. Returns the
     replica's mean loss (with targets marked -100, its share of the global mean times dp) on its last pipeline
-    stage (else None), without a pipeline a 0-dim tensor on the device
-    (no host synchronization mid-step), and the seconds spent waiting for pipeline messages. ``loss_fn``: what
+    stage (else None) as a 0-dim tensor on the device (no host synchronization mid-step), and the pipeline's
+    statistics (None without one: their times are read after the step's synchronization). ``loss_fn``: what
     each (micro)batch backpropagates (``StepRunner.step_loss``), default ``workload.loss``."""
     probe, loss_fn = probe or Probe(), loss_fn or workload.loss
     if actions is None:
@@ -105,13 +105,13 @@ def forward_backward(
             loss = loss_fn(workload.chunks[0](inputs), targets)
         with probe.span("backward"):
             loss.backward()
-        return loss.detach(), 0.0
+        return loss.detach(), None
     stats = run_pipeline_step(
         actions, workload.chunks, pp.group, activation_shape=workload.activation_shape(len(inputs) // microbatches),
         loss_fn=loss_fn, inputs=inputs.chunk(microbatches), targets=targets.chunk(microbatches), probe=probe,
         transport=pp, device=workload.device, lookahead=lookahead,
     )
-    return stats.loss, max(0.0, stats.wall_s - stats.forward_s - stats.backward_s)
+    return stats.loss_sum, stats
 
 
 def build_probe(cfg: TrainConfig, world: World) -> Probe:
@@ -276,7 +276,7 @@ class StepRunner:
         loss_fn = self.step_loss(targets)
         inputs, targets = to_device(inputs, self.mesh.device), to_device(targets, self.mesh.device)
         optimizer.zero_grad(set_to_none=True)
-        loss, pipeline_wait = forward_backward(self.workload, self.actions, self.pp, inputs, targets,
+        loss, pipeline = forward_backward(self.workload, self.actions, self.pp, inputs, targets,
                                                self.par.microbatches, probe, self.lookahead, loss_fn)
         optimizer.synchronize()
         groups = self.workload.expert_groups
@@ -290,8 +290,9 @@ class StepRunner:
             optimizer.step()
         with probe.collective("loss all-reduce", "world", self.everyone):
             global_loss = sum_over_replicas([0.0 if loss is None else loss], self.mesh)[0] / self.mesh.size("dp")
-        # the step's one host synchronization was the loss sum's: the norm is computed by now
-        return StepOutcome(global_loss, lr, float(grad_norm), pipeline_wait, self.workload.moe_metrics())
+        # the step's one host synchronization was the loss sum's: the norm and the times are there by now
+        return StepOutcome(global_loss, lr, float(grad_norm), pipeline.wait_s if pipeline else 0.0,
+                           self.workload.moe_metrics())
 
     def step_loss(self, targets: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """What each (micro)batch backpropagates, from this replica's host ``targets``: the workload's mean loss

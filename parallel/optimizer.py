@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.observe.probe import Probe
+from hpc.observe.stopwatch import Stopwatch
 from hpc.runtime.placement import CommStream
 from parallel.compression.base import Reducer
 from parallel.compression.registry import make_reducer
@@ -52,14 +53,27 @@ class Bucket:
 
 @dataclass
 class CommStats:
-    """What the last synchronized step sent: for tests, metrics and the timeline."""
+    """What the last synchronized step sent: for tests, metrics and the timeline. Its times are the device's
+    (``hpc/observe/stopwatch.py``): read them after the step's host synchronization."""
 
+    device: torch.device
     collectives: int = 0
     bytes_sent: int = 0  # on the wire, by this rank
     raw_bytes: int = 0  # what an uncompressed ring all-reduce sends, 2 (n-1)/n of the gradients' size
-    launch_times: list[float] = field(default_factory=list)
-    reduce_seconds: float = 0.0  # inside reductions, overlapped with backward or not
-    wait_seconds: float = 0.0  # the training loop blocked on reductions: what overlap did not hide
+    launch_times: list[float] = field(default_factory=list)  # host clock: when each bucket was handed over
+    reduce: Stopwatch = field(init=False)  # inside reductions, on the communication stream, overlapped or not
+    wait: Stopwatch = field(init=False)  # the compute stream held up by reductions: what overlap did not hide
+
+    def __post_init__(self) -> None:
+        self.reduce, self.wait = Stopwatch(self.device), Stopwatch(self.device)
+
+    @property
+    def reduce_seconds(self) -> float:
+        return self.reduce.seconds()
+
+    @property
+    def wait_seconds(self) -> float:
+        return self.wait.seconds()
 
 
 class BucketViews:
@@ -146,9 +160,10 @@ class DistributedOptimizerMixin:
         self._futures: list[Future] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpc-dp-comm") if overlap else None
         self._skip_sync = False
-        self._stream = CommStream(params[0].device if params else torch.device("cpu"))
-        self.stats = CommStats()
-        self._pending_stats = CommStats()
+        self._device = params[0].device if params else torch.device("cpu")
+        self._stream = CommStream(self._device)
+        self.stats = CommStats(self._device)
+        self._pending_stats = CommStats(self._device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         self._momentum = reducer.momentum_correction(self)  # top-k applies SGD's momentum before reducing
         # alone with no momentum to apply, a bucket has nothing to exchange
@@ -182,10 +197,10 @@ class DistributedOptimizerMixin:
             self._reduce_now(bucket)
             return
         self._pending_stats.launch_times.append(time.perf_counter())
-        if self._executor is None:
-            started = time.perf_counter()
-            self._reduce(bucket, self._stream.ready())
-            self._pending_stats.wait_seconds += time.perf_counter() - started
+        if self._executor is None:  # no overlap: compute waits for each bucket (on a GPU, its stream too)
+            with self._pending_stats.wait.timing():
+                self._reduce(bucket, self._stream.ready())
+                self._stream.join()
         else:
             self._futures.append(self._executor.submit(self._reduce, bucket, self._stream.ready()))
 
@@ -195,7 +210,6 @@ class DistributedOptimizerMixin:
             self._reduce_now(bucket)
 
     def _reduce_now(self, bucket: Bucket) -> None:
-        started = time.perf_counter()
         grads = []
         for param in bucket.params:
             if param.grad is None:  # unused on this step: reduce zeros so every rank sends the same bytes
@@ -205,6 +219,7 @@ class DistributedOptimizerMixin:
             self._momentum.apply(bucket.key, grads)
         if self._alone:  # nothing to exchange, and compressing would only lose information
             return
+        started = self._pending_stats.reduce.mark()
         reducer = self.reducer if self.steps_synchronized >= self.warmup_steps else self.exact_reducer
         size = sum(grad.nbytes for grad in grads)
         scatter = self.zero_stage >= 2
@@ -216,7 +231,7 @@ class DistributedOptimizerMixin:
         self._pending_stats.bytes_sent += sent
         n = len(self._peers)
         self._pending_stats.raw_bytes += 2 * (n - 1) * size // n
-        self._pending_stats.reduce_seconds += time.perf_counter() - started
+        self._pending_stats.reduce.add(started)
 
     def _scatter(self, bucket: Bucket, reducer: Reducer) -> int:
         """ZeRO stage 2: the bucket reduce-scattered to its owners, who keep their reduced gradients; the
@@ -240,18 +255,20 @@ class DistributedOptimizerMixin:
             self._launch(self.buckets[self._next_launch])
         futures, self._futures = self._futures, []
         if futures:
-            started = time.perf_counter()
-            with self.probe.span("wait for gradient reductions", "wait"):
+            # from the compute stream's end of backward until it may go on: the host's wait for the thread,
+            # then, on a GPU, the stream's wait for the communication stream
+            with self._pending_stats.wait.timing(), self.probe.span("wait for gradient reductions", "wait"):
                 for future in futures:
                     future.result()
-            self._pending_stats.wait_seconds += time.perf_counter() - started
-        self._stream.join()
+                self._stream.join()
+        else:
+            self._stream.join()
         for bucket in self.buckets:
             bucket.ready = 0
         self._passes = dict.fromkeys(self._passes, 0)
         self._next_launch = 0
         self.steps_synchronized += 1
-        self.stats, self._pending_stats = self._pending_stats, CommStats()
+        self.stats, self._pending_stats = self._pending_stats, CommStats(self._device)
         if self.sharded is not None:  # buckets prefetched but unused, or whose gradients never came
             self.sharded.free_all()
 

@@ -27,7 +27,6 @@ exactly the inspectable, simulated one.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ from torch.distributed import ProcessGroup
 
 from hpc.errors import LayoutError
 from hpc.observe.probe import Probe
+from hpc.observe.stopwatch import Stopwatch
 from hpc.runtime.placement import carries_cuda
 from parallel.ring import Pending, PointToPoint, TorchTransport, Transport
 from parallel.schedule import Action, Message, stage_bounds
@@ -45,11 +45,35 @@ from parallel.schedule import Action, Message, stage_bounds
 
 @dataclass(frozen=True)
 class StepStats:
-    loss: float | None  # mean loss over the microbatches on the rank of the last stage; None on the others
-    forward_s: float  # time inside forward compute (loss included)
-    backward_s: float  # time inside backward compute
-    wall_s: float  # from the call until every send of this rank completed
+    """One rank's step. The loss and the times stay on the device until read (``hpc/observe/stopwatch.py``):
+    reading them after the caller's host synchronization costs none."""
+
+    loss_sum: torch.Tensor | None  # the microbatches' mean loss on the rank of the last stage (0-dim); else None
+    forward: Stopwatch  # inside forward compute (loss included)
+    backward: Stopwatch  # inside backward compute
+    wall: Stopwatch  # from the call until every send of this rank completed
     peak_activation_bytes: int  # most bytes held for backward at once (see _forward_keeping)
+
+    @property
+    def loss(self) -> float | None:
+        return None if self.loss_sum is None else float(self.loss_sum)
+
+    @property
+    def forward_s(self) -> float:
+        return self.forward.seconds()
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward.seconds()
+
+    @property
+    def wall_s(self) -> float:
+        return self.wall.seconds()
+
+    @property
+    def wait_s(self) -> float:
+        """What the rank spent neither computing nor queuing: waiting for messages (the bubble included)."""
+        return max(0.0, self.wall_s - self.forward_s - self.backward_s)
 
 
 def split_into_stages(layers: Sequence[nn.Module], p: int, v: int = 1) -> list[list[nn.Sequential]]:
@@ -113,7 +137,7 @@ class _Step:
     ) -> None:
         self.actions, self.chunks, self.group, self.probe, self.transport = actions, chunks, group, probe, transport
         self.activation_shape, self.loss_fn, self.inputs, self.targets = activation_shape, loss_fn, inputs, targets
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device = dtype, torch.device(device)
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.global_ranks = dist.get_process_group_ranks(group)
         self.num_stages = self.p * len(chunks)
@@ -128,10 +152,11 @@ class _Step:
         self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, stage) -> (input, output, bytes kept)
         self.sends, self.losses = [], []
         self.held = self.peak = 0
-        self.forward_s = self.backward_s = 0.0
+        self.forward, self.backward = Stopwatch(self.device), Stopwatch(self.device)
 
     def run(self) -> StepStats:
-        started = time.perf_counter()
+        wall = Stopwatch(self.device)
+        started = wall.mark()
         self._post_receives()
         computes = {"F": ("forward", self._forward), "B": ("backward", self._backward)}
         for action in self.actions:
@@ -148,8 +173,9 @@ class _Step:
         with self.probe.span("wait for sends", "wait"):
             for pending in self.sends:
                 pending.wait()
-        loss = float(sum(self.losses)) if self.losses else None
-        return StepStats(loss, self.forward_s, self.backward_s, time.perf_counter() - started, self.peak)
+        wall.add(started)
+        loss = sum(self.losses) if self.losses else None  # a device scalar: no synchronization here
+        return StepStats(loss, self.forward, self.backward, wall, self.peak)
 
     def _post_receives(self) -> None:
         """Queue the schedule's next receives until ``lookahead`` are posted, so messages land while we compute."""
@@ -207,7 +233,7 @@ class _Step:
         (self.inbox if self.p == 1 else self.outbox)[message] = tensor
 
     def _forward(self, action: Action) -> None:
-        tick = time.perf_counter()
+        tick = self.forward.mark()
         mb, stage = action.microbatch, action.stage
         x = self.inputs[mb] if stage == 0 else self.inbox.pop(Message("F", mb, stage)).requires_grad_()
         chunk = self.chunks[stage // self.p]
@@ -228,10 +254,10 @@ class _Step:
         self.stash[mb, stage] = (x, out, nbytes)
         self.held += nbytes
         self.peak = max(self.peak, self.held)
-        self.forward_s += time.perf_counter() - tick
+        self.forward.add(tick)
 
     def _backward(self, action: Action) -> None:
-        tick = time.perf_counter()
+        tick = self.backward.mark()
         mb, stage = action.microbatch, action.stage
         x, out, nbytes = self.stash.pop((mb, stage))
         grad = None if stage == self.num_stages - 1 else self.inbox.pop(Message("B", mb, stage))
@@ -240,7 +266,7 @@ class _Step:
         self.held -= nbytes
         if stage > 0:
             self._deliver(Message("B", mb, stage - 1), x.grad)
-        self.backward_s += time.perf_counter() - tick
+        self.backward.add(tick)
 
 
 def _forward_keeping(

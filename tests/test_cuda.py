@@ -111,12 +111,22 @@ FOUR_RANKS = [
 ]
 
 
+def _assert_timed(run_dir: Path, name: str) -> None:
+    """The step's times from CUDA events (hpc/observe/stopwatch.py): communication took time on the device, and
+    what the compute stream waited for is part of the step."""
+    for r in [json.loads(line) for line in (run_dir / name / "metrics.jsonl").open()]:
+        assert r["comm_s"] > 0 and 0 <= r["wait_s"] <= r["step_time_s"], (name, r)
+        assert r["compute_s"] == pytest.approx(r["step_time_s"] - r["wait_s"]), (name, r)
+
+
 def test_two_ranks_sharing_the_gpu_train_like_one_cuda_process(reference, tmp_path) -> None:
     lossy = [(f"{codec}-{device}", (2, 1, 1), device, None, {"compression": codec})
              for codec in LOSSY for device in ("cuda", "cpu")]
     _run(2, tmp_path, TWO_RANKS + lossy)
     for name, _, _, model, _ in TWO_RANKS:
         _assert_close(tmp_path, name, reference["moe" if model else "dense"], LOSS_RTOL)
+        if name != "tp2":  # no DP group, no pipeline: nothing between the steps' computations
+            _assert_timed(tmp_path, name)
     for codec in LOSSY:
         _assert_close(tmp_path, f"{codec}-cuda", _losses(tmp_path, f"{codec}-cpu"), CODEC_RTOL)
 

@@ -26,8 +26,10 @@ FIELDS = MappingProxyType({
     "tokens_per_s": "throughput of a model that counts tokens (the GPT); absent otherwise",
     "step_time_s": "wall time of the step",
     "compute_s": "step time not spent waiting for communication (step_time_s - wait_s)",
-    "comm_s": "time inside gradient reductions (partly hidden behind backward) and pipeline transfers",
-    "wait_s": "time the training loop was blocked on communication: what overlap did not hide",
+    "comm_s": "time inside gradient reductions (partly hidden behind backward) and pipeline transfers; on a GPU "
+              "from CUDA events on the communication stream",
+    "wait_s": "time the training loop was blocked on communication, what overlap did not hide; on a GPU from "
+              "CUDA events on the compute stream",
     "comm_bytes": "bytes this rank sent for gradient reductions",
     "raw_bytes": "what an uncompressed ring all-reduce of the same gradients sends: 2 (n-1)/n of their size",
     "compression_ratio": "raw_bytes / comm_bytes: 1 without compression, about 4 with int8",
