@@ -2,7 +2,11 @@
 
 For each codec, on a float32 tensor of each size: ``encode``, ``decode`` (``decode_into``, what
 an all-gather hop does) and ``add`` (``add_decoded``, what a reduce-scatter hop does), each the
-median of ``iters`` runs after ``warmup`` (CUDA events on a GPU, the wall clock on the CPU).
+median of ``iters`` runs after ``warmup``. On a GPU a run is ``QUEUED`` calls queued back to back between
+two CUDA events, divided by ``QUEUED``: the device's time per call, as in the ring, where the host queues
+the next hop's kernels while the device runs this one (an event pair around a single call also times
+the host's launch, about 20 us for a Triton kernel against 90 us of work at 256 MiB). On the CPU, the
+wall clock of one call.
 ``GBps`` is float32 input bytes over encode + decode, and ``vs_copy`` that rate over
 ``dst.copy_(src)``'s on the same tensor in the same run; ``add_GBps`` and ``add_vs_copy`` are
 the same with encode + add. Counting bytes read and written, one pass each over memory puts
@@ -35,10 +39,12 @@ HEADER = ("size", "device", "codec", "encode(ms)", "decode(ms)", "add(ms)", "enc
           "enc+add(GB/s)", "x copy")
 
 Ops = dict[str, Callable[[], object] | None]
+QUEUED = 10  # calls per timed run on a GPU
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
-    """The median of ``iters`` timed calls of ``fn`` after ``warmup`` untimed ones."""
+    """The median of ``iters`` timed runs of ``fn`` after ``warmup`` untimed calls (a run: one call on the CPU,
+    the device's time per call of ``QUEUED`` queued back to back on a GPU)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -46,10 +52,11 @@ def median_seconds(fn: Callable[[], object], device: torch.device, iters: int, w
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(QUEUED):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+            times.append(start.elapsed_time(end) / 1e3 / QUEUED)
         else:
             begin = time.perf_counter()
             fn()
