@@ -14,7 +14,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 export OMP_NUM_THREADS := 1
 
-.PHONY: install debs run test lint bench bench-gpu slurm-up slurm-up-2nodes slurm-down submit-demo
+.PHONY: install debs run test test-gpu lint bench bench-gpu slurm-up slurm-up-2nodes slurm-down submit-demo
 
 install: debs $(STAMPS)/pip
 
@@ -51,6 +51,11 @@ bench: install
 # one shared GPU. Rows go to runs/bench-gpu/rows.jsonl; docs/BENCHMARKS.md keeps the card and the table.
 bench-gpu:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m jobs.bench.gpu
+
+# The tests marked cuda, on a GPU machine that installs nothing (only the files that hold them are collected:
+# the others may import what such a machine lacks, hypothesis or mpirun's tools). OMP_NUM_THREADS as set above.
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -m cuda -v -p no:cacheprovider $$(grep -l "pytest.mark.cuda" tests/test_*.py)
 
 # A real local Slurm (slurm/testbed/cluster.py, state in /tmp/hpc-slurm); point clients at it with
 # eval $$($(PYTHON) -m slurm.testbed.cluster env). slurm-up-2nodes: two network-namespace nodes.

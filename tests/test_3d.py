@@ -46,7 +46,7 @@ def pieces_as_numpy(model, mesh) -> list[tuple[str, tuple, tuple, np.ndarray]]:
     """This rank's parameters as (name, global shape, offsets, values): torch tensors cannot outlive a rank."""
     from jobs.checkpointing import model_pieces
 
-    return [(p.name, p.global_shape, p.offsets, p.tensor.numpy().copy())
+    return [(p.name, p.global_shape, p.offsets, p.tensor.cpu().numpy().copy())
             for p in model_pieces(model, mesh.index("tp"), mesh.size("tp"))]
 
 

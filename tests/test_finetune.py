@@ -79,7 +79,7 @@ def _train(world, run_dir: str, cases):
     results = []
     for name, layout, microbatches, sections in cases:
         spec = finetune_spec(run_dir, name, layout, microbatches, **sections)
-        mesh = build_mesh(MeshShape(*layout), world.rank)
+        mesh = build_mesh(MeshShape(*layout), world.rank, world.device if spec.parallel.device == "cuda" else "cpu")
         result, model = train(spec, world, mesh)
         results.append(pieces_as_numpy(model, mesh))
         if world.rank == 0:
@@ -375,3 +375,22 @@ def test_init_from_settings_that_contradict_are_one_line(checkpoint, message) ->
 
     with pytest.raises(ConfigError, match=message):
         spec_from_dict({"checkpoint": checkpoint})
+
+
+GPU_RTOL = 1e-4  # float32 on the GPU against the CPU: other summation orders (tests/test_cuda.py)
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_the_masked_loss_and_frozen_parameters_train_like_one_cpu_process(masked_single, frozen_single,
+                                                                                    tmp_path) -> None:
+    """Two ranks sharing the GPU (dp=2 over Gloo): the masked mean over the global batch's counted targets, and
+    frozen parameters that stay put, as the single CPU process trains them."""
+    gpu = {"parallel": {"device": "cuda", "backend": "gloo"}}
+    cases = [("gpu-masked-dp2", (2, 1, 1), 1, gpu), *_frozen_cases([("gpu-frozen-dp2", (2, 1, 1), 1, gpu)])]
+    masked, frozen = zip(*run_ranks(2, _train, str(tmp_path), cases, timeout=300, device="cuda"), strict=True)
+    losses, params = masked_single
+    assert _losses(tmp_path, "gpu-masked-dp2") == pytest.approx(losses, rel=GPU_RTOL)
+    assert_trained_close(assemble(masked), params, optimizer="adam", lr=LR, steps=STEPS, name="gpu-masked-dp2")
+    losses, params = frozen_single["single"]
+    assert _losses(tmp_path, "gpu-frozen-dp2") == pytest.approx(losses, rel=GPU_RTOL)
+    _check_frozen(frozen, params, FROZEN, "gpu-frozen-dp2")

@@ -50,8 +50,9 @@ def _spec(model: str, layout: tuple[int, int, int], ep: int = 1, seed: int = 5, 
     })
 
 
-def _materialized_vs_host(world, cases):
-    """Each case's share, materialized, against the host build's slices; returns (where it was built, names)."""
+def _materialized_vs_host(world, cases, device: str = "cpu"):
+    """Each case's share, materialized on ``device`` (``cuda``: the rank's GPU), against the host build's slices;
+    returns (where it was built, names)."""
     from jobs.materialize import named_tensors
     from jobs.protocol import build_model
     from jobs.workloads import Workload
@@ -60,7 +61,7 @@ def _materialized_vs_host(world, cases):
     results = []
     for model, layout, ep in cases:
         spec = _spec(model, layout, ep)
-        mesh = build_mesh(MeshShape(*layout), world.rank)
+        mesh = build_mesh(MeshShape(*layout), world.rank, world.device if device == "cuda" else "cpu")
         workload = Workload(spec, mesh)
         after_materializing = torch.get_rng_state()
         whole = build_model(spec)
@@ -72,7 +73,7 @@ def _materialized_vs_host(world, cases):
             if name in dims:
                 size = tensor.shape[dims[name]]
                 want = want.narrow(dims[name], tp_rank * size, size)
-            assert tensor.device == mesh.device and torch.equal(tensor, want), f"{model} {layout}: {name}"
+            assert tensor.device == mesh.device and torch.equal(tensor.cpu(), want), f"{model} {layout}: {name}"
         results.append((workload.built_on, sorted(share)))
     return results
 
@@ -98,6 +99,13 @@ def test_every_share_is_the_host_builds_slice(cases) -> None:
         with torch.device("meta"):
             whole = build_model(_spec(model, layout, ep))
         assert held == set(named_tensors(whole)), f"{model} {layout}: not all held"
+
+
+@pytest.mark.cuda
+def test_every_share_materialized_on_the_gpu_is_the_host_builds_slice() -> None:
+    """The values are made on the host and each shard copied to the device: bit for bit the host build's."""
+    per_rank = run_ranks(2, _materialized_vs_host, TWO_RANKS, "cuda", timeout=300, device="cuda")
+    assert {built_on for results in per_rank for built_on, _ in results} == {"meta"}
 
 
 BIG_GPT = {"kind": "gpt", "n_layers": 16, "n_heads": 8, "d_model": 512, "seq_len": 16}  # 50M parameters: 201 MB

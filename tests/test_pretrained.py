@@ -315,6 +315,30 @@ def test_every_layout_starts_at_from_pretrained_s_loss_and_trains_like_one_proce
             assert_trained_close(runs[case], runs[name], optimizer="adam", lr=LR, steps=STEPS, name=case)
 
 
+def _train_on_the_gpu(world, run_dir: str, directory: str):
+    """tp=2 with both ranks sharing the GPU; whether every parameter of the trained share is on it."""
+    from jobs.train import train
+
+    mesh = build_mesh(MeshShape(1, 2, 1), world.rank, world.device)
+    _, model = train(pretrained_spec(run_dir, "gpu-tp2", directory, (1, 2, 1)), world, mesh)
+    return all(param.is_cuda for param in model.parameters())
+
+
+@pytest.mark.cuda
+def test_pretrained_weights_load_into_each_ranks_gpu_share(saved, tmp_path) -> None:
+    """Each rank's TP slices read from the files straight into its GPU tensors: the first loss is
+    ``from_pretrained``'s (on the CPU), and it trains."""
+    path = saved["llama"]
+    assert all(run_ranks(2, _train_on_the_gpu, str(tmp_path), str(path), timeout=300, device="cuda"))
+    inputs, targets = _first_batch(path)
+    with torch.no_grad():
+        logits = reference(path)(input_ids=inputs).logits
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1)).item()
+    losses = _losses(tmp_path, "gpu-tp2")
+    assert losses[0] == pytest.approx(expected, rel=1e-4)  # float32 on the GPU against the CPU
+    assert losses[-1] < losses[0]
+
+
 def _expected_reads(file_of: dict[str, str], tp_rank: int, pp_rank: int) -> set:
     """What rank (tp_rank, pp_rank) of (1,2,2) must read of the 4-layer model: its stage's tensors, each the
     slice of its TP shard (Q, K, V, gate, up, the embedding and the head by rows; O and down by columns)."""
