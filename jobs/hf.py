@@ -210,7 +210,10 @@ class DecoderBlock(nn.Module):
     """One decoder layer as a pipeline block: hidden state in, hidden state out.
 
     Position ids, the rotary (cos, sin) and the causal mask are made here from the
-    hidden state, exactly as the transformers model makes them once for all layers.
+    hidden state, exactly as the transformers model makes them once for all layers. The mask is
+    asked for without the position ids: ours are always 0..s-1, one sequence per row, and given
+    them with no cache transformers checks each row for packed sequences with a host read (on a GPU,
+    one synchronization per layer and step; its own model passes a cache, which skips the check).
     """
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: Any, attention_type: str) -> None:
@@ -224,8 +227,7 @@ class DecoderBlock(nn.Module):
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         make_mask = (masking_utils.create_sliding_window_causal_mask if self.attention_type == "sliding_attention"
                      else masking_utils.create_causal_mask)
-        mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-                         position_ids=positions)
+        mask = make_mask(self.config, hidden, None, None)
         return self.layer(hidden, attention_mask=mask, position_ids=positions,
                           position_embeddings=self.rotary_emb(hidden, positions))
 

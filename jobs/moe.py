@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parallel.ep import ExpertPlacement, run_experts
@@ -50,12 +49,18 @@ def capacity(seq_len: int, n_experts: int, top_k: int, factor: float) -> int:
     return max(1, math.ceil(factor * top_k * seq_len / n_experts))
 
 
+def one_hot(index: torch.Tensor, n: int) -> torch.Tensor:
+    """``F.one_hot(index, n)`` (int64) without its range check, which reads the indices' minimum and maximum
+    on the host: on a GPU a synchronization per call. Router indices come from ``topk``, always in range."""
+    return (index.unsqueeze(-1) == torch.arange(n, device=index.device)).long()
+
+
 def assign_slots(expert: torch.Tensor, n_experts: int, slots: int) -> torch.Tensor:
     """Which choices ``expert`` ``[batch, time, k]`` keep: each sequence fills each expert's ``slots``
     first come, first served, all first choices in token order, then all second choices."""
     batch, time, k = expert.shape
     order = expert.transpose(1, 2).reshape(batch, k * time)  # choice-major
-    onehot = F.one_hot(order, n_experts)
+    onehot = one_hot(order, n_experts)
     position = (onehot.cumsum(1) * onehot).sum(-1) - 1  # how many earlier claims on the same expert
     return (position < slots).view(batch, k, time).transpose(1, 2)
 
@@ -72,7 +77,7 @@ def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torc
     """Switch Transformer's ``E * sum_e f_e P_e`` (f: the share of first choices, P: the mean probability),
     per sequence, averaged over sequences; 1 when the load is uniform."""
     n_experts = probs.shape[-1]
-    share = F.one_hot(first_choice, n_experts).to(probs.dtype).mean(1)
+    share = one_hot(first_choice, n_experts).to(probs.dtype).mean(1)
     return (n_experts * (share * probs.mean(1)).sum(-1)).mean()
 
 

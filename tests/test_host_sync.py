@@ -1,0 +1,68 @@
+"""A training step reads the device from the host once, at its end (the replicas' loss sum).
+
+On a GPU every host read of a device value (``.item()``, ``bool(tensor)``, a range check) waits for the
+queue to drain, and the GPU then idles while the host launches what comes next. Such reads go through
+aten's ``_local_scalar_dense`` on any device, so the CPU counts them: during a step of each example model
+(SGD, whose update reads nothing; clipping on), the first read must be ``StepRunner.run``'s, after the step's
+work. What is read after it (the MoE layers' counts for the metrics) waits for nothing: the queue is empty.
+One transformers helper asked for the mask with position ids read each layer's
+positions back for packed sequences (16 reads a step of the bench Llama); torch's ``one_hot`` range check
+read the router's choices twice per MoE layer.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+
+from tests.ranks import run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = ["gpt.toml", "llama.toml", "gpt_moe.toml"]
+
+
+def _host_reads(world, example: str, run_dir: str) -> list[str]:
+    """Where the second step read device values from the host: the innermost frame of ours, each read."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpc.config import load_spec
+    from hpc.observe.probe import Probe
+    from hpc.runtime.mesh import MeshShape, build_mesh
+    from jobs.train import StepRunner, build_data_parallel_optimizer
+    from jobs.workloads import Workload
+
+    class Reads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sites: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "_local_scalar_dense":
+                ours = [f for f in traceback.extract_stack() if f.filename.startswith(str(REPO))
+                        and "/tests/" not in f.filename]
+                self.sites.append(f"{Path(ours[-1].filename).relative_to(REPO)}:{ours[-1].name}" if ours else "?")
+            return func(*args, **(kwargs or {}))
+
+    spec = load_spec(REPO / "jobs" / "examples" / example,
+                     [f"job.run_dir={run_dir}", "parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.ep=1",
+                      "train.optimizer=sgd", "train.grad_clip=1.0"])
+    mesh = build_mesh(MeshShape(1, 1, 1), world.rank)
+    workload = Workload(spec, mesh)
+    optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, Probe(), exclude=workload.expert_params)
+    runner = StepRunner(spec, workload, mesh, Probe(), optimizer)
+    runner.run(0)
+    reads = Reads()
+    with reads:
+        runner.run(1)
+    optimizer.close()
+    return reads.sites
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_a_step_reads_the_device_once_at_its_end(example, tmp_path) -> None:
+    if example == "llama.toml":
+        pytest.importorskip("transformers")
+    (sites,) = run_ranks(1, _host_reads, example, str(tmp_path), timeout=300)
+    assert sites and sites[0] == "jobs/train.py:run", sites
