@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = ["gpt.toml", "llama.toml", "gpt_moe.toml"]
 
 
-def _host_reads(world, example: str, run_dir: str) -> list[str]:
+def _host_reads(world, example: str, run_dir: str, layout=(1, 1, 1)) -> list[str]:
     """Where the second step read device values from the host: the innermost frame of ours, each read."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -46,9 +46,9 @@ def _host_reads(world, example: str, run_dir: str) -> list[str]:
             return func(*args, **(kwargs or {}))
 
     spec = load_spec(REPO / "jobs" / "examples" / example,
-                     [f"job.run_dir={run_dir}", "parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.ep=1",
-                      "train.optimizer=sgd", "train.grad_clip=1.0"])
-    mesh = build_mesh(MeshShape(1, 1, 1), world.rank)
+                     [f"job.run_dir={run_dir}", *(f"parallel.{axis}={n}" for axis, n in zip("dp tp pp".split(), layout)),
+                      "parallel.ep=1", "train.optimizer=sgd", "train.grad_clip=1.0"])
+    mesh = build_mesh(MeshShape(*layout), world.rank)
     workload = Workload(spec, mesh)
     optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, Probe(), exclude=workload.expert_params)
     runner = StepRunner(spec, workload, mesh, Probe(), optimizer)
@@ -66,3 +66,9 @@ def test_a_step_reads_the_device_once_at_its_end(example, tmp_path) -> None:
         pytest.importorskip("transformers")
     (sites,) = run_ranks(1, _host_reads, example, str(tmp_path), timeout=300)
     assert sites and sites[0] == "jobs/train.py:run", sites
+
+
+@pytest.mark.parametrize("layout", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["dp2", "tp2", "pp2"])
+def test_under_each_parallelism_a_step_reads_the_device_once_at_its_end(layout, tmp_path) -> None:
+    for sites in run_ranks(2, _host_reads, "gpt.toml", str(tmp_path), layout, timeout=300):
+        assert sites and sites[0] == "jobs/train.py:run", sites
