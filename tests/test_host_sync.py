@@ -45,8 +45,9 @@ def _host_reads(world, example: str, run_dir: str, layout=(1, 1, 1)) -> list[str
                 self.sites.append(f"{Path(ours[-1].filename).relative_to(REPO)}:{ours[-1].name}" if ours else "?")
             return func(*args, **(kwargs or {}))
 
+    dp, tp, pp = layout
     spec = load_spec(REPO / "jobs" / "examples" / example,
-                     [f"job.run_dir={run_dir}", *(f"parallel.{axis}={n}" for axis, n in zip("dp tp pp".split(), layout)),
+                     [f"job.run_dir={run_dir}", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
                       "parallel.ep=1", "train.optimizer=sgd", "train.grad_clip=1.0"])
     mesh = build_mesh(MeshShape(*layout), world.rank)
     workload = Workload(spec, mesh)
