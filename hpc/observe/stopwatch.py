@@ -26,7 +26,7 @@ class Stopwatch:
     for the last event of each region, so it reads at once only after the work was synchronized."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         self._host = 0.0
         self._regions: list[tuple[object, object]] = []
 
@@ -37,7 +37,7 @@ class Stopwatch:
         import torch
 
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def add(self, start: object, end: object | None = None) -> None:
