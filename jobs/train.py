@@ -235,6 +235,14 @@ def build_data_parallel_optimizer(spec: JobSpec, model: torch.nn.Module, mesh: M
 
 
 @dataclass(frozen=True)
+class Batch:
+    step: int
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # StepRunner.step_loss
+
+
+@dataclass(frozen=True)
 class StepOutcome:
     loss: float  # the global batch's mean, the same on every rank
     lr: float
@@ -264,6 +272,7 @@ class StepRunner:
         self.everyone = range(mesh.shape.size)
         self.expert_params = [p for p in workload.expert_params if p.requires_grad]  # sharded experts not frozen
         self.may_mask = getattr(workload.data.train, "masks_targets", True)  # see step_loss
+        self.prefetched: Batch | None = None  # the next step's, queued behind this step's work (see run)
 
     def run(self, step: int) -> StepOutcome:
         cfg, probe, optimizer = self.cfg, self.probe, self.optimizer
@@ -271,13 +280,11 @@ class StepRunner:
         lr = learning_rate(self.base_lr, step, cfg.steps, cfg.warmup_steps, cfg.lr_schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        with probe.span("data"):
-            inputs, targets = self.workload.host_batch(step)
-        loss_fn = self.step_loss(targets)
-        inputs, targets = to_device(inputs, self.mesh.device), to_device(targets, self.mesh.device)
+        batch = self.prefetched if self.prefetched is not None and self.prefetched.step == step else self.batch(step)
+        self.prefetched = None
         optimizer.zero_grad(set_to_none=True)
-        loss, pipeline = forward_backward(self.workload, self.actions, self.pp, inputs, targets,
-                                               self.par.microbatches, probe, self.lookahead, loss_fn)
+        loss, pipeline = forward_backward(self.workload, self.actions, self.pp, batch.inputs, batch.targets,
+                                          self.par.microbatches, probe, self.lookahead, batch.loss_fn)
         optimizer.synchronize()
         groups = self.workload.expert_groups
         if groups is not None:
@@ -288,11 +295,20 @@ class StepRunner:
                                        (groups, self.expert_params) if groups is not None else None)
         with probe.span("optimizer step"), optimizer.skip_synchronize():
             optimizer.step()
+        if step + 1 < cfg.steps:  # read and copied while the device runs this step, not after its end
+            self.prefetched = self.batch(step + 1)
         with probe.collective("loss all-reduce", "world", self.everyone):
             global_loss = sum_over_replicas([0.0 if loss is None else loss], self.mesh)[0] / self.mesh.size("dp")
         # the step's one host synchronization was the loss sum's: the norm and the times are there by now
         return StepOutcome(global_loss, lr, float(grad_norm), pipeline.wait_s if pipeline else 0.0,
                            self.workload.moe_metrics())
+
+    def batch(self, step: int) -> Batch:
+        """Step ``step``'s share of the global batch on the device, and what it backpropagates."""
+        with self.probe.span("data"):
+            inputs, targets = self.workload.host_batch(step)
+        loss_fn = self.step_loss(targets)
+        return Batch(step, to_device(inputs, self.mesh.device), to_device(targets, self.mesh.device), loss_fn)
 
     def step_loss(self, targets: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """What each (micro)batch backpropagates, from this replica's host ``targets``: the workload's mean loss

@@ -277,10 +277,13 @@ def token_weighted(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch onto the rank's device; from pinned memory the copy overlaps whatever the GPU is doing."""
+    """A batch onto the rank's device. To a GPU through pinned memory, so the copy is queued behind whatever
+    the GPU is doing and the host goes on (from pageable memory it would wait for the GPU to drain)."""
     if tensor.device == device:
         return tensor
-    return tensor.to(device, non_blocking=tensor.is_pinned())
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def sum_over_replicas(values: Sequence[float | torch.Tensor], mesh: Mesh) -> list[float]:

@@ -234,10 +234,11 @@ def test_a_late_rank_is_named_and_the_job_aborts_in_time(tmp_path: Path) -> None
     assert done.returncode != 0, output
     warnings = [line for line in output.splitlines() if "hpc: stall:" in line]
     assert warnings, output
-    # the first collective of step 4 the others reach: the first gradient bucket (the digits set marks no
-    # target, so no count of counted targets is agreed first)
-    assert re.search(r"in allreduce bucket0 .* at step 4; not arrived: rank 3 \([^)]*step 4, in data for",
-                     warnings[0])
+    # step 4's batch is read during step 3, after its optimizer step (queued behind the step's work on a
+    # GPU): the others wait in step 3's loss all-reduce (the digits set marks no target, so no count of
+    # counted targets is agreed first)
+    assert re.search(r"in loss all-reduce .* at step 3; not arrived: rank 3 \([^)]*step 3, in data for",
+                     warnings[0]), warnings[0]
     assert re.search(r"rank [012] .*aborting the job \(stall abort threshold 8 s\)", output), output
     assert "aborted by the stall inspector" in output  # the launcher's line naming the rank that exited first
     # far sooner than the late rank's sleep (600 s) or the backend's timeout (parallel.timeout_s = 300 s)
