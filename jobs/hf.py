@@ -276,11 +276,12 @@ class CausalLM(nn.Module):
         return last(hidden)
 
     def loss(self, output: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:
-        """Mean next-token cross-entropy against already-shifted targets; ``tp_group`` when a ``vocab``
-        plan keeps the logits split over the vocabulary."""
+        """Mean next-token cross-entropy against already-shifted targets, in float32 as transformers' own loss
+        and the GPT's (bf16 logits under autocast would round the loss and the softmax to 3 digits);
+        ``tp_group`` when a ``vocab`` plan keeps the logits split over the vocabulary."""
         from jobs.gpt import lm_loss
 
-        return lm_loss(output, targets, tp_group)
+        return lm_loss(output.float(), targets, tp_group)
 
 
 def _check_same_forward(adapter: CausalLM, hf_model: nn.Module) -> None:

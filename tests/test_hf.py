@@ -82,6 +82,19 @@ def test_the_adapter_is_the_transformers_model(model_type) -> None:
     torch.testing.assert_close(loss, reference(input_ids=ids, labels=ids).loss, rtol=1e-6, atol=1e-6)
 
 
+def test_under_bf16_autocast_the_loss_is_transformers_float32_loss() -> None:
+    """Autocast's bf16 logits: the loss and its softmax in float32, as transformers' own ``labels=`` loss."""
+    adapter, reference = _both()
+    ids = _ids()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = adapter(ids)
+        expected = reference(input_ids=ids, labels=ids).loss
+    assert logits.dtype == torch.bfloat16
+    loss = adapter.loss(logits[:, :-1], ids[:, 1:])
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_the_pipeline_parts_composed_are_the_forward_and_pass_one_tensor() -> None:
     adapter, _ = _both()
     first, blocks, last = adapter.pipeline_parts()
