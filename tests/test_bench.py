@@ -118,3 +118,17 @@ def test_bench_train_rejects_bad_options(argv, message, capsys) -> None:
 
     assert main(["bench", "train", "--launcher", "local", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_gpu_reads_a_run_of_ours_into_one_row(tmp_path) -> None:
+    """``make bench-gpu``'s row of our trainer, from a CPU run of the MLP: what a GPU session must not find
+    broken (only its device figures, MFU and peak memory, are the GPU's)."""
+    from pathlib import Path
+
+    from jobs.bench.gpu import WARMUP_STEPS, ours
+
+    spec = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "mlp.toml"
+    row = ours("mlp on the cpu", tmp_path, ["parallel.tp=1", "parallel.pp=1"], WARMUP_STEPS + 3, spec=spec)
+    assert "error" not in row, row
+    assert row["loop"] == "mlp on the cpu" and row["step_s"] > 0 and row["samples_per_s"] > 0
+    assert row["mfu"] is None and "summary: 6 steps" in row["summary"]
