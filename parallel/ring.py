@@ -18,6 +18,14 @@ Two transports: torch.distributed isend/irecv (Gloo or NCCL, any process group) 
 mpi4py Isend/Irecv on the tensors' bytes, because MPI's shared-memory and InfiniBand
 transports beat Gloo's TCP on CPU clusters. CUDA tensors travel as they are where the
 carrier takes device memory (NCCL, a CUDA-aware MPI), else through pinned host copies.
+
+NCCL moves messages in lockstep (``Transport.in_lockstep``): each batch of sends and receives is one
+kernel on the group's one stream, finished only when every message in it met its match, and the next
+batch starts after it. Receives posted ahead of this rank's sends, as the pipelined ring posts them,
+would then wait for each other all around the ring. Over NCCL the ring posts each transfer's sends and
+receives as one batch, a chunk's segments together (``_Ring.run_in_lockstep``): the same messages in the
+same order, the same roundings (a codec's rounding may depend on a segment's length), and the host only
+queues work on the device.
 """
 
 from __future__ import annotations
@@ -65,6 +73,8 @@ class Transport(Protocol):
 
     def post(self, ops: Sequence[PointToPoint]) -> list[Pending]: ...
 
+    def in_lockstep(self, tensor: torch.Tensor) -> bool: ...
+
 
 class TorchTransport:
     """Point-to-point through torch.distributed; peers are ranks within ``group``. CUDA tensors go as they are
@@ -83,6 +93,11 @@ class TorchTransport:
         if self._direct is None:
             self._direct = carries_cuda(self.group)
         return not self._direct
+
+    def in_lockstep(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s messages go through NCCL, whose receives complete only within the batch that
+        holds this rank's matching turn (see the module docstring)."""
+        return tensor.is_cuda and not self._stages(tensor)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending:
         return self.post([PointToPoint(True, tensor, peer, tag)])[0]
@@ -165,6 +180,9 @@ class MpiTransport:
             self._cuda_aware = mpi_carries_cuda()
         return not self._cuda_aware
 
+    def in_lockstep(self, tensor: torch.Tensor) -> bool:
+        return False  # MPI moves a posted message whatever else this rank has posted
+
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending:
         if self._stages(tensor):
             host = staged_copy_to_host(tensor)
@@ -206,11 +224,9 @@ def ring_allgather(payload: torch.Tensor, transport: Transport, out: torch.Tenso
     if n == 1 or payload.numel() == 0:
         return gathered
     left, right = (rank - 1) % n, (rank + 1) % n
-    for step in range(n - 1):
-        incoming = transport.recv(gathered[(rank - step - 1) % n], left)
-        outgoing = transport.send(gathered[(rank - step) % n], right)
-        incoming.wait()
-        outgoing.wait()
+    for step in range(n - 1):  # each step's receive and send in one batch: NCCL runs them together
+        _wait(transport.post([PointToPoint(False, gathered[(rank - step - 1) % n], left),
+                              PointToPoint(True, gathered[(rank - step) % n], right)]))
     return gathered
 
 
@@ -235,7 +251,10 @@ def ring_allreduce(
     n, rank = dist.get_world_size(transport.group), dist.get_rank(transport.group)
     if n == 1 or flat.numel() == 0:
         return flat
-    _Ring(flat, transport, codec, error, segment_bytes).run(n, rank)
+    if transport.in_lockstep(flat):
+        _Ring(flat, transport, codec, error, segment_bytes).run_in_lockstep(n, rank, gather=True)
+    else:
+        _Ring(flat, transport, codec, error, segment_bytes).run(n, rank)
     if average:
         flat.div_(n)
     return flat
@@ -254,6 +273,9 @@ def ring_reduce_scatter(flat: torch.Tensor, transport: Transport, *, codec: Code
     owned = flat.tensor_split(n)[(rank + 1) % n]
     if n == 1 or flat.numel() == 0:
         return owned
+    if transport.in_lockstep(flat):
+        _Ring(flat, transport, codec, error, segment_bytes).run_in_lockstep(n, rank, gather=False)
+        return owned.div_(n) if average else owned
     ring = _Ring(flat, transport, codec, error, segment_bytes)
     scatter_order = [(rank - t - 1) % n for t in range(n - 1)]
     _wait(ring.reduce_scatter(n, rank, ring._receives((rank - 1) % n, scatter_order, in_place=False), False))
@@ -313,6 +335,38 @@ class _Ring:
                 if early_gather:
                     self.codec.decode_into(payload, segment)
         _wait(self.sends)
+
+    def run_in_lockstep(self, n: int, rank: int, gather: bool) -> None:
+        """``run``'s transfers, each send posted in one batch with the receive of the same transfer (NCCL);
+        without ``gather``, the reduce-scatter alone, the owned chunk's sum kept as added."""
+        left, right = (rank - 1) % n, (rank + 1) % n
+        outgoing = [self._encode(rank, k) for k in range(len(self.segments[rank]))]
+        for t in range(n - 1):  # reduce-scatter, as in run: add chunk rank-t-1, send it on
+            index, last = (rank - t - 1) % n, t == n - 2
+            received = self._exchange(outgoing, [self.codec.empty_payload(s) for s in self.segments[index]],
+                                      left, right)
+            outgoing = []
+            for k, (payload, segment) in enumerate(zip(received, self.segments[index], strict=True)):
+                self.codec.add_decoded(payload, segment)
+                if not last or gather:  # the owned chunk's last encode is the all-gather's first transfer
+                    outgoing.append(self._encode(index, k, final=last))
+        if not gather:
+            return
+        for t in range(n - 1):  # all-gather: finished chunks forwarded unchanged, decoded where lossy
+            segments = self.segments[(rank - t) % n]
+            into = [self.codec.empty_payload(s) for s in segments] if self.codec.lossy else segments
+            outgoing = self._exchange(outgoing, into, left, right)  # t=0: the owned chunk
+            if self.codec.lossy:
+                for payload, segment in zip(outgoing, segments, strict=True):
+                    self.codec.decode_into(payload, segment)
+
+    def _exchange(self, sends: list[torch.Tensor], receives: list[torch.Tensor], left: int,
+                  right: int) -> list[torch.Tensor]:
+        """One transfer: ``sends`` to the right and ``receives`` from the left as one batch; returns ``receives``
+        once they are filled (over NCCL: once the device's stream has them)."""
+        _wait(self.transport.post([*(PointToPoint(True, payload, right) for payload in sends),
+                                   *(PointToPoint(False, buffer, left) for buffer in receives)]))
+        return receives
 
     def reduce_scatter(self, n: int, rank: int, receives: Iterator[torch.Tensor], send_final: bool) -> list[Pending]:
         """The n-1 reduce-scatter transfers; ``send_final`` also sends the owned chunk on as it is finished

@@ -5,7 +5,7 @@ first step, when the report can name a link rather than a training step that got
 slow. For the whole world and each mesh axis with groups of more than one rank:
 a small all-reduce whose sum is checked, then a ring in which every rank sends
 ``message_bytes`` to the next rank of its group while receiving from the previous
-one, twice (the first pass pays for connection set-up); the second receive's time
+one, twice (the first pass pays for connection set-up); the second pass's time
 measures the link previous -> this rank. Every operation runs under the stall
 inspector with the health check's timeout, so a dead link aborts the job naming
 the ranks that did not answer instead of hanging. The timings are gathered on
@@ -73,15 +73,22 @@ def _groups(mesh: Mesh) -> list[tuple[str, object, tuple[int, ...]]]:
 
 
 def _ring_pass(group, members: tuple[int, ...], me: int, payload, received) -> float:
+    """The message to the next rank and the one from the previous, as one batch: NCCL runs what a rank posts
+    in order on one stream, so a send posted before the receive would wait for the next rank's receive,
+    queued behind that rank's own send. The host waits for the device, so the time is the link's."""
+    import torch
     import torch.distributed as dist
 
     position = members.index(me)
     started = time.perf_counter()
-    send = dist.isend(payload, group=group, group_dst=(position + 1) % len(members))
-    dist.recv(received, group=group, group_src=(position - 1) % len(members))
-    seconds = time.perf_counter() - started
-    send.wait()
-    return seconds
+    for work in dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, payload, group=group, group_peer=(position + 1) % len(members)),
+        dist.P2POp(dist.irecv, received, group=group, group_peer=(position - 1) % len(members)),
+    ]):
+        work.wait()
+    if received.is_cuda:
+        torch.cuda.current_stream(received.device).synchronize()
+    return time.perf_counter() - started
 
 
 def check_mesh(mesh: Mesh, probe: Probe, timeout_s: float, message_bytes: int = MESSAGE_BYTES) -> HealthReport:
@@ -101,8 +108,9 @@ def check_mesh(mesh: Mesh, probe: Probe, timeout_s: float, message_bytes: int = 
         started = time.perf_counter()
         with probe.collective(f"health check all-reduce ({axis})", f"health-{axis}", members, abort_s=timeout_s):
             dist.all_reduce(ones, group=group)
+            total = int(ones.item())  # on a GPU the host waits here, where the stall inspector watches
         timings[row, 0] = time.perf_counter() - started
-        if int(ones.item()) != len(members):
+        if total != len(members):
             raise HealthCheckError(f"all-reduce over {axis} summed to {ones.item():g}, expected {len(members)}",
                                    rank=me, ranks=list(members))
         if len(members) > 1:
