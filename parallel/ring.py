@@ -22,10 +22,10 @@ carrier takes device memory (NCCL, a CUDA-aware MPI), else through pinned host c
 NCCL moves messages in lockstep (``Transport.in_lockstep``): each batch of sends and receives is one
 kernel on the group's one stream, finished only when every message in it met its match, and the next
 batch starts after it. Receives posted ahead of this rank's sends, as the pipelined ring posts them,
-would then wait for each other all around the ring. Over NCCL the ring posts each transfer's sends and
-receives as one batch, a chunk's segments together (``_Ring.run_in_lockstep``): the same messages in the
-same order, the same roundings (a codec's rounding may depend on a segment's length), and the host only
-queues work on the device.
+would then wait for each other all around the ring. Over NCCL the ring posts each transfer's send and
+receive as one batch, whole chunks (``_Ring.run_in_lockstep``): the same bytes in the same order, the same
+roundings (segments are whole codec blocks, and a codec rounds a block alike wherever it is cut), and
+a few large kernels and messages, which the host only queues on the device.
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def ring_allreduce(
     if n == 1 or flat.numel() == 0:
         return flat
     if transport.in_lockstep(flat):
-        _Ring(flat, transport, codec, error, segment_bytes).run_in_lockstep(n, rank, gather=True)
+        _Ring(flat, transport, codec, error, flat.nbytes).run_in_lockstep(n, rank, gather=True)
     else:
         _Ring(flat, transport, codec, error, segment_bytes).run(n, rank)
     if average:
@@ -274,7 +274,7 @@ def ring_reduce_scatter(flat: torch.Tensor, transport: Transport, *, codec: Code
     if n == 1 or flat.numel() == 0:
         return owned
     if transport.in_lockstep(flat):
-        _Ring(flat, transport, codec, error, segment_bytes).run_in_lockstep(n, rank, gather=False)
+        _Ring(flat, transport, codec, error, flat.nbytes).run_in_lockstep(n, rank, gather=False)
         return owned.div_(n) if average else owned
     ring = _Ring(flat, transport, codec, error, segment_bytes)
     scatter_order = [(rank - t - 1) % n for t in range(n - 1)]

@@ -74,8 +74,15 @@ class Int8Codec(Codec):
         if self._fused(into) and self._decode_fused(payload, into, add=True):
             return into
         scales, values = self._split(payload, into.numel())
-        if into.dtype == torch.float32 and into.is_contiguous() and into.numel() % self.block == 0:
-            into.view(-1, self.block).addcmul_(values.view(-1, self.block).float(), scales[:, None])
+        if into.dtype == torch.float32 and into.is_contiguous():
+            # whole blocks fused (addcmul_: one rounding), a ragged last block product then sum: the same
+            # roundings however the tensor is cut at block boundaries (the ring's segments, or whole chunks)
+            whole = into.numel() - into.numel() % self.block
+            if whole:
+                into[:whole].view(-1, self.block).addcmul_(values[:whole].view(-1, self.block).float(),
+                                                           scales[: whole // self.block, None])
+            if whole < into.numel():
+                into[whole:].add_(values[whole:].float() * scales[-1])
             return into
         per_element = scales.repeat_interleave(self.block)[: into.numel()]
         return into.add_((values.float() * per_element).view_as(into).to(into.dtype))

@@ -13,8 +13,8 @@ Here each is one kernel that reads its input once and writes its output once:
 Every result equals the torch (CPU) path's bit for bit: IEEE division (``div_rn``, not
 Triton's approximate ``/``), round half to even by adding and subtracting 1.5 * 2^23 (exact
 for |v| <= 2^22), and no fused multiply-add the compiler chose (``enable_fp_fusion=False``):
-an explicit ``fma`` where torch's kernel has one (``addcmul_`` on whole blocks), else the
-product rounded before the sum.
+an explicit ``fma`` where torch's kernel has one (``addcmul_`` on whole blocks), else (a ragged
+last block) the product rounded before the sum.
 
 Triton is imported on first use only: ``parallel`` imports without it, and ``available``
 tells the codecs whether to dispatch here (CUDA tensors, Triton importable, no earlier
@@ -81,16 +81,16 @@ def _define(triton, tl) -> dict[str, object]:
 
     @triton.jit
     def int8_decode(scales_ptr, values_ptr, into_ptr, n, n_blocks,
-                    BLOCK: tl.constexpr, ROWS: tl.constexpr, ADD: tl.constexpr, FMA: tl.constexpr):
+                    BLOCK: tl.constexpr, ROWS: tl.constexpr, ADD: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         offsets = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         inside = offsets < n
         scale = tl.load(scales_ptr + rows, mask=rows < n_blocks, other=0.0)
         q = tl.load(values_ptr + offsets, mask=inside, other=0).to(tl.float32)
-        if ADD and FMA:  # torch's addcmul_, which the CPU path runs on whole blocks, rounds once
-            decoded = tl.fma(q, scale[:, None], tl.load(into_ptr + offsets, mask=inside, other=0.0))
-        elif ADD:
-            decoded = tl.load(into_ptr + offsets, mask=inside, other=0.0) + q * scale[:, None]
+        if ADD:  # a whole block as torch's addcmul_ on the CPU (one rounding), the ragged last one product then sum
+            current = tl.load(into_ptr + offsets, mask=inside, other=0.0)
+            whole = (rows + 1) * BLOCK <= n
+            decoded = tl.where(whole[:, None], tl.fma(q, scale[:, None], current), current + q * scale[:, None])
         else:
             decoded = q * scale[:, None]
         tl.store(into_ptr + offsets, decoded, mask=inside)
@@ -136,10 +136,10 @@ def int8_encode(chunk: torch.Tensor, scales: torch.Tensor, values: torch.Tensor,
 
 def int8_decode(scales: torch.Tensor, values: torch.Tensor, into: torch.Tensor, block: int, add: bool) -> None:
     """``into = values * scales`` per block, or ``into += ...`` with ``add``; ``into`` float32. As the torch path
-    does, the add is fused (one rounding) when ``into`` is whole blocks, else the product is rounded first."""
+    does, the add is fused (one rounding) on whole blocks, the product rounded first on a ragged last block."""
     k, n, rows = _kernels(), into.numel(), _rows(block)
     k.int8_decode[_grid(-(-scales.numel() // rows))](
-        scales, values, into, n, scales.numel(), BLOCK=block, ROWS=rows, ADD=add, FMA=n % block == 0, num_warps=4,
+        scales, values, into, n, scales.numel(), BLOCK=block, ROWS=rows, ADD=add, num_warps=4,
         enable_fp_fusion=False)
 
 
