@@ -132,3 +132,28 @@ def test_bench_gpu_reads_a_run_of_ours_into_one_row(tmp_path) -> None:
     assert "error" not in row, row
     assert row["loop"] == "mlp on the cpu" and row["step_s"] > 0 and row["samples_per_s"] > 0
     assert row["mfu"] is None and "summary: 6 steps" in row["summary"]
+
+
+def test_bench_gpu_weighs_its_rows_against_the_issues_bars() -> None:
+    """The H200 rows of session 12 (docs/BENCHMARKS.md), as make bench-gpu kept them."""
+    from jobs.bench.gpu import verdicts
+
+    codecs = "\n".join(json.dumps({"bytes": size, "codec": codec, "vs_copy": ratio}) for size, codec, ratio in [
+        (64 << 20, "int8", 0.384), (256 << 20, "copy", 1.0), (256 << 20, "int8", 0.602), (256 << 20, "fp16", 0.562),
+        (256 << 20, "bf16", 0.563)])
+    checkpoint = "rank 0 said something\n" + json.dumps({"impl": "hdf5-async", "op": "save", "stall_of_memcpy": 1.07})
+    rows = [{"loop": "ours eager", "tokens_per_s": 69737, "peak_memory_bytes": 39.5e9},
+            {"loop": "plain eager AdamW", "tokens_per_s": 68387, "peak_memory_bytes": 40.2e9},
+            {"loop": "plain eager fused AdamW", "tokens_per_s": 71425, "peak_memory_bytes": 40.2e9},
+            {"loop": "codecs", "output": codecs}, {"loop": "checkpoint", "output": checkpoint},
+            {"loop": "ours compiled", "tokens_per_s": 97700},
+            {"loop": "plain compiled fused AdamW", "error": ["out of time"]}]
+    assert verdicts(rows) == [
+        "eager tokens/s, ours over the better plain loop: 0.976x (bar >= 1.0x) NOT met",
+        "eager peak memory, ours over that loop's: 0.983x (bar <= 1.1x) met",
+        "compiled tokens/s, ours over the compiled plain loop: not measured",
+        "int8 encode + decode over the device copy: 0.602x (bar >= 0.5x) met",
+        "fp16 encode + decode over the device copy: 0.562x (bar >= 0.6x) NOT met",
+        "bf16 encode + decode over the device copy: 0.563x (bar >= 0.6x) NOT met",
+        "async checkpoint stall over the device-to-host copy: 1.070x (bar <= 1.3x) met",
+    ]

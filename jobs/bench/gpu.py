@@ -10,12 +10,14 @@ Each row is a fresh process (the GPU's memory and compile caches start empty):
 - a data-parallel step of 2 ranks sharing the GPU over Gloo against 1 rank, the GPT example.
 
 It installs nothing (the GPU machine has no network): run from the checkout with ``PYTHONPATH``.
-Every row is appended to ``--out``/rows.jsonl as it finishes, so a run cut short keeps what it measured.
+Every row is appended to ``--out``/rows.jsonl as it finishes, so a run cut short keeps what it measured;
+the last lines weigh the rows against the bars of issue 29 (``verdicts``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -66,7 +68,7 @@ def plain(name: str, options: Sequence[str], steps: int) -> dict:
 def bench_output(name: str, argv: Sequence[str]) -> dict:
     """A ``hpc bench`` command's printed table, kept as it printed."""
     done = _run(["-m", "hpc.cli.main", "bench", *argv], 600)
-    return {"loop": name, "returncode": done.returncode, "output": (done.stdout + done.stderr).strip()[-4000:]}
+    return {"loop": name, "returncode": done.returncode, "output": (done.stdout + done.stderr).strip()[-20000:]}
 
 
 def rows(out: Path, steps: int, only: set[str]) -> list[tuple[str, callable]]:
@@ -79,7 +81,7 @@ def rows(out: Path, steps: int, only: set[str]) -> list[tuple[str, callable]]:
         ("llama", lambda: plain("plain eager fused AdamW", ["--fused"], steps)),
         ("codecs", lambda: bench_output("codecs", ["codecs", "--json"])),
         ("checkpoint", lambda: bench_output("checkpoint", ["checkpoint", "-n", "1", "--size", "512M", "--iters", "3",
-                                                           "--launcher", "local", "--device", "cuda",
+                                                           "--json", "--launcher", "local", "--device", "cuda",
                                                            "--dir", str(out / "checkpoint")])),
         ("dp", lambda: ours("gpt 1 rank cuda", out, [*shared], 30, 1, GPT)),
         ("dp", lambda: ours("gpt dp=2 sharing the gpu", out, [*shared], 30, 2, GPT)),
@@ -87,6 +89,50 @@ def rows(out: Path, steps: int, only: set[str]) -> list[tuple[str, callable]]:
         ("compiled", lambda: plain("plain compiled fused AdamW", ["--compile", "--fused"], steps)),
     ]
     return [(group, thunk) for group, thunk in table if not only or group in only]
+
+
+def _json_lines(row: dict | None) -> list[dict]:
+    """The JSON rows a ``hpc bench ... --json`` printed (its row's kept output)."""
+    rows = []
+    for line in (row or {}).get("output", "").splitlines():
+        with contextlib.suppress(ValueError):  # a line of the rank's log, or one cut by the kept length
+            rows.append(json.loads(line))
+    return [row for row in rows if isinstance(row, dict)]
+
+
+def _bar(name: str, ratio: float | None, bar: float, at_most: bool = False) -> str:
+    if ratio is None:
+        return f"{name}: not measured"
+    met = ratio <= bar if at_most else ratio >= bar
+    return f"{name}: {ratio:.3f}x (bar {'<=' if at_most else '>='} {bar}x) {'met' if met else 'NOT met'}"
+
+
+def verdicts(rows: Sequence[dict]) -> list[str]:
+    """Issue 29's bars from one run's rows: ours against the better eager loop (tokens/s and peak memory), the
+    compiled loops, each codec against the copy at the largest size, the async checkpoint's stall."""
+    by = {row["loop"]: row for row in rows if "error" not in row}
+    rate = lambda name: by[name]["tokens_per_s"] if name in by else None  # noqa: E731
+    plain = [by[name] for name in ("plain eager AdamW", "plain eager fused AdamW") if name in by]
+    best = max(plain, key=lambda row: row["tokens_per_s"]) if plain else None
+    ours = by.get("ours eager")
+    lines = [
+        _bar("eager tokens/s, ours over the better plain loop",
+             ours["tokens_per_s"] / best["tokens_per_s"] if ours and best else None, 1.0),
+        _bar("eager peak memory, ours over that loop's",
+             ours["peak_memory_bytes"] / best["peak_memory_bytes"] if ours and best else None, 1.1, at_most=True),
+        _bar("compiled tokens/s, ours over the compiled plain loop",
+             rate("ours compiled") / rate("plain compiled fused AdamW")
+             if rate("ours compiled") and rate("plain compiled fused AdamW") else None, 1.0),
+    ]
+    codecs = _json_lines(by.get("codecs"))
+    largest = max((row["bytes"] for row in codecs), default=None)
+    for codec, bar in (("int8", 0.5), ("fp16", 0.6), ("bf16", 0.6)):
+        ratio = next((row["vs_copy"] for row in codecs if row["codec"] == codec and row["bytes"] == largest), None)
+        lines.append(_bar(f"{codec} encode + decode over the device copy", ratio, bar))
+    stall = next((row["stall_of_memcpy"] for row in _json_lines(by.get("checkpoint"))
+                  if row["impl"] == "hdf5-async" and row["op"] == "save"), None)
+    lines.append(_bar("async checkpoint stall over the device-to-host copy", stall, 1.3, at_most=True))
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,13 +143,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    done = []
     with (out / "rows.jsonl").open("a") as log:
         for _, thunk in rows(out, args.steps, set(filter(None, args.only.split(",")))):
             started = time.perf_counter()
             row = {**thunk(), "wall_s": round(time.perf_counter() - started, 1)}
+            done.append(row)
             log.write(json.dumps(row) + "\n")
             log.flush()
             print(json.dumps(row), flush=True)
+        lines = verdicts(done)
+        log.write(json.dumps({"verdicts": lines}) + "\n")
+    print("\n".join(lines))
     return 0
 
 
