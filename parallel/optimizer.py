@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from hpc.observe.probe import Probe
 from hpc.observe.stopwatch import Stopwatch
-from hpc.runtime.placement import CommStream
+from hpc.runtime.placement import CommStream, use_device
 from parallel.compression.base import Reducer
 from parallel.compression.registry import make_reducer
 from parallel.ring import Transport
@@ -158,10 +158,14 @@ class DistributedOptimizerMixin:
         self._passes = dict.fromkeys(params, 0)
         self._next_launch = 0
         self._futures: list[Future] = []
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpc-dp-comm") if overlap else None
+        device = params[0].device if params else torch.device("cpu")
+        # the thread's current device is the rank's: kernels launched there without a tensor to follow (Triton's
+        # codecs, torch.cuda defaults) land on this rank's GPU, not GPU 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpc-dp-comm", initializer=use_device,
+                                            initargs=(device,)) if overlap else None
         self._skip_sync = False
-        self._device = params[0].device if params else torch.device("cpu")
-        self._stream = CommStream(self._device)
+        self._device = device
+        self._stream = CommStream(device)
         self.stats = CommStats(self._device)
         self._pending_stats = CommStats(self._device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]

@@ -117,6 +117,14 @@ class CommStream:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (each thread starts on GPU 0); nothing on a CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def out_of_memory(device: torch.device, rank: int, host: str) -> str:
     """One line for a rank that ran out of device memory: where, what the allocator held, what to try."""
     import torch
