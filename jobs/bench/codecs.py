@@ -5,7 +5,8 @@ an all-gather hop does) and ``add`` (``add_decoded``, what a reduce-scatter hop 
 median of ``iters`` runs after ``warmup``. On a GPU a run is ``QUEUED`` calls queued back to back between
 two CUDA events, divided by ``QUEUED``: the device's time per call, as in the ring, where the host queues
 the next hop's kernels while the device runs this one (an event pair around a single call also times
-the host's launch, about 20 us for a Triton kernel against 90 us of work at 256 MiB). On the CPU, the
+the host's launch, about 20 us for a Triton kernel against 90 us of work at 256 MiB). ``launch_us`` is
+that difference for encode: one call alone between two events, less its time queued. On the CPU, the
 wall clock of one call.
 ``GBps`` is float32 input bytes over encode + decode, and ``vs_copy`` that rate over
 ``dst.copy_(src)``'s on the same tensor in the same run; ``add_GBps`` and ``add_vs_copy`` are
@@ -34,17 +35,18 @@ from parallel.compression.topk import TopK
 
 CODECS = ("fp16", "bf16", "int8", "topk", "powersgd")
 COLUMNS = ("bytes", "device", "codec", "encode_ms", "decode_ms", "add_ms", "GBps", "vs_copy", "add_GBps",
-           "add_vs_copy")
+           "add_vs_copy", "launch_us")
 HEADER = ("size", "device", "codec", "encode(ms)", "decode(ms)", "add(ms)", "enc+dec(GB/s)", "x copy",
-          "enc+add(GB/s)", "x copy")
+          "enc+add(GB/s)", "x copy", "launch(us)")
 
 Ops = dict[str, Callable[[], object] | None]
 QUEUED = 10  # calls per timed run on a GPU
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
+def median_seconds(fn: Callable[[], object], device: torch.device, iters: int, warmup: int,
+                   queued: int = QUEUED) -> float:
     """The median of ``iters`` timed runs of ``fn`` after ``warmup`` untimed calls (a run: one call on the CPU,
-    the device's time per call of ``QUEUED`` queued back to back on a GPU)."""
+    the device's time per call of ``queued`` queued back to back on a GPU)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -52,11 +54,11 @@ def median_seconds(fn: Callable[[], object], device: torch.device, iters: int, w
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(QUEUED):
+            for _ in range(queued):
                 fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / QUEUED)
+            times.append(start.elapsed_time(end) / 1e3 / queued)
         else:
             begin = time.perf_counter()
             fn()
@@ -107,24 +109,35 @@ def bench_codecs(sizes: Sequence[int], codecs: Sequence[str] = CODECS, iters: in
     for nbytes in sizes:
         x = torch.randn(max(1, nbytes // 4), generator=torch.Generator().manual_seed(0)).to(device)
         copy_dst = torch.empty_like(x)
-        copy_s = median_seconds(lambda: copy_dst.copy_(x), device, iters, warmup)  # noqa: B023 - used at once
-        rows.append(_row(x, "copy", {"encode": copy_s, "decode": None, "add": None}, copy_s))
+        copy = lambda: copy_dst.copy_(x)  # noqa: B023, E731 - used at once
+        copy_s = median_seconds(copy, device, iters, warmup)
+        rows.append(_row(x, "copy", {"encode": copy_s, "decode": None, "add": None}, copy_s,
+                         _launch_us(copy, copy_s, device, iters)))
         for name in codecs:
             ops = codec_ops(name, x)
             seconds = {op: None if fn is None else median_seconds(fn, device, iters, warmup) for op, fn in ops.items()}
-            rows.append(_row(x, name, seconds, copy_s))
+            rows.append(_row(x, name, seconds, copy_s, _launch_us(ops["encode"], seconds["encode"], device, iters)))
             del ops
     return rows
 
 
-def _row(x: torch.Tensor, codec: str, seconds: dict[str, float | None], copy_s: float) -> dict:
+def _launch_us(fn: Callable[[], object], queued_s: float, device: torch.device, iters: int) -> float | None:
+    """On a GPU, what one call alone takes beyond its queued time: the host's launch, which the device waits for."""
+    if device.type != "cuda":
+        return None
+    return (median_seconds(fn, device, iters, 0, queued=1) - queued_s) * 1e6
+
+
+def _row(x: torch.Tensor, codec: str, seconds: dict[str, float | None], copy_s: float,
+         launch_us: float | None) -> dict:
     nbytes, encode = 4 * x.numel(), seconds["encode"]
     decode, add = seconds["decode"], seconds["add"]
     both = encode + (decode or 0.0)
     with_add = None if add is None else encode + add
     values = (nbytes, str(x.device), codec, encode * 1e3, None if decode is None else decode * 1e3,
               None if add is None else add * 1e3, nbytes / both / 1e9, copy_s / both,
-              None if with_add is None else nbytes / with_add / 1e9, None if with_add is None else copy_s / with_add)
+              None if with_add is None else nbytes / with_add / 1e9, None if with_add is None else copy_s / with_add,
+              launch_us)
     return dict(zip(COLUMNS, values, strict=True))
 
 
@@ -139,4 +152,5 @@ def _cells(r: dict) -> tuple[object, ...]:
     return (text.human_size(r["bytes"]), r["device"], r["codec"], number(r["encode_ms"], ".3f"),
             number(r["decode_ms"], ".3f"), number(r["add_ms"], ".3f"), number(r["GBps"], ".1f"),
             number(r["vs_copy"], ".3f") + "x", number(r["add_GBps"], ".1f"),
-            number(r["add_vs_copy"], ".3f") + ("x" if r["add_vs_copy"] is not None else ""))
+            number(r["add_vs_copy"], ".3f") + ("x" if r["add_vs_copy"] is not None else ""),
+            number(r["launch_us"], ".1f"))
