@@ -258,15 +258,13 @@ class DistributedOptimizerMixin:
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
         futures, self._futures = self._futures, []
-        if futures:
+        if futures:  # without any, nothing ran on the communication stream or each bucket was joined already
             # from the compute stream's end of backward until it may go on: the host's wait for the thread,
             # then, on a GPU, the stream's wait for the communication stream
             with self._pending_stats.wait.timing(), self.probe.span("wait for gradient reductions", "wait"):
                 for future in futures:
                     future.result()
                 self._stream.join()
-        else:
-            self._stream.join()
         for bucket in self.buckets:
             bucket.ready = 0
         self._passes = dict.fromkeys(self._passes, 0)

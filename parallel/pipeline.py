@@ -38,7 +38,6 @@ from torch.distributed import ProcessGroup
 from hpc.errors import LayoutError
 from hpc.observe.probe import Probe
 from hpc.observe.stopwatch import Stopwatch
-from hpc.runtime.placement import carries_cuda
 from parallel.ring import Pending, PointToPoint, TorchTransport, Transport
 from parallel.schedule import Action, Message, stage_bounds
 
@@ -83,13 +82,12 @@ def split_into_stages(layers: Sequence[nn.Module], p: int, v: int = 1) -> list[l
 
 
 def lookahead_for(transport: Transport, device: torch.device) -> int:
-    """How many receives to keep posted ahead. NCCL runs a posted receive as a kernel that holds its
-    communicator's stream until the message comes, so a later send to the same peer would wait behind it
-    (a deadlock when the peer needs that send first): there, receives are posted only when due, batched
-    with the sends queued before them, and NCCL matches them in order (``schedule.matches_in_order``)."""
-    if device.type == "cuda" and transport.name == "torch" and carries_cuda(transport.group):
-        return 0
-    return 4
+    """How many receives to keep posted ahead. Where the carrier moves messages in lockstep
+    (``Transport.in_lockstep``: NCCL), a posted receive holds the stream until its message comes, so a later
+    send to the same peer would wait behind it (a deadlock when the peer needs that send first): there,
+    receives are posted only when due, batched with the sends queued before them, and matched in order
+    (``schedule.matches_in_order``)."""
+    return 0 if transport.in_lockstep(torch.device(device)) else 4
 
 
 def message_tag(message: Message, num_stages: int) -> int:

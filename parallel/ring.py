@@ -73,7 +73,7 @@ class Transport(Protocol):
 
     def post(self, ops: Sequence[PointToPoint]) -> list[Pending]: ...
 
-    def in_lockstep(self, tensor: torch.Tensor) -> bool: ...
+    def in_lockstep(self, device: torch.device) -> bool: ...
 
 
 class TorchTransport:
@@ -87,17 +87,18 @@ class TorchTransport:
         self.group = group
         self._direct: bool | None = None  # whether CUDA tensors go without staging; asked once
 
-    def _stages(self, tensor: torch.Tensor) -> bool:
-        if not tensor.is_cuda:
-            return False
+    def _carries_cuda(self) -> bool:
         if self._direct is None:
             self._direct = carries_cuda(self.group)
-        return not self._direct
+        return self._direct
 
-    def in_lockstep(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s messages go through NCCL, whose receives complete only within the batch that
-        holds this rank's matching turn (see the module docstring)."""
-        return tensor.is_cuda and not self._stages(tensor)
+    def _stages(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda and not self._carries_cuda()
+
+    def in_lockstep(self, device: torch.device) -> bool:
+        """Whether messages of ``device``'s tensors go through NCCL, whose receives complete only within the batch
+        that holds this rank's matching turn (see the module docstring)."""
+        return device.type == "cuda" and self._carries_cuda()
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending:
         return self.post([PointToPoint(True, tensor, peer, tag)])[0]
@@ -180,7 +181,7 @@ class MpiTransport:
             self._cuda_aware = mpi_carries_cuda()
         return not self._cuda_aware
 
-    def in_lockstep(self, tensor: torch.Tensor) -> bool:
+    def in_lockstep(self, device: torch.device) -> bool:
         return False  # MPI moves a posted message whatever else this rank has posted
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending:
@@ -251,7 +252,7 @@ def ring_allreduce(
     n, rank = dist.get_world_size(transport.group), dist.get_rank(transport.group)
     if n == 1 or flat.numel() == 0:
         return flat
-    if transport.in_lockstep(flat):
+    if transport.in_lockstep(flat.device):
         _Ring(flat, transport, codec, error, flat.nbytes).run_in_lockstep(n, rank, gather=True)
     else:
         _Ring(flat, transport, codec, error, segment_bytes).run(n, rank)
@@ -273,7 +274,7 @@ def ring_reduce_scatter(flat: torch.Tensor, transport: Transport, *, codec: Code
     owned = flat.tensor_split(n)[(rank + 1) % n]
     if n == 1 or flat.numel() == 0:
         return owned
-    if transport.in_lockstep(flat):
+    if transport.in_lockstep(flat.device):
         _Ring(flat, transport, codec, error, flat.nbytes).run_in_lockstep(n, rank, gather=False)
         return owned.div_(n) if average else owned
     ring = _Ring(flat, transport, codec, error, segment_bytes)

@@ -136,7 +136,7 @@ class SimulatedTransport:
     def group(self):
         return SimpleNamespace(rank=self.rank, size=self.carrier.n)
 
-    def in_lockstep(self, tensor: torch.Tensor) -> bool:
+    def in_lockstep(self, device: torch.device) -> bool:
         return self.lockstep
 
     def post(self, ops):
