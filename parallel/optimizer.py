@@ -180,7 +180,7 @@ class DistributedOptimizerMixin:
             if module is None:
                 raise ValueError("zero=3 needs the module whose parameters it shards (module=)")
             self.sharded = ShardedParameters(self.zero, [bucket.params for bucket in self.buckets], module, transport,
-                                             self._executor, probe, self._peers)
+                                             self._executor, self._stream, probe, self._peers)
 
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
         if self._views is not None:

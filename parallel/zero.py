@@ -40,7 +40,7 @@ steps a rank holds only its own; the others are views into one buffer per bucket
 (``_Unit.full``, chunk r holding rank r's parameters) whose storage is resized to nothing
 when freed and back when gathered, so autograd's saved views of them stay valid.
 ``ShardedParameters`` hooks the modules: a bucket is gathered (the ring's all-gather, on
-the optimizer's communication thread) before a module holding its parameters runs forward,
+the optimizer's communication thread and, on a GPU, its stream) before a module holding its parameters runs forward,
 the next bucket is prefetched meanwhile, and it is freed once every module holding it has
 run; before the module's backward (a hook on its outputs' gradients) it is gathered again,
 the next backward bucket prefetched, and freed once its gradients are accumulated. The
@@ -62,6 +62,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten
+
+from hpc.runtime.placement import CommStream
 
 
 def assign_owners(sizes: Sequence[int], ranks: int, prior: Sequence[int] = ()) -> list[int]:
@@ -242,14 +244,17 @@ class ShardedParameters:
     once every module holding them has run forward, and once all their gradients are accumulated in backward.
 
     Gathers run on ``executor`` (the optimizer's communication thread, in the order submitted, the same on every
-    rank) so a prefetch overlaps computation; without one they run inline. A parameter must be used only inside
-    the forward of a module holding it directly or through a ParameterList/ParameterDict (as FSDP asks): elsewhere
-    its memory may be gone.
+    rank) so a prefetch overlaps computation; without one they run inline. On a GPU they run on ``stream`` (the
+    optimizer's communication stream) after an event the compute stream recorded when the gather was asked for,
+    and the compute stream, not the host, waits for each one's end before a module uses it. A parameter must be
+    used only inside the forward of a module holding it directly or through a ParameterList/ParameterDict (as FSDP
+    asks): elsewhere its memory may be gone.
     """
 
     def __init__(self, shards: ZeroShards, buckets: Sequence[Sequence[torch.Tensor]], module: torch.nn.Module,
-                 transport, executor: Executor | None, probe, peers: Sequence[int]) -> None:
+                 transport, executor: Executor | None, stream: CommStream, probe, peers: Sequence[int]) -> None:
         self.shards, self.transport, self.executor, self.probe, self.peers = shards, transport, executor, probe, peers
+        self.stream = stream
         self.units = [_Unit(i, params, shards) for i, params in enumerate(buckets)]
         unit_of = {id(p): unit for unit in self.units for p in unit.params}
         self._handles = []
@@ -303,8 +308,15 @@ class ShardedParameters:
         if self.executor is None:
             self._gather(unit)
             unit.state = READY
-        else:
-            unit.future, unit.state = self.executor.submit(self._gather, unit), PENDING
+        else:  # the memory (and the owned parameters the step updated) ready on the compute stream first
+            unit.future, unit.state = self.executor.submit(self._gather_on_stream, unit, self.stream.ready()), PENDING
+
+    def _gather_on_stream(self, unit: _Unit, ready: object | None) -> object | None:
+        """On the communication thread: the gather on the communication stream once ``ready`` passed; the event
+        that marks its end there (None on a CPU)."""
+        with self.stream.after(ready):
+            self._gather(unit)
+            return self.stream.ready()
 
     def prefetch(self, i: int) -> None:
         if 0 <= i < len(self.units) and self.units[i].state == FREE and self.executor is not None:
@@ -318,7 +330,7 @@ class ShardedParameters:
         if unit.state == PENDING:
             future: Future = unit.future
             unit.future = None
-            future.result()
+            self.stream.join(future.result())  # on a GPU the compute stream waits for this gather, not the host
             unit.state = READY
 
     def free(self, i: int) -> None:

@@ -395,3 +395,79 @@ def test_zero3_steps_as_zero2_under_bf16_autocast_accumulation_the_warm_up_and_c
         assert buckets > 2 and held3 < 0.6 * held2  # several buckets; about half the parameters kept
         for a, b in zip(zero2, zero3, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def _stream_protocol(world):
+    """Four ZeRO-3 steps with the optimizer's communication stream replaced by a recorder of its events: what
+    each gather waited for, where it ran, and what the compute side waited for before using it."""
+    import contextlib
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    import parallel.optimizer
+    import parallel.zero
+    from parallel.ring import TorchTransport
+
+    log, inside = [], threading.local()
+
+    class RecordingStream:  # CommStream's interface; events are numbered tokens
+        def __init__(self, device) -> None:
+            self.recorded = 0
+
+        def ready(self):
+            self.recorded += 1
+            event = (self.recorded, getattr(inside, "event", None) is not None)  # (number, on the comm stream)
+            log.append(("record", event, threading.current_thread() is threading.main_thread()))
+            return event
+
+        @contextlib.contextmanager
+        def after(self, event):
+            inside.event = event
+            try:
+                yield
+            finally:
+                inside.event = None
+
+        def join(self, event=None) -> None:
+            log.append(("join", event, threading.current_thread() is threading.main_thread()))
+
+    fill = parallel.zero._Unit.fill
+
+    def recorded_fill(unit, transport) -> None:
+        log.append(("fill", getattr(inside, "event", None), threading.current_thread() is threading.main_thread()))
+        fill(unit, transport)
+
+    parallel.optimizer.CommStream, parallel.zero._Unit.fill = RecordingStream, recorded_fill
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    optimizer = parallel.optimizer.distributed_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), TorchTransport(dist.group.WORLD), zero=3, module=model,
+        bucket_bytes=1200)
+    for _ in range(4):
+        optimizer.zero_grad()
+        model(torch.randn(4, 16)).square().mean().backward()
+        optimizer.step()
+    optimizer.close()
+    return log, len(optimizer.buckets)
+
+
+def test_zero3_gathers_run_on_the_communication_stream_after_an_event_and_compute_waits_for_each() -> None:
+    """On a GPU (here a recorder stands in for the stream): every gather on the communication thread runs inside
+    ``after(event)``, that event recorded by the compute side before it asked, and the compute side joins the
+    event recorded at the gather's end there, not the whole stream, before it goes on."""
+    for log, buckets in run_ranks(2, _stream_protocol, timeout=60):
+        assert buckets >= 3
+        fills = [i for i, (kind, _, _) in enumerate(log) if kind == "fill"]
+        # every step: each bucket gathered for forward and again for backward, but the first, which stays
+        assert len(fills) == 4 * (2 * buckets - 1)
+        for i in fills:
+            _, after, on_main = log[i]
+            assert not on_main and after is not None
+            asked = next(j for j, entry in enumerate(log) if entry == ("record", after, True))
+            assert asked < i  # recorded by the compute side, before the gather
+            # the gather's end, recorded next on the communication thread, inside ``after``
+            end = next(j for j in range(i + 1, len(log)) if log[j][0] == "record" and not log[j][2])
+            assert log[end][1][1]
+            assert ("join", log[end][1], True) in log[end + 1:]  # which the compute side waited for

@@ -81,7 +81,8 @@ class CommStream:
     ``ready()`` records an event on the producer's current stream once a message's inputs are queued (a
     bucket's last gradient); ``after(event)`` runs the communication on a stream of its own that waits for
     that event first, so it overlaps the rest of backward yet never reads a gradient before it exists;
-    ``join()`` makes the consumer's stream (the optimizer step) wait for everything communicated. Tensors
+    ``join()`` makes the consumer's stream (the optimizer step) wait for everything communicated, ``join(event)``
+    for what came before an event recorded inside ``after`` (one ZeRO-3 gather). Tensors
     the communication allocates belong to its stream's pool and are not reused before ``join``'s wait."""
 
     def __init__(self, device: torch.device) -> None:
@@ -110,11 +111,18 @@ class CommStream:
         with torch.cuda.stream(self.stream):
             yield
 
-    def join(self) -> None:
+    def join(self, event: object | None = None) -> None:
+        """The consumer's stream waits for everything communicated so far, or, given an event ``ready()``
+        recorded inside ``after``, for the communication up to that event only."""
         import torch
 
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        if self.stream is None:
+            return
+        consumer = torch.cuda.current_stream(self.stream.device)
+        if event is None:
+            consumer.wait_stream(self.stream)
+        else:
+            consumer.wait_event(event)
 
 
 def use_device(device: torch.device) -> None:
