@@ -206,19 +206,41 @@ class Head(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
+class RotaryTables:
+    """The rotary (cos, sin) for positions 0..s-1, made once per (s, device, dtype) and shared by every decoder
+    block, as the transformers model makes them once per forward for all its layers: per block they were ten small
+    kernels each, 160 a step of the bench Llama. Not kept for the rope types whose frequencies change with what
+    they have seen (dynamic, longrope), nor under torch.compile, which fuses them into the block's graph."""
+
+    def __init__(self, rotary_emb: nn.Module) -> None:
+        self.rotary_emb = rotary_emb
+        self.kept = getattr(rotary_emb, "rope_type", "default") not in ("dynamic", "longrope")
+        self._made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.kept or torch.compiler.is_compiling():
+            return self.rotary_emb(hidden, positions)
+        key = (hidden.shape[1], hidden.device, hidden.dtype)
+        if key not in self._made:
+            with torch.no_grad():
+                self._made = {key: self.rotary_emb(hidden, positions)}
+        return self._made[key]
+
+
 class DecoderBlock(nn.Module):
     """One decoder layer as a pipeline block: hidden state in, hidden state out.
 
     Position ids, the rotary (cos, sin) and the causal mask are made here from the
-    hidden state, exactly as the transformers model makes them once for all layers. The mask is
-    asked for without the position ids: ours are always 0..s-1, one sequence per row, and given
-    them with no cache transformers checks each row for packed sequences with a host read (on a GPU,
-    one synchronization per layer and step; its own model passes a cache, which skips the check).
+    hidden state, as the transformers model makes them once for all layers (the rotary through the
+    model's one ``RotaryTables``). The mask is asked for without the position ids: ours are always 0..s-1,
+    one sequence per row, and given them with no cache transformers checks each row for packed sequences
+    with a host read (on a GPU, one synchronization per layer and step; its own model passes a cache,
+    which skips the check).
     """
 
-    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: Any, attention_type: str) -> None:
+    def __init__(self, layer: nn.Module, rotary: RotaryTables, config: Any, attention_type: str) -> None:
         super().__init__()
-        self.layer, self.rotary_emb = layer, rotary_emb
+        self.layer, self.rotary_emb, self.rotary = layer, rotary.rotary_emb, rotary
         self.config, self.attention_type = config, attention_type
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -229,7 +251,7 @@ class DecoderBlock(nn.Module):
                      else masking_utils.create_causal_mask)
         mask = make_mask(self.config, hidden, None, None)
         return self.layer(hidden, attention_mask=mask, position_ids=positions,
-                          position_embeddings=self.rotary_emb(hidden, positions))
+                          position_embeddings=self.rotary(hidden, positions))
 
 
 def attention_type(config: Any, index: int) -> str:
@@ -254,6 +276,7 @@ class CausalLM(nn.Module):
         for name, child in hf_model.named_children():  # parameter names stay the Hugging Face ones
             self.add_module(name, child)
         self.config = config
+        self.rotary = RotaryTables(self.model.rotary_emb)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.tp_plan = dict(getattr(hf_model, "_tp_plan", None) or {})
         if self.tied:  # split separately, the shared weight would become two: keep both whole and shared
@@ -264,7 +287,7 @@ class CausalLM(nn.Module):
 
     def pipeline_parts(self) -> tuple[nn.Module, list[nn.Module], nn.Module]:
         """(embed_tokens, one ``DecoderBlock`` per layer, norm + lm_head), sharing the model's modules."""
-        blocks = [DecoderBlock(layer, self.model.rotary_emb, self.config, attention_type(self.config, i))
+        blocks = [DecoderBlock(layer, self.rotary, self.config, attention_type(self.config, i))
                   for i, layer in enumerate(self.model.layers)]
         return self.model.embed_tokens, blocks, Head(self.model.norm, self.lm_head)
 

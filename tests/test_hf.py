@@ -110,6 +110,22 @@ def test_the_pipeline_parts_composed_are_the_forward_and_pass_one_tensor() -> No
     assert held == {id(p) for p in adapter.parameters()}  # every parameter sits in exactly one part
 
 
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "dynamic", "factor": 2.0}], ids=["default", "dynamic"])
+def test_the_rotary_tables_are_made_once_for_every_block_unless_they_change_with_the_length(rope) -> None:
+    """As the transformers model makes (cos, sin) once per forward for all its layers; a dynamic rope type's
+    frequencies depend on the lengths it has seen, so each block asks as before. Either way the logits are the
+    transformers model's."""
+    extra = {} if rope is None else {"rope_parameters": {"rope_theta": 10000.0, **rope}}
+    adapter, reference = _both(**extra)
+    calls = []
+    adapter.model.rotary_emb.register_forward_hook(lambda *args: calls.append(1))
+    ids = _ids()
+    for _ in range(2):
+        torch.testing.assert_close(adapter(ids), reference(input_ids=ids).logits, rtol=0, atol=1e-6)
+    assert len(calls) == (1 if rope is None else 2 * TINY["num_hidden_layers"])
+    adapter(_ids(batch=1)[:, :SEQ // 2])  # another length: made anew
+    assert len(calls) == (2 if rope is None else 3 * TINY["num_hidden_layers"])
 def test_the_plan_names_real_modules_and_the_tp_checks_name_the_keys() -> None:
     from jobs.protocol import check_pipeline, check_tp, plan_targets
 
