@@ -207,24 +207,29 @@ class Head(nn.Module):
 
 
 class RotaryTables:
-    """The rotary (cos, sin) for positions 0..s-1, made once per (s, device, dtype) and shared by every decoder
-    block, as the transformers model makes them once per forward for all its layers: per block they were ten small
-    kernels each, 160 a step of the bench Llama. Not kept for the rope types whose frequencies change with what
-    they have seen (dynamic, longrope), nor under torch.compile, which fuses them into the block's graph."""
+    """The position ids 0..s-1 and their rotary (cos, sin), made once per (s, device, dtype) and shared by every
+    decoder block, as the transformers model makes them once per forward for all its layers: per block they were
+    about ten small kernels, 160 a step of the bench Llama. Not kept for the rope types whose frequencies change
+    with what they have seen (dynamic, longrope), nor under torch.compile, which fuses them into the block's graph."""
 
     def __init__(self, rotary_emb: nn.Module) -> None:
         self.rotary_emb = rotary_emb
         self.kept = getattr(rotary_emb, "rope_type", "default") not in ("dynamic", "longrope")
-        self._made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._made: dict[tuple, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, hidden: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The position ids 0..s-1 of ``hidden``'s sequences, and their (cos, sin)."""
         if not self.kept or torch.compiler.is_compiling():
-            return self.rotary_emb(hidden, positions)
+            return self._make(hidden)
         key = (hidden.shape[1], hidden.device, hidden.dtype)
         if key not in self._made:
             with torch.no_grad():
-                self._made = {key: self.rotary_emb(hidden, positions)}
+                self._made = {key: self._make(hidden)}
         return self._made[key]
+
+    def _make(self, hidden: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        return positions, self.rotary_emb(hidden, positions)
 
 
 class DecoderBlock(nn.Module):
@@ -246,12 +251,11 @@ class DecoderBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         from transformers import masking_utils
 
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        positions, rotary = self.rotary(hidden)
         make_mask = (masking_utils.create_sliding_window_causal_mask if self.attention_type == "sliding_attention"
                      else masking_utils.create_causal_mask)
         mask = make_mask(self.config, hidden, None, None)
-        return self.layer(hidden, attention_mask=mask, position_ids=positions,
-                          position_embeddings=self.rotary(hidden, positions))
+        return self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
 
 
 def attention_type(config: Any, index: int) -> str:
