@@ -356,18 +356,28 @@ def test_zero3_reductions_keep_the_residual_bookkeeping(name) -> None:
 
 def _bf16_accumulating_steps(world):
     """Four steps at zero 2 and then at zero 3 of a small model under bf16 autocast, two backward passes per step,
-    int8 after one exact warm-up step, gradients clipped between synchronize() and step()."""
+    int8 after one exact warm-up step, gradients clipped between synchronize() and step(); on ``world.device``.
+    Also, at zero 3, the streams the gathers ran on: (the optimizer's communication stream's, each one's)."""
     import torch
     import torch.distributed as dist
 
+    import parallel.zero
     from parallel.optimizer import distributed_optimizer
     from parallel.ring import TorchTransport
 
+    device, gathered_on = world.device, []
+    fill = parallel.zero._Unit.fill
+
+    def watched_fill(unit, transport) -> None:
+        gathered_on.append(torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None)
+        fill(unit, transport)
+
+    parallel.zero._Unit.fill = watched_fill
     results = []
     for zero in (2, 3):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
-                                    torch.nn.Tanh(), torch.nn.Linear(32, 4))
+                                    torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(device)
         optimizer = distributed_optimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                           TorchTransport(dist.group.WORLD), reducer="int8", warmup_steps=1, zero=zero,
                                           module=model, bucket_bytes=2000, backward_passes_per_step=2)
@@ -375,26 +385,42 @@ def _bf16_accumulating_steps(world):
             optimizer.zero_grad()
             for k in range(2):
                 generator = torch.Generator().manual_seed(100 * step + 10 * k + world.rank)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    out = model(torch.randn(8, 16, generator=generator))
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    out = model(torch.randn(8, 16, generator=generator).to(device))
                 out.float().square().mean().backward()
             optimizer.synchronize()
             torch.nn.utils.clip_grad_norm_([p.grad for p in model.parameters() if p.grad is not None], 0.05)
             with optimizer.skip_synchronize():
                 optimizer.step()
         held = sum(p.numel() for p in model.parameters() if p.untyped_storage().nbytes())
+        comm = optimizer._stream.stream
+        streams = (comm.cuda_stream if comm is not None else None, list(gathered_on))
         optimizer.unshard()
         optimizer.close()
-        results.append(([p.detach().numpy().copy() for p in model.parameters()], held, len(optimizer.buckets)))
-    return results
+        results.append(([p.detach().cpu().numpy().copy() for p in model.parameters()], held, len(optimizer.buckets)))
+        gathered_on.clear()
+    return results, streams
 
 
 def test_zero3_steps_as_zero2_under_bf16_autocast_accumulation_the_warm_up_and_clipping() -> None:
     """Stage 3 changes where parameters live, not what is computed: bit for bit what stage 2 does, per rank."""
-    for (zero2, held2, _), (zero3, held3, buckets) in run_ranks(2, _bf16_accumulating_steps, timeout=60):
+    for ((zero2, held2, _), (zero3, held3, buckets)), _ in run_ranks(2, _bf16_accumulating_steps, timeout=60):
         assert buckets > 2 and held3 < 0.6 * held2  # several buckets; about half the parameters kept
         for a, b in zip(zero2, zero3, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_zero3_gathers_on_the_communication_stream_step_as_zero2() -> None:
+    """Two ranks sharing the GPU: every gather ran on the optimizer's communication stream, and the compute
+    stream's wait for each is enough: the parameters end where zero 2's do. A module that read a bucket before its
+    gather ended would read zeros or the last step's values, a whole step (lr = 0.01) or the weight itself away;
+    the tolerance is a tenth of a step, not bit for bit, as cuBLAS does not promise the CPU's determinism."""
+    for ((zero2, _, _), (zero3, _, _)), (comm, streams) in run_ranks(2, _bf16_accumulating_steps, timeout=120,
+                                                                       device="cuda"):
+        assert comm is not None and streams and all(stream == comm for stream in streams)
+        for a, b in zip(zero2, zero3, strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-3)
 
 
 def _stream_protocol(world):
