@@ -4,10 +4,15 @@ On a GPU every host read of a device value (``.item()``, ``bool(tensor)``, a ran
 queue to drain, and the GPU then idles while the host launches what comes next. Such reads go through
 aten's ``_local_scalar_dense`` on any device, so the CPU counts them: during a step of each example model
 (SGD, whose update reads nothing; clipping on), the first read must be ``StepRunner.run``'s, after the step's
-work. What is read after it (the MoE layers' counts for the metrics) waits for nothing: the queue is empty.
-One transformers helper asked for the mask with position ids read each layer's
+work. One transformers helper asked for the mask with position ids read each layer's
 positions back for packed sequences (16 reads a step of the bench Llama); torch's ``one_hot`` range check
 read the router's choices twice per MoE layer.
+
+What the CPU cannot see, a GPU does: torch's synchronization debug mode raises at any synchronizing call
+(a ``.tolist()``, ``nonzero``, a pageable copy, a stream synchronization). There the dense examples' first
+synchronization must be the loss sum's. Not the MoE example's: its dispatch reads the kept tokens per expert
+(``nonzero``, ``bincount``, ``tolist``) to size each expert's rows and the exchanges' splits, on the host by
+design, as Megatron's dispatcher does; a capacity-padded dispatch of static shapes would remove them.
 """
 
 from __future__ import annotations
@@ -23,15 +28,35 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = ["gpt.toml", "llama.toml", "gpt_moe.toml"]
 
 
-def _host_reads(world, example: str, run_dir: str, layout=(1, 1, 1)) -> list[str]:
-    """Where the second step read device values from the host: the innermost frame of ours, each read."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def _ours(frames) -> list[str]:
+    """The frames of the project's own code (not the tests'), as path:function."""
+    return [f"{Path(f.filename).relative_to(REPO)}:{f.name}" for f in frames
+            if f.filename.startswith(str(REPO)) and "/tests/" not in f.filename]
 
+
+def _step_runner(world, example: str, run_dir: str, layout=(1, 1, 1), device: str = "cpu"):
+    """An example's StepRunner (SGD, clipping on) on ``device``, its first step run; and its optimizer."""
     from hpc.config import load_spec
     from hpc.observe.probe import Probe
     from hpc.runtime.mesh import MeshShape, build_mesh
     from jobs.train import StepRunner, build_data_parallel_optimizer
     from jobs.workloads import Workload
+
+    dp, tp, pp = layout
+    spec = load_spec(REPO / "jobs" / "examples" / example,
+                     [f"job.run_dir={run_dir}", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                      "parallel.ep=1", "train.optimizer=sgd", "train.grad_clip=1.0", f"parallel.device={device}"])
+    mesh = build_mesh(MeshShape(*layout), world.rank, world.device if device == "cuda" else "cpu")
+    workload = Workload(spec, mesh)
+    optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, Probe(), exclude=workload.expert_params)
+    runner = StepRunner(spec, workload, mesh, Probe(), optimizer)
+    runner.run(0)
+    return runner, optimizer
+
+
+def _host_reads(world, example: str, run_dir: str, layout=(1, 1, 1)) -> list[str]:
+    """Where the second step read device values from the host: the innermost frame of ours, each read."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Reads(TorchDispatchMode):
         def __init__(self) -> None:
@@ -40,20 +65,10 @@ def _host_reads(world, example: str, run_dir: str, layout=(1, 1, 1)) -> list[str
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.overloadpacket.__name__ == "_local_scalar_dense":
-                ours = [f for f in traceback.extract_stack() if f.filename.startswith(str(REPO))
-                        and "/tests/" not in f.filename]
-                self.sites.append(f"{Path(ours[-1].filename).relative_to(REPO)}:{ours[-1].name}" if ours else "?")
+                self.sites.append((_ours(traceback.extract_stack()) or ["?"])[-1])
             return func(*args, **(kwargs or {}))
 
-    dp, tp, pp = layout
-    spec = load_spec(REPO / "jobs" / "examples" / example,
-                     [f"job.run_dir={run_dir}", f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                      "parallel.ep=1", "train.optimizer=sgd", "train.grad_clip=1.0"])
-    mesh = build_mesh(MeshShape(*layout), world.rank)
-    workload = Workload(spec, mesh)
-    optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, Probe(), exclude=workload.expert_params)
-    runner = StepRunner(spec, workload, mesh, Probe(), optimizer)
-    runner.run(0)
+    runner, optimizer = _step_runner(world, example, run_dir, layout)
     reads = Reads()
     with reads:
         runner.run(1)
@@ -73,3 +88,32 @@ def test_a_step_reads_the_device_once_at_its_end(example, tmp_path) -> None:
 def test_under_each_parallelism_a_step_reads_the_device_once_at_its_end(layout, tmp_path) -> None:
     for sites in run_ranks(2, _host_reads, "gpt.toml", str(tmp_path), layout, timeout=300):
         assert sites and sites[0] == "jobs/train.py:run", sites
+
+
+def _first_gpu_sync(world, example: str, run_dir: str) -> list[str]:
+    """On the GPU, the second step under torch's synchronization debug mode set to raise: our frames where the
+    first synchronizing call came from (which also catches what no host read shows: a pageable copy, a
+    stream or device synchronization)."""
+    import torch
+
+    runner, optimizer = _step_runner(world, example, run_dir, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner.run(1)
+        frames = []
+    except RuntimeError as exc:
+        frames = _ours(traceback.extract_tb(exc.__traceback__))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    optimizer.close()
+    return frames
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("example", ["gpt.toml", "llama.toml"])
+def test_on_the_gpu_a_step_first_synchronizes_at_the_replicas_loss_sum(example, tmp_path) -> None:
+    if example == "llama.toml":
+        pytest.importorskip("transformers")
+    (frames,) = run_ranks(1, _first_gpu_sync, example, str(tmp_path), timeout=300, device="cuda")
+    assert "jobs/workloads.py:sum_over_replicas" in frames, frames
