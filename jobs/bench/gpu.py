@@ -138,7 +138,8 @@ def verdicts(rows: Sequence[dict]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.bench.gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/bench-gpu", help="rows.jsonl and the runs' directories")
-    parser.add_argument("--steps", type=int, default=10, help="steps of each Llama run (3 warm-up)")
+    # 20: a median over 17 steps for 5 s more a row (a step is about 0.23 s eager): the bars sit near 1.0x
+    parser.add_argument("--steps", type=int, default=20, help="steps of each Llama run (3 warm-up)")
     parser.add_argument("--only", default="", help="comma list of llama, codecs, checkpoint, dp, compiled")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
