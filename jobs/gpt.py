@@ -36,7 +36,7 @@ from torch import nn
 from jobs.materialize import run_init
 from jobs.moe import MoE
 from jobs.protocol import moe_args
-from parallel.tensor_parallel import IGNORE_INDEX, vocab_parallel_cross_entropy
+from parallel.tensor_parallel import IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, cross_entropy
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -145,7 +145,7 @@ class GPT(nn.Module):
         return self.embedding, self.blocks, self.head
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:
-        return lm_loss(logits.float(), targets, tp_group)
+        return lm_loss(logits, targets, tp_group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[batch, time, vocab]`` (a vocabulary slice once the head is tensor-parallel)."""
@@ -217,12 +217,14 @@ def build_gpt(model_cfg: ModelConfig, seed: int) -> GPT:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:
-    """Mean next-byte cross-entropy over the targets that are not ``IGNORE_INDEX`` (-100: prompt tokens, as
-    torch and Hugging Face count them; 0 when none is counted under TP); with ``tp_group`` the logits are that
-    group's vocabulary slices."""
-    if tp_group is None:
-        return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
-    losses = vocab_parallel_cross_entropy(logits, targets, tp_group, IGNORE_INDEX)
+    """Mean next-token cross-entropy in float32 over the targets that are not ``IGNORE_INDEX`` (-100: prompt
+    tokens, as torch and Hugging Face count them; 0 when none is counted), from logits of any float dtype (bf16
+    under autocast); with ``tp_group`` the logits are that group's vocabulary slices. Logits of up to
+    ``LOSS_CHUNK_ELEMENTS`` whole on one rank go through torch's own loss on a float32 copy (16 MiB at most);
+    larger ones, or split ones, through ``parallel.tensor_parallel.cross_entropy``, which makes no copy."""
+    if tp_group is None and logits.numel() <= LOSS_CHUNK_ELEMENTS:
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
+    losses = cross_entropy(logits, targets, tp_group, IGNORE_INDEX)
     counted = targets != IGNORE_INDEX
     # without ignored targets exactly the plain mean; no host synchronization either way
     return torch.where(counted.all(), losses.mean(), losses.sum() / counted.sum().clamp(min=1))

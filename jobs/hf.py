@@ -308,7 +308,7 @@ class CausalLM(nn.Module):
         ``tp_group`` when a ``vocab`` plan keeps the logits split over the vocabulary."""
         from jobs.gpt import lm_loss
 
-        return lm_loss(output.float(), targets, tp_group)
+        return lm_loss(output, targets, tp_group)
 
 
 def _check_same_forward(adapter: CausalLM, hf_model: nn.Module) -> None:

@@ -9,8 +9,9 @@ its docstring what it does each way. The TP process group is always an argument.
 
 Every layer is built from the full single-device module (``from_full``) by taking
 this rank's slice, so the same seed gives the same weights under every layout.
-Vocabulary-split logits never get gathered: ``vocab_parallel_cross_entropy``
-reduces only the row max, the sum of exponentials and the target logit.
+Vocabulary-split logits never get gathered: ``cross_entropy`` reduces only the row max, the sum of
+exponentials and the target logit; whole or split, it makes no copy of the logits (it reads them a chunk
+of rows at a time in float32).
 """
 
 from __future__ import annotations
@@ -182,56 +183,70 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """forward: per-token cross-entropy from vocabulary-split logits, with three all-reduces of
-    one number per token (max, sum of exponentials, target logit); backward: no communication,
-    ``softmax - one_hot(target)`` on this rank's vocabulary slice. A target equal to ``ignore_index``
-    has loss 0 and no gradient.
-    """
+LOSS_CHUNK_ELEMENTS = 1 << 22  # logits taken to float32 at a time by the loss: 16 MiB of temporaries
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """forward: per-token cross-entropy, the logits read ``chunk_rows`` rows at a time in float32, so no copy of
+    the whole logits is made (at a vocabulary of 128k and 16k tokens a float32 copy is 8 GiB). With a group the
+    logits are its ranks' vocabulary slices, and two all-reduces of per-token numbers (the row max; the sum of
+    exponentials with the target logit) make the whole vocabulary's. backward: ``softmax - one_hot(target)``,
+    recomputed chunk by chunk from the saved logits straight into the gradient, the one tensor of their size it
+    makes; no communication. A target equal to ``ignore_index`` has loss 0 and no gradient."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: ProcessGroup,
-                ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-        local_vocab = logits.shape[-1]
-        vocab_start = dist.get_rank(group) * local_vocab
-        row_max = logits.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - row_max.unsqueeze(-1)
-
-        local_targets = targets - vocab_start
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: ProcessGroup | None, ignore_index: int,
+                chunk_rows: int) -> torch.Tensor:
+        flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        local_vocab = flat.shape[1]
+        vocab_start = dist.get_rank(group) * local_vocab if group is not None else 0
+        local_targets = flat_targets - vocab_start
         outside = (local_targets < 0) | (local_targets >= local_vocab)
         local_targets = local_targets.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        dist.all_reduce(target_logit, group=group)
-
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ignored = targets == ignore_index
-        ctx.save_for_backward(softmax, local_targets, outside, ignored)
-        return (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0)
+        chunks = [slice(start, start + chunk_rows) for start in range(0, len(flat), chunk_rows)]
+        row_max = torch.empty(len(flat), dtype=torch.float32, device=flat.device)
+        for rows in chunks:
+            row_max[rows] = flat[rows].amax(dim=-1)  # exact in float32 whatever the logits' dtype
+        if group is not None:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        sums = torch.empty(2, len(flat), dtype=torch.float32, device=flat.device)  # exponentials, target logit
+        for rows in chunks:
+            shifted = flat[rows].float() - row_max[rows].unsqueeze(-1)
+            sums[1, rows] = shifted.gather(-1, local_targets[rows].unsqueeze(-1)).squeeze(-1)
+            sums[0, rows] = shifted.exp_().sum(dim=-1)
+        sums[1].masked_fill_(outside, 0.0)
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        sum_exp, target_logit = sums
+        ignored = flat_targets == ignore_index
+        ctx.save_for_backward(logits, local_targets, outside, ignored, row_max, sum_exp)
+        ctx.chunks = chunks
+        return (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0).view(targets.shape)
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        softmax, local_targets, outside, ignored = ctx.saved_tensors
-        grad = softmax.clone()
-        hit = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_targets.unsqueeze(-1), -hit.unsqueeze(-1))
-        return grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)), None, None, None
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        logits, local_targets, outside, ignored, row_max, sum_exp = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.shape[-1])
+        grad = torch.empty_like(flat)
+        hit = (~outside).to(torch.float32).unsqueeze(-1)
+        scale = grad_loss.reshape(-1).masked_fill(ignored, 0.0).unsqueeze(-1)
+        for rows in ctx.chunks:
+            softmax = (flat[rows].float() - row_max[rows].unsqueeze(-1)).exp_().div_(sum_exp[rows].unsqueeze(-1))
+            softmax.scatter_add_(-1, local_targets[rows].unsqueeze(-1), -hit[rows])
+            grad[rows] = softmax.mul_(scale[rows])
+        return grad.view_as(logits), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(
-    logits_shard: torch.Tensor, targets: torch.Tensor, group: ProcessGroup, ignore_index: int = IGNORE_INDEX
-) -> torch.Tensor:
-    """Per-token cross-entropy (``reduction="none"``) from logits split over the vocabulary.
-
-    ``logits_shard[..., v]`` is the logit of token ``rank * V_local + v``, as a
-    ``ColumnParallelLinear`` head produces; ``targets`` holds full-vocabulary ids, or ``ignore_index``
-    where a token is not counted (loss 0 and no gradient there, as ``F.cross_entropy(reduction="none")``).
-    """
-    return _VocabParallelCrossEntropy.apply(logits_shard, targets, group, ignore_index)
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: ProcessGroup | None = None,
+                  ignore_index: int = IGNORE_INDEX, chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
+    """Per-token cross-entropy (``reduction="none"``, float32) of logits of any float dtype, holding no copy of
+    them (``_CrossEntropy``). With ``group`` the logits are split over it by vocabulary: ``logits[..., v]`` is
+    token ``rank * V_local + v``'s, as a ``ColumnParallelLinear`` head makes them. ``targets`` holds
+    full-vocabulary ids, or ``ignore_index`` where a token is not counted (loss 0 and no gradient there, as
+    ``F.cross_entropy(reduction="none")``); other ids outside the vocabulary are not checked (a check would read
+    the device from the host)."""
+    chunk_rows = max(1, chunk_elements // logits.shape[-1])
+    return _CrossEntropy.apply(logits, targets, group, ignore_index, chunk_rows)
 
 
 def tp_split_dims(model: nn.Module) -> dict[str, int]:

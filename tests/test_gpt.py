@@ -89,6 +89,24 @@ def test_the_tiny_gpt_learns_the_held_out_text() -> None:
     assert held_out_loss() < initial - 1.0
 
 
+def test_logits_past_the_chunk_size_get_the_same_loss_without_a_float32_copy() -> None:
+    """Logits larger than ``LOSS_CHUNK_ELEMENTS`` (bf16, 2 x 2048 tokens x 1100 vocabulary) are not copied to
+    float32 whole: the loss and its gradient are torch's on the float32 copy all the same."""
+    from parallel.tensor_parallel import LOSS_CHUNK_ELEMENTS
+    from tests.test_tensor_parallel import _logit_sized
+
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 2048, 1100) * 3).bfloat16().requires_grad_()
+    assert logits.numel() > LOSS_CHUNK_ELEMENTS
+    targets = torch.randint(0, 1100, (2, 2048))
+    loss = {}
+    assert _logit_sized(lambda: loss.update(ours=lm_loss(logits, targets)), logits.numel()) == 0
+    expected = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(loss["ours"], expected, rtol=1e-6, atol=0)
+    ours, theirs = torch.autograd.grad(loss["ours"], logits)[0], torch.autograd.grad(expected, logits)[0]
+    torch.testing.assert_close(ours, theirs, rtol=2**-7, atol=1e-9)
+
+
 def test_licenses_corpus_is_every_regular_file_in_name_order_with_each_tail_held_out(tmp_path) -> None:
     texts = {"b": b"0123456789" * 3, "a": b"abcdefghij"}
     for name, text in texts.items():

@@ -117,7 +117,7 @@ def _vocab_cross_entropy(world, tp):
     import torch
     import torch.nn.functional as F
 
-    from parallel.tensor_parallel import vocab_parallel_cross_entropy
+    from parallel.tensor_parallel import cross_entropy
 
     group = _tp_group(world, tp)
     torch.manual_seed(0)
@@ -129,7 +129,7 @@ def _vocab_cross_entropy(world, tp):
     (reference * weights).sum().backward()
 
     shard = _own_slice(logits, -1, group).clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(shard, targets, group)
+    loss = cross_entropy(shard, targets, group, chunk_elements=16)  # 2 rows a chunk: 15 chunks
     (loss * weights).sum().backward()
     return _pairs(loss=(loss, reference), logits_grad=(shard.grad, _own_slice(logits.grad, -1, group)))
 
@@ -138,6 +138,61 @@ def _vocab_cross_entropy(world, tp):
 def test_layer_matches_the_single_device_layer(layer) -> None:
     """tp=2 here; the tp=4 GPT run below covers every layer at tp=4."""
     _assert_pairs(run_ranks(2, layer, 2))
+
+
+def _logit_sized(fn, numel: int) -> int:
+    """How many tensors of at least ``numel`` elements ``fn()`` creates."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Created(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ not in ("view", "_unsafe_view", "reshape", "detach", "alias"):
+                self.count += sum(isinstance(t, torch.Tensor) and t.numel() >= numel for t in tree_flatten(out)[0])
+            return out
+
+    created = Created()
+    with created:
+        fn()
+    return created.count
+
+
+def test_the_loss_makes_no_copy_of_the_logits_and_is_torch_s_cross_entropy() -> None:
+    """bf16 logits read 8 rows at a time: the forward creates no tensor of their size and the backward one, the
+    gradient; torch's loss on their float32 copy (what transformers and a plain loop do) makes two in forward (the
+    copy, log_softmax's output) and three in backward. The values are torch's, targets of -100 left out."""
+    import torch
+    import torch.nn.functional as F
+
+    from parallel.tensor_parallel import cross_entropy
+
+    torch.manual_seed(0)
+    logits = (torch.randn(4, 16, 1024) * 4).bfloat16().requires_grad_()
+    targets = torch.randint(0, 1024, (4, 16)).index_fill_(1, torch.tensor([0, 5]), -100)
+    weights = torch.rand(4, 16)
+    results = {}
+
+    def ours() -> None:
+        results["ours"] = cross_entropy(logits, targets, chunk_elements=8 * 1024)
+
+    def torch_s() -> None:
+        results["torch"] = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+
+    assert (_logit_sized(ours, logits.numel()), _logit_sized(torch_s, logits.numel())) == (0, 2)
+    torch.testing.assert_close(results["ours"].flatten(), results["torch"], rtol=1e-6, atol=1e-6)
+    assert results["ours"].dtype == torch.float32 and not results["ours"][:, [0, 5]].any()
+    grads = {}
+    for name in ("ours", "torch"):
+        def backward(name=name) -> None:
+            grads[name] = torch.autograd.grad((results[name].flatten() * weights.flatten()).sum(), logits)[0]
+
+        assert _logit_sized(backward, logits.numel()) == (1 if name == "ours" else 3), name
+    # each a float32 gradient rounded to bf16: a value on a rounding boundary may land one bf16 ulp apart
+    torch.testing.assert_close(grads["ours"], grads["torch"], rtol=2**-7, atol=1e-6)
 
 
 def _train_gpt(world, dp, tp, model_overrides, optimizer, seed=5):
