@@ -18,7 +18,9 @@ microbatches`` so it matches the pipeline's ``loss / m``.
 
 Experts run through ``parallel.ep.run_experts``: all of them here, or, once
 ``jobs.parallelize.parallelize_ep`` has sharded them over an expert-parallel group, this
-rank's share, the tokens sent to their experts and back by all-to-all. Experts are an
+rank's share, the tokens sent to their experts and back by all-to-all. A layer reads the device from the
+host once, its kept choices per expert (the rows each expert takes size everything after; on a GPU one
+synchronization), instead of a ``nonzero`` and two ``bincount``s each with a read of its own. Experts are an
 ``nn.ModuleList``, so their parameters keep their single-device names
 (``...experts.<global index>...``) under every layout and checkpoints reshard by name.
 """
@@ -120,12 +122,15 @@ class MoE(nn.Module):
         batch, time, width = x.shape
         logits = self.router(x)
         routing, probs = route(logits, self.top_k, capacity(time, self.n_experts, self.top_k, self.capacity_factor))
-        k = self.top_k
-        flat_expert = routing.expert.reshape(-1)
-        picks = routing.kept.reshape(-1).nonzero().squeeze(1)  # kept (token * k + choice), by expert, then token
-        picks = picks[torch.argsort(flat_expert[picks], stable=True)]
-        expert_ids = flat_expert[picks]
-        outputs = run_experts(x.reshape(-1, width)[picks // k], expert_ids, self.experts, self.placement,
+        k, n_experts = self.top_k, self.n_experts
+        flat_expert, kept = routing.expert.reshape(-1), routing.kept.reshape(-1)
+        counts = flat_expert.new_zeros(n_experts).index_add_(0, flat_expert, kept.long())  # kept choices per expert
+        # the layer's one host read (on a GPU a synchronization): how many rows each expert takes decides the
+        # shapes of what follows; the rest is sized by it, not by reads of its own (nonzero, bincount)
+        sizes = counts.tolist()
+        # kept (token * k + choice), by expert, then token: a stable sort with the dropped ones last
+        picks = torch.argsort(torch.where(kept, flat_expert, n_experts), stable=True)[:sum(sizes)]
+        outputs = run_experts(x.reshape(-1, width)[picks // k], counts, sizes, self.experts, self.placement,
                               self._rows_bound(batch, time))
         weighted = outputs * routing.gate.reshape(-1)[picks].unsqueeze(1).to(outputs.dtype)
         combined = weighted.new_zeros(batch * time * k, width).index_copy(0, picks, weighted)
@@ -134,7 +139,7 @@ class MoE(nn.Module):
             return y
         aux = load_balancing_loss(probs, routing.expert[..., 0])
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward (activation checkpointing)
-            self.stats.add(expert_ids, routing.kept.numel(), aux.detach())
+            self.stats.add(counts, routing.kept.numel(), aux.detach())
             self.last_kept = routing.kept.detach()  # which choices the last training forward kept (for tests)
         total = self.aux_loss_coef * aux
         if self.z_loss_coef:
@@ -163,8 +168,9 @@ class MoEStats:
         self.aux_sum: torch.Tensor | float = 0.0
         self.routed, self.calls = 0.0, 0.0
 
-    def add(self, expert_ids: torch.Tensor, routed: int, aux: torch.Tensor) -> None:
-        counts = torch.bincount(expert_ids.detach(), minlength=self.n_experts).double()
+    def add(self, counts: torch.Tensor, routed: int, aux: torch.Tensor) -> None:
+        """One forward's kept choices per expert (on the device), ``routed`` choices, aux loss."""
+        counts = counts.double()
         self.tokens = counts if self.tokens is None else self.tokens + counts
         self.routed += routed
         self.aux_sum = aux.detach().double() + self.aux_sum

@@ -230,16 +230,16 @@ def _expert_major(counts: torch.Tensor) -> torch.Tensor:
     return (torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)).to(device)
 
 
-def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, experts: Sequence[nn.Module],
+def run_experts(x: torch.Tensor, counts: torch.Tensor, sizes: Sequence[int], experts: Sequence[nn.Module],
                 placement: ExpertPlacement, max_rows: int | None = None) -> torch.Tensor:
-    """Each row of ``x`` through expert ``expert_ids[row]`` (sorted ascending), wherever that expert lives;
-    ``max_rows``: a bound on the rows any rank sends any peer, the same on every rank (see ``all_to_all``)."""
-    counts = torch.bincount(expert_ids, minlength=placement.n_experts)
+    """The rows of ``x``, sorted by expert, through their experts wherever they live: ``counts`` rows each (on
+    the device, int64), ``sizes`` the same numbers on the host (read once by the caller); ``max_rows``: a bound
+    on the rows any rank sends any peer, the same on every rank (see ``all_to_all``)."""
     if placement.size == 1:
-        return _apply(experts, x, counts.tolist())
+        return _apply(experts, x, sizes)
     group, local = placement.group, placement.local
     per_rank = counts.view(placement.size, local)
-    send = per_rank.sum(1).tolist()
+    send = [sum(sizes[rank * local:(rank + 1) * local]) for rank in range(placement.size)]
     received, received_counts = Dispatch.apply(x, per_rank, send, group, max_rows,  # [source, my local expert]
                                                placement.transport)
     recv = received_counts.sum(1).tolist()

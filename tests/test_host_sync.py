@@ -2,17 +2,18 @@
 
 On a GPU every host read of a device value (``.item()``, ``bool(tensor)``, a range check) waits for the
 queue to drain, and the GPU then idles while the host launches what comes next. Such reads go through
-aten's ``_local_scalar_dense`` on any device, so the CPU counts them: during a step of each example model
+aten's ``_local_scalar_dense`` on any device, so the CPU counts them, and the ops whose output size is a
+device value (``nonzero``, ``bincount``): during a step of each example model
 (SGD, whose update reads nothing; clipping on), the first read must be ``StepRunner.run``'s, after the step's
 work. One transformers helper asked for the mask with position ids read each layer's
 positions back for packed sequences (16 reads a step of the bench Llama); torch's ``one_hot`` range check
 read the router's choices twice per MoE layer.
 
-What the CPU cannot see, a GPU does: torch's synchronization debug mode raises at any synchronizing call
-(a ``.tolist()``, ``nonzero``, a pageable copy, a stream synchronization). There the dense examples' first
-synchronization must be the loss sum's. Not the MoE example's: its dispatch reads the kept tokens per expert
-(``nonzero``, ``bincount``, ``tolist``) to size each expert's rows and the exchanges' splits, on the host by
-design, as Megatron's dispatcher does; a capacity-padded dispatch of static shapes would remove them.
+What the CPU cannot see, a GPU does: torch's synchronization debug mode warns at any synchronizing call
+(a ``.tolist()``, ``nonzero``, ``bincount``, a pageable copy, a stream synchronization). There every
+synchronization before the loss sum's must be an MoE layer's one read of its kept choices per expert, which
+sizes its experts' rows (and, under EP, its exchanges), as Megatron's dispatcher reads them; it made four
+(``nonzero``, ``bincount`` and ``tolist`` in the dispatch, ``bincount`` again in its statistics) until session 14.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from tests.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = ["gpt.toml", "llama.toml", "gpt_moe.toml"]
+# a host read of a device value, and the ops whose output size is one on a GPU (each reads the device first)
+SYNCING_OPS = ("_local_scalar_dense", "nonzero", "bincount")
 
 
 def _ours(frames) -> list[str]:
@@ -64,7 +67,7 @@ def _host_reads(world, example: str, run_dir: str, layout=(1, 1, 1)) -> list[str
             self.sites: list[str] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ == "_local_scalar_dense":
+            if func.overloadpacket.__name__ in SYNCING_OPS:
                 self.sites.append((_ours(traceback.extract_stack()) or ["?"])[-1])
             return func(*args, **(kwargs or {}))
 
@@ -90,30 +93,41 @@ def test_under_each_parallelism_a_step_reads_the_device_once_at_its_end(layout, 
         assert sites and sites[0] == "jobs/train.py:run", sites
 
 
-def _first_gpu_sync(world, example: str, run_dir: str) -> list[str]:
-    """On the GPU, the second step under torch's synchronization debug mode set to raise: our frames where the
-    first synchronizing call came from (which also catches what no host read shows: a pageable copy, a
-    stream or device synchronization)."""
+def _gpu_syncs(world, example: str, run_dir: str) -> tuple[list[list[str]], int]:
+    """On the GPU, the second step under torch's synchronization debug mode set to warn: for each synchronizing
+    call, in order, our frames where it came from (which also catches what no host read shows: a ``.tolist()``,
+    a pageable copy, a stream synchronization); and the model's MoE layers."""
+    import warnings
+
     import torch
+
+    from jobs.moe import moe_layers
 
     runner, optimizer = _step_runner(world, example, run_dir, device="cuda")
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        runner.run(1)
-        frames = []
-    except RuntimeError as exc:
-        frames = _ours(traceback.extract_tb(exc.__traceback__))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    sites: list[list[str]] = []
+
+    def record(message, *args, **kwargs) -> None:
+        if "synchroniz" in str(message):
+            sites.append(_ours(traceback.extract_stack()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            runner.run(1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     optimizer.close()
-    return frames
+    return sites, len(moe_layers(runner.workload.model))
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("example", ["gpt.toml", "llama.toml"])
-def test_on_the_gpu_a_step_first_synchronizes_at_the_replicas_loss_sum(example, tmp_path) -> None:
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_on_the_gpu_a_step_synchronizes_at_its_end_and_once_per_moe_layer(example, tmp_path) -> None:
     if example == "llama.toml":
         pytest.importorskip("transformers")
-    (frames,) = run_ranks(1, _first_gpu_sync, example, str(tmp_path), timeout=300, device="cuda")
-    assert "jobs/workloads.py:sum_over_replicas" in frames, frames
+    ((sites, moe),) = run_ranks(1, _gpu_syncs, example, str(tmp_path), timeout=300, device="cuda")
+    end = next(i for i, frames in enumerate(sites) if "jobs/workloads.py:sum_over_replicas" in frames)
+    assert [frames[-1] for frames in sites[:end]] == ["jobs/moe.py:forward"] * moe, sites[:end + 1]
