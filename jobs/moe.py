@@ -98,7 +98,8 @@ class AttachAuxLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.tensor(ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device), None
+        # made on the device (a fill), not copied there from the host: on a GPU that copy would wait for the stream
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device), None
 
 
 class MoE(nn.Module):
