@@ -40,9 +40,9 @@ steps a rank holds only its own; the others are views into one buffer per bucket
 (``_Unit.full``, chunk r holding rank r's parameters) whose storage is resized to nothing
 when freed and back when gathered, so autograd's saved views of them stay valid.
 ``ShardedParameters`` hooks the modules: a bucket is gathered (the ring's all-gather, on
-the optimizer's communication thread and, on a GPU, its stream) before a module holding its parameters runs forward,
-the next bucket is prefetched meanwhile, and it is freed once every module holding it has
-run; before the module's backward (a hook on its outputs' gradients) it is gathered again,
+the optimizer's communication thread and, on a GPU, its stream) before a module holding its
+parameters runs forward, the next bucket is prefetched meanwhile, and it is freed once every
+module holding it has run; before the module's backward (a hook on its outputs' gradients) it is gathered again,
 the next backward bucket prefetched, and freed once its gradients are accumulated. The
 gradients then go as at stage 2 and the step touches only owned parameters; nothing is
 broadcast after it. The balance argument above matters more here (parameters are the
