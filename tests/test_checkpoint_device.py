@@ -15,8 +15,6 @@ from hpc.checkpoint.save import HostStaging
 from hpc.checkpoint.state import CUDA_RNG, RNG, restore_rng, rng_state
 from tests.ranks import run_ranks
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
 
 def _staged(staging: HostStaging, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     staging.begin()
@@ -171,7 +169,6 @@ def _gpu_to_cpu_and_back(world, root: str) -> None:
 
 
 @pytest.mark.cuda
-@needs_cuda
 def test_a_gpu_checkpoint_loads_on_cpus_under_two_layouts_and_back_with_the_gpu_rng(tmp_path) -> None:
     run_ranks(2, _gpu_to_cpu_and_back, str(tmp_path), timeout=180, device="cuda")
 
@@ -203,7 +200,6 @@ def _cpu_to_gpu(world, root: str) -> None:
 
 
 @pytest.mark.cuda
-@needs_cuda
 def test_a_cpu_checkpoint_loads_onto_the_gpu_leaving_its_rng_as_seeded(tmp_path) -> None:
     run_ranks(1, _cpu_to_gpu, str(tmp_path), timeout=120, device="cuda")
 
@@ -224,7 +220,6 @@ def _split_and_whole_on_the_gpu(world, base, save_at: int, total: int) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.slow
-@needs_cuda
 def test_a_gpu_training_run_resumes_exactly_and_its_checkpoint_loads_on_the_cpu(tmp_path) -> None:
     """On the GPU: int8 residuals (restored onto the GPU) and dropout (the GPU's RNG) carry across the resume."""
     from hpc.checkpoint import open_checkpoint, read_tensor

@@ -25,7 +25,6 @@ from parallel.compression.topk import TopK
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (1, 255, 256, 1000, 3 * 4096, 3 * 4096 + 300)  # one value, short blocks, whole blocks, several programs, ragged
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _triton_importable() -> bool:
@@ -96,7 +95,6 @@ def test_cpu_tensors_stay_on_torch() -> None:
 
 
 @pytest.mark.cuda
-@CUDA
 @pytest.mark.parametrize("name", ["int8", "fp16", "bf16"])
 def test_cuda_ring_codecs_equal_cpu(name: str) -> None:
     if _triton_importable():
@@ -133,7 +131,6 @@ def _synced(steps: dict[str, Callable[[], object]]) -> list[str]:
 
 
 @pytest.mark.cuda
-@CUDA
 def test_cuda_topk_selects_the_cpu_set_without_host_sync() -> None:
     topk = TopK(0.01)
     x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3))
@@ -163,7 +160,6 @@ def one_rank():
 
 
 @pytest.mark.cuda
-@CUDA
 def test_cuda_powersgd_equals_cpu_without_host_sync(one_rank) -> None:
     from parallel.ring import TorchTransport
 

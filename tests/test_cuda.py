@@ -22,7 +22,7 @@ from hpc.config import spec_from_dict
 from hpc.runtime.mesh import MeshShape, build_mesh
 from tests.ranks import run_ranks
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.cuda  # skipped where CUDA is absent (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, LR, CLIP = 10, 3e-3, 0.5
