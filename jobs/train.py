@@ -39,7 +39,7 @@ from jobs.checkpointing import TrainingCheckpoints
 from jobs.layout import check_job_layout, uses_pipeline
 from jobs.optim import build_optimizer, freeze_parameters, learning_rate
 from jobs.workloads import Workload, counted_targets, sum_over_replicas, to_device, token_weighted
-from parallel.clip import clip_grad_norm_
+from parallel.clip import clip_grad_norm_, scaled_step
 from parallel.compression.registry import make_reducer
 from parallel.ep import ExpertGroups, reduce_expert_gradients
 from parallel.optimizer import distributed_optimizer
@@ -77,7 +77,8 @@ def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float, optimize
     each DP rank holds only its owners' gradients: it counts those, and the sum goes over DP too.
     With sharded ``experts`` (their groups and this rank's expert parameters) each EP rank counts its
     experts and EP rank 0 the dense rest, summed over the EP group too. Returns the norm before clipping, a 0-dim
-    tensor on the gradients' device (``parallel.clip``)."""
+    tensor on the gradients' device. A fused Adam/AdamW ``optimizer`` takes the clip factor into its next step,
+    which must run inside ``parallel.clip.scaled_step`` (``parallel.clip``)."""
     split = tp_split_dims(model)
     sharded = optimizer is not None and getattr(optimizer, "zero_stage", 0) >= 2
     own = {id(p) for p in experts[1]} if experts else set()
@@ -86,7 +87,7 @@ def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float, optimize
                and (not experts or id(p) in own or experts[0].ep_rank == 0)]
     groups = (mesh.group("tp"), mesh.group("pp"), *((mesh.group("dp"),) if sharded else ()),
               *((experts[0].ep_group,) if experts else ()))
-    return clip_grad_norm_(model.parameters(), max_norm, counted=counted, groups=groups)
+    return clip_grad_norm_(model.parameters(), max_norm, counted=counted, groups=groups, optimizer=optimizer)
 
 
 def forward_backward(
@@ -293,7 +294,7 @@ class StepRunner:
         with probe.collective("gradient norm", "grad-norm", self.grad_norm_peers):
             grad_norm = clip_gradients(self.workload.model, self.mesh, cfg.grad_clip or math.inf, optimizer,
                                        (groups, self.expert_params) if groups is not None else None)
-        with probe.span("optimizer step"), optimizer.skip_synchronize():
+        with probe.span("optimizer step"), optimizer.skip_synchronize(), scaled_step(optimizer):
             optimizer.step()
         if step + 1 < cfg.steps:  # read and copied while the device runs this step, not after its end
             self.prefetched = self.batch(step + 1)

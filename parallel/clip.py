@@ -9,12 +9,19 @@ where each DP replica holds only its own parameters' gradients: the caller then 
 those and passes the DP group too (``jobs/train.py``). Every rank then scales by
 the same factor. The local arithmetic is torch's own (``get_total_norm``,
 ``clip_grads_with_norm_``), so a single process clips exactly as ``clip_grad_norm_``.
+
+Given one of torch's fused Adam/AdamW optimizers (what the trainer builds on a GPU), the factor goes
+into the optimizer's ``grad_scale`` instead, which its one kernel divides every gradient by as it
+reads it (GradScaler's hook): that saves a pass reading and writing every gradient, 8 bytes a
+float32 parameter, about 1.5 ms a step of a 0.7B model on an H200, for a result within a rounding
+of the multiplication's (a division by the factor's reciprocal).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +35,7 @@ def clip_grad_norm_(
     *,
     counted: Iterable[torch.Tensor],
     groups: Sequence[ProcessGroup] = (),
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> torch.Tensor:
     """Scale this rank's gradients so the global 2-norm is at most ``max_norm``; returns the norm before.
 
@@ -35,7 +43,9 @@ def clip_grad_norm_(
     (each part of the model counted by exactly one rank across ``groups``); all of
     ``parameters`` are scaled. Collective over each group of ``groups`` with more than one rank. The norm
     comes back as a 0-dim tensor on the gradients' device: reading it (``float``) is the caller's host
-    synchronization, which a training step takes once, at its end.
+    synchronization, which a training step takes once, at its end. When ``optimizer`` takes a gradient
+    scale (``takes_clip_scale``), the gradients are left as they are and the factor waits in its
+    ``grad_scale`` for its next step, which must run inside ``scaled_step(optimizer)``.
     """
     parameters = list(parameters)
     grads = [p.grad for p in counted if p.grad is not None]
@@ -49,6 +59,31 @@ def clip_grad_norm_(
         total = squares.sqrt().to(local.dtype)
     else:
         total = local
-    if math.isfinite(max_norm):  # inf: measure the norm only (for metrics)
+    if not math.isfinite(max_norm):  # inf: measure the norm only (for metrics)
+        return total.detach()
+    if takes_clip_scale(optimizer, total.device):
+        factor = torch.clamp(max_norm / (total.detach() + 1e-6), max=1.0)  # clip_grads_with_norm_'s
+        optimizer.grad_scale = factor.reciprocal().float()
+    else:
         clip_grads_with_norm_(parameters, max_norm, total)
     return total.detach()
+
+
+def takes_clip_scale(optimizer: torch.optim.Optimizer | None, device: torch.device) -> bool:
+    """Whether ``optimizer`` is one of torch's fused Adam/AdamW, every group fused, with no gradient
+    scale of its own (a GradScaler's) and its parameters on ``device``, the norm's."""
+    if not isinstance(optimizer, torch.optim.Adam) or getattr(optimizer, "grad_scale", None) is not None:
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return (bool(params) and all(group.get("fused") for group in optimizer.param_groups)
+            and all(p.device == device for p in params))
+
+
+@contextlib.contextmanager
+def scaled_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """The optimizer step that applies a clip factor ``clip_grad_norm_`` left in ``grad_scale``, then
+    takes it away, so that no later step divides by it again."""
+    try:
+        yield
+    finally:
+        optimizer.__dict__.pop("grad_scale", None)

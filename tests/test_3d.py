@@ -9,6 +9,7 @@ which are assembled and compared with the single-process run.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -252,3 +253,37 @@ def test_the_gpt_summary_reports_tokens_per_second_and_the_held_out_loss() -> No
                     "4 ranks (dp=1 tp=2 pp=2) gloo via openmpi | metrics runs/gpt-licenses/metrics.jsonl")
     resumed = summary_line(dataclasses.replace(result, start_step=100), world, MeshShape(1, 2, 2), "m.jsonl")
     assert resumed.startswith("summary: steps 101-120 (resumed) in 40.1 s | ")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_fused_adamw_takes_the_clip_factor_into_its_step_as_torch_clips(fused: bool) -> None:
+    """The clip leaves the gradients to a fused AdamW's step (``grad_scale``) instead of a pass of its own;
+    the step then lands where torch's clip_grad_norm_ and the same AdamW land, within rounding (one
+    division by the factor's reciprocal against a multiplication: an ulp of a gradient, which Adam's first
+    step, lr * g / (|g| + eps), passes on as at most an ulp of the update)."""
+    import torch
+
+    from parallel.clip import clip_grad_norm_, scaled_step
+
+    lr = 0.01
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    for net in (model, reference):
+        net(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+    raw = [p.grad.clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
+    expected = torch.optim.AdamW(reference.parameters(), lr=lr, fused=fused)
+
+    norm = clip_grad_norm_(list(model.parameters()), 0.5, counted=list(model.parameters()), optimizer=optimizer)
+    assert float(norm) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)), rel=1e-6)
+    assert float(norm) > 0.5  # the factor clips
+    left_whole = all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), raw, strict=True))
+    assert left_whole == fused and hasattr(optimizer, "grad_scale") == fused
+    with scaled_step(optimizer):
+        optimizer.step()
+    expected.step()
+    assert not hasattr(optimizer, "grad_scale")  # a later step does not divide again
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=2**-22, atol=0)
+        torch.testing.assert_close(ours, theirs, rtol=2**-22, atol=lr * 2**-20)
