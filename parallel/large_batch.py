@@ -36,22 +36,24 @@ class _TrustRatioOptimizer(torch.optim.Optimizer):
         """``[len(pairs), 2]`` float64 norms of each pair, summed over the TP group for the split parameters."""
         if not pairs:
             return torch.zeros((0, 2), dtype=torch.float64, device=params[0].device if params else None)
-        squares = torch.stack([torch.stack([a.double().square().sum(), b.double().square().sum()]) for a, b in pairs])
-        split = torch.tensor([id(p) in self._split for p in params], dtype=torch.bool, device=squares.device)
-        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1 and bool(split.any()):
-            shards = squares[split].contiguous()
+        squares = [torch.stack([a.double().square().sum(), b.double().square().sum()]) for a, b in pairs]
+        split = [i for i, p in enumerate(params) if id(p) in self._split]  # known on the host: nothing read
+        if split and self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            shards = torch.stack([squares[i] for i in split])
             dist.all_reduce(shards, group=self.tp_group)
-            squares[split] = shards
-        return squares.sqrt()
+            for i, row in zip(split, shards.unbind(), strict=True):
+                squares[i] = row
+        return torch.stack(squares).sqrt()
 
     @staticmethod
     def _with_grads(groups: list[dict]) -> list[tuple[dict, torch.Tensor]]:
         return [(group, p) for group in groups for p in group["params"] if p.grad is not None]
 
 
-def trust_ratio(numerator: float, weight_norm: float, update_norm: float) -> float:
-    """``numerator / update_norm``, or 1 when either norm is zero (a fresh zero layer, a zero update)."""
-    return numerator / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
+def trust_ratio(numerator: torch.Tensor, weight_norm: torch.Tensor, update_norm: torch.Tensor) -> torch.Tensor:
+    """``numerator / update_norm``, or 1 when either norm is zero (a fresh zero layer, a zero update): 0-dim
+    tensors on the device, never read by the host (on a GPU each read would drain the queue, once a step)."""
+    return torch.where((weight_norm > 0) & (update_norm > 0), numerator / update_norm, 1.0)
 
 
 class LARS(_TrustRatioOptimizer):
@@ -68,12 +70,12 @@ class LARS(_TrustRatioOptimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         entries = self._with_grads(self.param_groups)
-        norms = self._whole_norms([p for _, p in entries], [(p, p.grad) for _, p in entries]).tolist()
+        norms = self._whole_norms([p for _, p in entries], [(p, p.grad) for _, p in entries])
         for (group, p), (w_norm, g_norm) in zip(entries, norms, strict=True):
             wd = group["weight_decay"]
             local_lr = trust_ratio(group["eta"] * w_norm, w_norm, g_norm + wd * w_norm)
             buffer = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-            buffer.mul_(group["momentum"]).add_(p.grad.add(p, alpha=wd), alpha=group["lr"] * local_lr)
+            buffer.mul_(group["momentum"]).add_(p.grad.add(p, alpha=wd).mul_(group["lr"] * local_lr))
             p.sub_(buffer)
         return loss
 
@@ -93,9 +95,9 @@ class LAMB(_TrustRatioOptimizer):
         entries = self._with_grads(self.param_groups)
         updates = [self._adam_direction(group, p) for group, p in entries]
         norms = self._whole_norms([p for _, p in entries], [(p, r) for (_, p), r in zip(entries, updates,
-                                                                                         strict=True)]).tolist()
+                                                                                         strict=True)])
         for (group, p), update, (w_norm, r_norm) in zip(entries, updates, norms, strict=True):
-            p.add_(update, alpha=-group["lr"] * trust_ratio(w_norm, w_norm, r_norm))
+            p.sub_(update.mul_(group["lr"] * trust_ratio(w_norm, w_norm, r_norm)))
         return loss
 
     def _adam_direction(self, group: dict, p: torch.Tensor) -> torch.Tensor:
@@ -106,7 +108,7 @@ class LAMB(_TrustRatioOptimizer):
                          exp_avg_sq=torch.zeros_like(p))
         beta1, beta2 = group["betas"]
         state["step"] += 1
-        t = int(state["step"])
+        t = state["step"].double()  # on the host, kept a tensor: the corrections below read no number of it
         state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
         m_hat = state["exp_avg"] / (1 - beta1**t)
