@@ -177,12 +177,15 @@ class MoEStats:
         self.aux_sum = aux.detach().double() + self.aux_sum
         self.calls += 1
 
-    def vector(self) -> torch.Tensor:
-        """``[kept tokens per expert..., dropped, routed, aux sum, forward calls]`` in float64, on the host."""
-        tokens = self.tokens.cpu() if self.tokens is not None else torch.zeros(self.n_experts, dtype=torch.float64)
-        dropped = self.routed - float(tokens.sum())
-        return torch.cat([tokens, torch.tensor([dropped, self.routed, float(self.aux_sum), self.calls],
-                                               dtype=torch.float64)])
+    def vector(self, device: torch.device) -> torch.Tensor:
+        """``[kept tokens per expert..., dropped, routed, aux sum, forward calls]`` in float64 on ``device``, made
+        there without reading it (the host reads the run's numbers once a step, after the step)."""
+        row = torch.zeros(self.n_experts + 4, dtype=torch.float64, device=device)
+        if self.tokens is not None:
+            row[:-4] = self.tokens
+        row[-4] = self.routed - row[:-4].sum()
+        row[-3], row[-2], row[-1] = self.routed, self.aux_sum, self.calls  # fills on the device, no copies
+        return row
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:

@@ -33,7 +33,7 @@ from hpc.observe.timeline import Timeline, merge_rank_files
 from hpc.rundir import METRICS_FILE
 from hpc.runtime.bootstrap import World
 from hpc.runtime.mesh import Mesh
-from hpc.runtime.placement import out_of_memory
+from hpc.runtime.placement import out_of_memory, queued_copy_to_host
 from hpc.runtime.preemption import Preempted, Preemption
 from jobs.checkpointing import TrainingCheckpoints
 from jobs.layout import check_job_layout, uses_pipeline
@@ -42,14 +42,14 @@ from jobs.workloads import Workload, counted_targets, sum_over_replicas, to_devi
 from parallel.clip import clip_grad_norm_, scaled_step
 from parallel.compression.registry import make_reducer
 from parallel.ep import ExpertGroups, reduce_expert_gradients
-from parallel.optimizer import distributed_optimizer
+from parallel.optimizer import CommStats, distributed_optimizer
 from parallel.pipeline import StepStats, lookahead_for, run_pipeline_step
 from parallel.ring import Transport, make_transport
 from parallel.schedule import Action, build_schedule, matches_in_order
 from parallel.tensor_parallel import tp_split_dims
 
-__all__ = ["StepRunner", "TrainResult", "base_learning_rate", "clip_gradients", "forward_backward", "freeze",
-           "train"]
+__all__ = ["StepReport", "StepRunner", "TrainResult", "base_learning_rate", "clip_gradients", "forward_backward",
+           "freeze", "train"]
 
 
 @dataclass(frozen=True)
@@ -156,13 +156,14 @@ def _train(
     if probe.timeline is not None:
         dist.barrier()  # time zero, the same instant on every rank
         probe.timeline.start()
-    started = time.perf_counter()
+    started = records.clock = time.perf_counter()
     try:
         for step in range(start_step, spec.train.steps):
-            step_start = time.perf_counter()
-            outcome = steps.run(step)
-            records.step_done(step, outcome, time.perf_counter() - step_start, steps.optimizer.stats)
+            report = steps.run(step)
+            with probe.span("step report"):  # the step before's, once the device finished it (a GPU's runs on)
+                records.hold(report)
             _checkpoint_or_stop(spec, step + 1, checkpoints, preemption, probe, records, start_step)
+        records.settle()
         checkpoints.finalize()
         steps.optimizer.unshard()  # ZeRO-3: the model whole again for evaluation and the caller
     except torch.OutOfMemoryError:
@@ -252,6 +253,33 @@ class StepOutcome:
     moe: Mapping[str, object] = field(default_factory=dict)  # Workload.moe_metrics(): empty for a dense model
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """A step's numbers as its queued work will leave them. On a GPU they are copied to the host behind that
+    work and read (``outcome``) once the next step is queued, so the device goes from one step to the next
+    with no idle gap while the host waits, then launches (a loop's ``loss.item()`` makes that gap each step)."""
+
+    step: int
+    lr: float
+    numbers: torch.Tensor  # on the host once ``ready`` passed: [global loss sum, grad norm, MoE totals...]
+    ready: object | None  # a CUDA event; None: ``numbers`` are there already
+    replicas: int  # the DP size, which the loss sum is over
+    comm: CommStats  # the optimizer's, this step's
+    pipeline: StepStats | None
+    moe_metrics: Callable[[Sequence[float]], Mapping[str, object]]  # Workload.moe_metrics
+
+    def done(self) -> bool:
+        return self.ready is None or self.ready.query()
+
+    def outcome(self) -> StepOutcome:
+        """The numbers, waiting for the device to finish the step first when it has not."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        loss_sum, grad_norm, *moe = self.numbers.tolist()
+        return StepOutcome(loss_sum / self.replicas, self.lr, grad_norm,
+                           self.pipeline.wait_s if self.pipeline else 0.0, self.moe_metrics(moe))
+
+
 class StepRunner:
     """One training step: the batch, forward and backward (pipelined or not), DP averaging, clipping, update."""
 
@@ -275,7 +303,8 @@ class StepRunner:
         self.may_mask = getattr(workload.data.train, "masks_targets", True)  # see step_loss
         self.prefetched: Batch | None = None  # the next step's, queued behind this step's work (see run)
 
-    def run(self, step: int) -> StepOutcome:
+    def run(self, step: int) -> StepReport:
+        """Queue step ``step``'s work, reading nothing from the device: its report is read later."""
         cfg, probe, optimizer = self.cfg, self.probe, self.optimizer
         probe.set_step(step + 1)
         lr = learning_rate(self.base_lr, step, cfg.steps, cfg.warmup_steps, cfg.lr_schedule)
@@ -299,10 +328,12 @@ class StepRunner:
         if step + 1 < cfg.steps:  # read and copied while the device runs this step, not after its end
             self.prefetched = self.batch(step + 1)
         with probe.collective("loss all-reduce", "world", self.everyone):
-            global_loss = sum_over_replicas([0.0 if loss is None else loss], self.mesh)[0] / self.mesh.size("dp")
-        # the step's one host synchronization was the loss sum's: the norm and the times are there by now
-        return StepOutcome(global_loss, lr, float(grad_norm), pipeline.wait_s if pipeline else 0.0,
-                           self.workload.moe_metrics())
+            loss_sum = sum_over_replicas([loss], self.mesh)
+        moe = self.workload.moe_totals()
+        numbers = torch.cat([loss_sum, grad_norm.to(loss_sum).view(1), *(() if moe is None else (moe,))])
+        host, ready = queued_copy_to_host(numbers)  # the step's one read, after its work, on the host's schedule
+        return StepReport(step, lr, host, ready, self.mesh.size("dp"), optimizer.stats, pipeline,
+                          self.workload.moe_metrics)
 
     def batch(self, step: int) -> Batch:
         """Step ``step``'s share of the global batch on the device, and what it backpropagates."""
@@ -350,6 +381,26 @@ class RunRecords:
         self.flops_per_item = workload.flops_per_item
         self.peak_flops = device_peak_flops(world.device, spec.train.bf16_autocast)
         self.loss = loss  # the last step's; until one runs, the resumed checkpoint's (None: unknown)
+        self.held: StepReport | None = None  # the step queued last, not yet reported
+        self.clock = time.perf_counter()  # when the last step reported was done (or the loop started)
+
+    def hold(self, report: StepReport) -> None:
+        """Keep a just-queued step's report; report the one held before, waiting for the device to finish it.
+        A step whose numbers are on the host already (a CPU's) is reported at once."""
+        self.settle()
+        self.held = report
+        if report.done():
+            self.settle()
+
+    def settle(self) -> None:
+        """Report the held step, if any, once the device finished it: its time runs from the one before's end."""
+        if self.held is None:
+            return
+        report, self.held = self.held, None
+        outcome = report.outcome()
+        now = time.perf_counter()
+        self.step_done(report.step, outcome, now - self.clock, report.comm)
+        self.clock = now
 
     def step_done(self, step: int, outcome: StepOutcome, step_time: float, comm) -> None:
         self.loss = outcome.loss
@@ -394,9 +445,12 @@ def _checkpoint_or_stop(spec: JobSpec, done: int, checkpoints: TrainingCheckpoin
         with probe.collective("preemption check", "world", range(records.world.size)):
             stop = preemption.agreed(dist.group.WORLD)
     if checkpoints.due(done, force=stop is not None):  # preempted: save now, off schedule
+        records.settle()  # the step's loss goes into the checkpoint
         with probe.span("checkpoint"):
             checkpoints.save(done, records.loss)
+        records.clock = time.perf_counter()  # the next step's time leaves the save out
     if stop is not None:  # the requeued job resumes from this checkpoint
+        records.settle()
         checkpoints.finalize()
         records.write(probe, done - start_step)
         raise Preempted(done, stop, checkpointed=checkpoints.checkpointer is not None)

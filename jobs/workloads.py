@@ -107,22 +107,30 @@ class Workload:
             for chunk in self.chunks:
                 chunk.compile_layers()
 
-    def moe_metrics(self) -> dict[str, Any]:
-        """Since the last call, over the global batch (collective over the world when the model has MoE
-        layers): kept tokens per expert of each MoE layer, the fraction of routed choices dropped, the mean
-        load-balancing loss. Empty for a dense model."""
+    def moe_totals(self) -> torch.Tensor | None:
+        """What the MoE layers routed since the last call, over the global batch, as one float64 tensor
+        on the device, all-reduced (collective over the world when the model has MoE layers) but not read:
+        ``moe_metrics`` reads it. None for a dense model."""
+        if not self.moe_names:
+            return None
+        totals = torch.zeros(len(self.moe_names), self.moe_experts + 4, dtype=torch.float64, device=self.device)
+        for name, layer in moe_layers(self.model):  # this rank's stages
+            row, index = layer.stats.vector(self.device), self.moe_names.index(name)
+            layer.stats.reset()
+            if self.mesh.index("tp") == 0:  # TP peers route the same tokens
+                totals[index] = row
+        dist.all_reduce(totals)
+        return totals.view(-1)
+
+    def moe_metrics(self, totals: Sequence[float]) -> dict[str, Any]:
+        """From ``moe_totals``, read: kept tokens per expert of each MoE layer, the fraction of routed choices
+        dropped, the mean load-balancing loss. Empty for a dense model."""
         if not self.moe_names:
             return {}
         width = self.moe_experts + 4
-        totals = torch.zeros(len(self.moe_names), width, dtype=torch.float64, device=self.device)
-        for name, layer in moe_layers(self.model):  # this rank's stages
-            row, index = layer.stats.vector(), self.moe_names.index(name)
-            layer.stats.reset()
-            if self.mesh.index("tp") == 0:  # TP peers route the same tokens
-                totals[index, : len(row) - 4], totals[index, -4:] = row[:-4], row[-4:]
-        dist.all_reduce(totals)
-        dropped, routed, aux_sum, calls = totals[:, -4:].sum(0).tolist()
-        return {"moe_tokens_per_expert": totals[:, :-4].round().long().tolist(),
+        rows = [totals[i * width:(i + 1) * width] for i in range(len(self.moe_names))]
+        dropped, routed, aux_sum, calls = (sum(column) for column in zip(*(row[-4:] for row in rows), strict=True))
+        return {"moe_tokens_per_expert": [[round(x) for x in row[:-4]] for row in rows],
                 "moe_dropped_fraction": dropped / routed if routed else 0.0,
                 "moe_aux_loss": aux_sum / calls if calls else 0.0}
 
@@ -286,14 +294,16 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def sum_over_replicas(values: Sequence[float | torch.Tensor], mesh: Mesh) -> list[float]:
-    """Sums over the DP replicas of numbers held by the last pipeline stage, on every rank.
+def sum_over_replicas(values: Sequence[torch.Tensor | None], mesh: Mesh) -> torch.Tensor:
+    """Sums over the DP replicas of 0-dim tensors held by the last pipeline stage (None elsewhere), on every
+    rank: a float64 tensor on the device, not read (the caller reads it after the step).
 
     One all-reduce over the whole mesh in float64, to which only the ranks of the last
     stage with TP index 0 contribute (their TP peers hold the same numbers).
     """
     reports = mesh.index("pp") == mesh.size("pp") - 1 and mesh.index("tp") == 0
-    totals = torch.stack([torch.as_tensor(value if reports else 0.0, dtype=torch.float64, device=mesh.device)
-                          for value in values])
+    totals = torch.zeros(len(values), dtype=torch.float64, device=mesh.device)
+    if reports:
+        totals.copy_(torch.stack([value.detach().to(totals) for value in values]))
     dist.all_reduce(totals)
-    return totals.tolist()
+    return totals

@@ -24,9 +24,6 @@ HOST_BY_DESIGN = {  # (file, the call as written) -> why it belongs on the host
     ("jobs/train.py", "torch.tensor(counted, dtype=torch.int64)"):
         "the count of the host batch's counted targets, agreed over the DP group before forward",
     ("jobs/hf.py", "torch.arange(CHECK_TOKENS)"): "the build-time check runs on the host-built model",
-    ("jobs/moe.py", "torch.zeros(self.n_experts, dtype=torch.float64)"): "routing statistics, reported on the host",
-    ("jobs/moe.py", "torch.tensor([dropped, self.routed, float(self.aux_sum), self.calls], dtype=torch.float64)"):
-        "routing statistics, reported on the host",
     ("parallel/ep.py", "torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e]))"):
         "a permutation worked out from a few host numbers, moved to the device once",
     ("parallel/ep.py", "torch.zeros(0, dtype=torch.int64)"): "the same permutation, empty",
