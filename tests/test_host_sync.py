@@ -148,3 +148,59 @@ def test_on_the_gpu_a_step_synchronizes_only_once_per_moe_layer(example, tmp_pat
     ((sites, moe),) = run_ranks(1, _gpu_syncs, example, str(tmp_path), timeout=300, device="cuda")
     assert [frames[-1] if frames else "the test's" for frames in sites] == ["jobs/moe.py:forward"] * moe + [
         "the test's"], sites
+
+
+class _EventNotYetPassed:
+    """A GPU's event as the host sees it while the device still runs: not done until waited for."""
+
+    def __init__(self, log: list, step: int) -> None:
+        self.log, self.step = log, step
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        self.log.append(("read", self.step))
+
+
+def _order_of_work(world, run_dir: str) -> tuple[list, list[dict]]:
+    """The trainer's queued steps, report reads and checkpoint saves in order, with each step's report left
+    pending as a GPU's; and the metrics it wrote."""
+    import dataclasses
+    import json
+
+    from hpc.config import spec_from_dict
+    from hpc.runtime.mesh import build_mesh, resolve_layout
+    from jobs.checkpointing import TrainingCheckpoints
+    from jobs.train import StepRunner, train
+
+    log: list = []
+    run, save = StepRunner.run, TrainingCheckpoints.save
+
+    def queued(self, step):
+        log.append(("queued", step))
+        return dataclasses.replace(run(self, step), ready=_EventNotYetPassed(log, step))
+
+    def saved(self, done, loss=None):
+        log.append(("saved", done, loss))
+        return save(self, done, loss)
+
+    StepRunner.run, TrainingCheckpoints.save = queued, saved
+    spec = spec_from_dict({"job": {"run_dir": run_dir, "name": "order", "seed": 3},
+                           "model": {"hidden_sizes": [16]}, "data": {"batch_size": 16},
+                           "train": {"steps": 5, "lr": 0.01, "log_every": 100},
+                           "checkpoint": {"every_steps": 3}})
+    train(spec, world, build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank))
+    return log, [json.loads(line) for line in (Path(run_dir) / "order" / "metrics.jsonl").open()]
+
+
+def test_the_trainer_reads_a_step_once_the_next_is_queued_and_before_a_checkpoint(tmp_path) -> None:
+    """On a GPU the host queues step n + 1 before it waits for step n's numbers, so the device never idles
+    between steps; a checkpoint waits for its step's loss (saved with it) and the next step's time leaves the
+    save out."""
+    ((log, metrics),) = run_ranks(1, _order_of_work, str(tmp_path), timeout=120)
+    losses = {record["step"]: record["loss"] for record in metrics}
+    assert log == [("queued", 0), ("queued", 1), ("read", 0), ("queued", 2), ("read", 1), ("read", 2),
+                   ("saved", 3, losses[3]), ("queued", 3), ("queued", 4), ("read", 3), ("read", 4),
+                   ("saved", 5, losses[5])]
+    assert sorted(losses) == [1, 2, 3, 4, 5] and all(record["step_time_s"] > 0 for record in metrics)
