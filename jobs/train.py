@@ -156,7 +156,7 @@ def _train(
     if probe.timeline is not None:
         dist.barrier()  # time zero, the same instant on every rank
         probe.timeline.start()
-    started = records.clock = time.perf_counter()
+    started = records.restart_clock()
     try:
         for step in range(start_step, spec.train.steps):
             report = steps.run(step)
@@ -384,6 +384,11 @@ class RunRecords:
         self.held: StepReport | None = None  # the step queued last, not yet reported
         self.clock = time.perf_counter()  # when the last step reported was done (or the loop started)
 
+    def restart_clock(self) -> float:
+        """The next step's time runs from now (the loop's start, or the end of a save); returns now."""
+        self.clock = time.perf_counter()
+        return self.clock
+
     def hold(self, report: StepReport) -> None:
         """Keep a just-queued step's report; report the one held before, waiting for the device to finish it.
         A step whose numbers are on the host already (a CPU's) is reported at once."""
@@ -448,7 +453,7 @@ def _checkpoint_or_stop(spec: JobSpec, done: int, checkpoints: TrainingCheckpoin
         records.settle()  # the step's loss goes into the checkpoint
         with probe.span("checkpoint"):
             checkpoints.save(done, records.loss)
-        records.clock = time.perf_counter()  # the next step's time leaves the save out
+        records.restart_clock()  # the next step's time leaves the save out
     if stop is not None:  # the requeued job resumes from this checkpoint
         records.settle()
         checkpoints.finalize()
