@@ -184,7 +184,12 @@ class MoEStats:
         if self.tokens is not None:
             row[:-4] = self.tokens
         row[-4] = self.routed - row[:-4].sum()
-        row[-3], row[-2], row[-1] = self.routed, self.aux_sum, self.calls  # fills on the device, no copies
+        # fills and a device copy: a Python number assigned to an element would be a host-to-device copy
+        # that waits for the device (``row[-1] = x`` makes ``x`` a CPU tensor and copies it)
+        row[-3].fill_(self.routed)
+        row[-1].fill_(self.calls)
+        if isinstance(self.aux_sum, torch.Tensor):
+            row[-2].copy_(self.aux_sum)
         return row
 
 

@@ -151,7 +151,8 @@ def test_on_the_gpu_a_step_synchronizes_only_once_per_moe_layer(example, tmp_pat
 
 
 class _EventNotYetPassed:
-    """A GPU's event as the host sees it while the device still runs: not done until waited for."""
+    """A GPU's timed event as the host sees it while the device still runs: not done until waited for; step
+    ``step`` ends at ``DEVICE_STEP_S`` * (step + 1) on the device's clock."""
 
     def __init__(self, log: list, step: int) -> None:
         self.log, self.step = log, step
@@ -161,6 +162,12 @@ class _EventNotYetPassed:
 
     def synchronize(self) -> None:
         self.log.append(("read", self.step))
+
+    def elapsed_time(self, end: _EventNotYetPassed) -> float:
+        return (end.step - self.step) * DEVICE_STEP_S * 1e3  # milliseconds, as torch.cuda.Event's
+
+
+DEVICE_STEP_S = 7.0  # far from any host time here
 
 
 def _order_of_work(world, run_dir: str) -> tuple[list, list[dict]]:
@@ -197,10 +204,45 @@ def _order_of_work(world, run_dir: str) -> tuple[list, list[dict]]:
 def test_the_trainer_reads_a_step_once_the_next_is_queued_and_before_a_checkpoint(tmp_path) -> None:
     """On a GPU the host queues step n + 1 before it waits for step n's numbers, so the device never idles
     between steps; a checkpoint waits for its step's loss (saved with it) and the next step's time leaves the
-    save out."""
+    save out. A step's time is the device's between its end and the one before's (the host sees two end at
+    once at times), timed on the host for the first step and the first after a save."""
     ((log, metrics),) = run_ranks(1, _order_of_work, str(tmp_path), timeout=120)
     losses = {record["step"]: record["loss"] for record in metrics}
     assert log == [("queued", 0), ("queued", 1), ("read", 0), ("queued", 2), ("read", 1), ("read", 2),
                    ("saved", 3, losses[3]), ("queued", 3), ("queued", 4), ("read", 3), ("read", 4),
                    ("saved", 5, losses[5])]
-    assert sorted(losses) == [1, 2, 3, 4, 5] and all(record["step_time_s"] > 0 for record in metrics)
+    assert sorted(losses) == [1, 2, 3, 4, 5]
+    # from the device's clock between two steps' events; on the host's for the first and the first after a save
+    times = [record["step_time_s"] for record in metrics]
+    assert [t == DEVICE_STEP_S for t in times] == [False, True, True, False, True], times
+    assert 0 < times[0] < DEVICE_STEP_S and 0 < times[3] < DEVICE_STEP_S
+
+
+def test_the_moe_statistics_are_gathered_on_the_device_with_nothing_copied_from_the_host() -> None:
+    """``MoEStats.vector`` on the meta device, a stand-in for a GPU: no op may take a host tensor, nor make a
+    tensor of a Python number, as an element assigned one does (on a GPU, ``row[-1] = 2.0`` makes a CPU tensor of
+    2.0 and copies it in, which waits for the device; ``fill_`` passes the number to the kernel)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from jobs.moe import MoEStats
+
+    class HostOperands(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            operands = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            if func.overloadpacket.__name__ == "scalar_tensor" or any(
+                    isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in operands):
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    meta = torch.device("meta")
+    stats = MoEStats(4)
+    stats.add(torch.zeros(4, dtype=torch.int64, device=meta), 32, torch.zeros((), device=meta))
+    for fresh in (MoEStats(4), stats):  # nothing routed yet (aux sum a number), and one forward's worth
+        with HostOperands() as seen:
+            row = fresh.vector(meta)
+        assert seen.ops == [] and row.shape == (8,) and row.device == meta, seen.ops
