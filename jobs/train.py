@@ -382,11 +382,12 @@ class RunRecords:
         self.peak_flops = device_peak_flops(world.device, spec.train.bf16_autocast)
         self.loss = loss  # the last step's; until one runs, the resumed checkpoint's (None: unknown)
         self.held: StepReport | None = None  # the step queued last, not yet reported
-        self.clock = time.perf_counter()  # when the last step reported was done (or the loop started)
+        self.clock = time.perf_counter()  # when the last step reported was seen done (or the loop started)
+        self.last_ready: object | None = None  # that step's event on a GPU; None: time the next on the host
 
     def restart_clock(self) -> float:
         """The next step's time runs from now (the loop's start, or the end of a save); returns now."""
-        self.clock = time.perf_counter()
+        self.clock, self.last_ready = time.perf_counter(), None
         return self.clock
 
     def hold(self, report: StepReport) -> None:
@@ -398,14 +399,20 @@ class RunRecords:
             self.settle()
 
     def settle(self) -> None:
-        """Report the held step, if any, once the device finished it: its time runs from the one before's end."""
+        """Report the held step, if any, once the device finished it. Its time runs from the one before's end:
+        on a GPU between the two steps' events, on the device's clock (the host sees steps end only when it
+        looks, two at once at times); after a restart of the clock, and on a CPU, on the host's."""
         if self.held is None:
             return
         report, self.held = self.held, None
         outcome = report.outcome()
         now = time.perf_counter()
-        self.step_done(report.step, outcome, now - self.clock, report.comm)
-        self.clock = now
+        if report.ready is not None and self.last_ready is not None:
+            step_time = self.last_ready.elapsed_time(report.ready) / 1e3
+        else:
+            step_time = now - self.clock
+        self.step_done(report.step, outcome, step_time, report.comm)
+        self.clock, self.last_ready = now, report.ready
 
     def step_done(self, step: int, outcome: StepOutcome, step_time: float, comm) -> None:
         self.loss = outcome.loss

@@ -389,7 +389,7 @@ def _bf16_accumulating_steps(world):
                     out = model(torch.randn(8, 16, generator=generator).to(device))
                 out.float().square().mean().backward()
             optimizer.synchronize()
-            torch.nn.utils.clip_grad_norm_([p.grad for p in model.parameters() if p.grad is not None], 0.05)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.05)
             with optimizer.skip_synchronize():
                 optimizer.step()
         held = sum(p.numel() for p in model.parameters() if p.untyped_storage().nbytes())

@@ -46,14 +46,15 @@ def staged_copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
 def queued_copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, object | None]:
     """``tensor`` copied into a pinned host buffer behind the work already queued on its stream, and an event
     that passes once the copy is done; the host goes on meanwhile (a training step's numbers, read while
-    the next step runs). On the host already: the tensor itself and None."""
+    the next step runs). The event is timed: two of them give the device's time between them. On the host
+    already: the tensor itself and None."""
     if not tensor.is_cuda:
         return tensor, None
     import torch
 
     host = host_staging_buffer(tensor)
     host.copy_(tensor, non_blocking=True)
-    done = torch.cuda.Event()
+    done = torch.cuda.Event(enable_timing=True)
     done.record(torch.cuda.current_stream(tensor.device))
     return host, done
 
