@@ -37,6 +37,7 @@ from torch.distributed import ProcessGroup
 
 from hpc.errors import LayoutError
 from hpc.runtime.mesh import Mesh, expert_group_ranks
+from hpc.runtime.placement import host_numbers_to
 from parallel.ring import PointToPoint, Transport, make_transport
 
 PADDED_LIMIT = 1 << 20  # bytes a rank sends at most in a one-round padded exchange (latency-bound below this)
@@ -206,7 +207,7 @@ def all_to_all(x: torch.Tensor, send: Sequence[int], group: ProcessGroup, max_ro
     rank passes the same ``max_rows`` (at least any split) and the padded exchange is small: then one round.
     ``transport`` (over ``group``): point-to-point instead of torch's collective."""
     send = [int(n) for n in send]
-    counts = torch.tensor(send, dtype=torch.int64, device=x.device).view(-1, 1)
+    counts = host_numbers_to(send, torch.int64, x.device).view(-1, 1)
     if torch.is_grad_enabled() and x.requires_grad:
         rows, received = Dispatch.apply(x, counts, send, group, max_rows, transport)
         return rows, received.view(-1).tolist()

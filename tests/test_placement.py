@@ -18,6 +18,7 @@ NOT_TRAINING = {"parallel/plan.py", "parallel/cluster.py"}  # the planner comput
 HOST_BY_DESIGN = {  # (file, the call as written) -> why it belongs on the host
     ("hpc/runtime/placement.py", "torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)"):
         "the staging buffer itself",
+    ("hpc/runtime/placement.py", "torch.tensor(values, dtype=dtype)"): "host numbers, staged for the device",
     ("hpc/runtime/preemption.py", "torch.tensor([_PRIORITY[self.received] if self.received is not None else 0])"):
         "a flag agreed over the world's Gloo side, before any device work",
     ("jobs/workloads.py", "torch.as_tensor(np.asarray(indices, dtype=np.int64))"): "indices into a host data set",

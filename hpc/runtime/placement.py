@@ -14,7 +14,7 @@ so a message size seen before costs no new page locking.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -41,6 +41,17 @@ def staged_copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
     host = host_staging_buffer(tensor)
     host.copy_(tensor)
     return host
+
+
+def host_numbers_to(values: Sequence[int | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Numbers the host knows (split sizes), as a tensor on ``device``: on a GPU through pinned memory, so the
+    copy is queued and the host goes on (from pageable memory the copy would wait for the device)."""
+    import torch
+
+    values = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
 
 
 def queued_copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, object | None]:
