@@ -167,6 +167,7 @@ def _train(
         checkpoints.finalize()
         steps.optimizer.unshard()  # ZeRO-3: the model whole again for evaluation and the caller
     except torch.OutOfMemoryError:
+        records.settle()  # the last step that fitted, which the loop held, is in the metrics
         raise DeviceOutOfMemoryError(out_of_memory(mesh.device, world.rank, socket.gethostname())) from None
     finally:
         steps.optimizer.close()

@@ -170,13 +170,20 @@ class _EventNotYetPassed:
 DEVICE_STEP_S = 7.0  # far from any host time here
 
 
+def _spec(run_dir: str, name: str, **checkpoint):
+    from hpc.config import spec_from_dict
+
+    return spec_from_dict({"job": {"run_dir": run_dir, "name": name, "seed": 3},
+                           "model": {"hidden_sizes": [16]}, "data": {"batch_size": 16},
+                           "train": {"steps": 5, "lr": 0.01, "log_every": 100}, "checkpoint": checkpoint})
+
+
 def _order_of_work(world, run_dir: str) -> tuple[list, list[dict]]:
     """The trainer's queued steps, report reads and checkpoint saves in order, with each step's report left
     pending as a GPU's; and the metrics it wrote."""
     import dataclasses
     import json
 
-    from hpc.config import spec_from_dict
     from hpc.runtime.mesh import build_mesh, resolve_layout
     from jobs.checkpointing import TrainingCheckpoints
     from jobs.train import StepRunner, train
@@ -193,11 +200,8 @@ def _order_of_work(world, run_dir: str) -> tuple[list, list[dict]]:
         return save(self, done, loss)
 
     StepRunner.run, TrainingCheckpoints.save = queued, saved
-    spec = spec_from_dict({"job": {"run_dir": run_dir, "name": "order", "seed": 3},
-                           "model": {"hidden_sizes": [16]}, "data": {"batch_size": 16},
-                           "train": {"steps": 5, "lr": 0.01, "log_every": 100},
-                           "checkpoint": {"every_steps": 3}})
-    train(spec, world, build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank))
+    train(_spec(run_dir, "order", every_steps=3), world, build_mesh(resolve_layout("auto", 1, 1, world.size),
+                                                                     world.rank))
     return log, [json.loads(line) for line in (Path(run_dir) / "order" / "metrics.jsonl").open()]
 
 
@@ -246,3 +250,36 @@ def test_the_moe_statistics_are_gathered_on_the_device_with_nothing_copied_from_
         with HostOperands() as seen:
             row = fresh.vector(meta)
         assert seen.ops == [] and row.shape == (8,) and row.device == meta, seen.ops
+
+
+def _out_of_memory_at_step_3(world, run_dir: str) -> tuple[str, list[int]]:
+    """A run whose fourth step runs out of device memory while the third is pending, as on a GPU: the error's
+    line, and the steps metrics.jsonl reported."""
+    import dataclasses
+    import json
+
+    import torch
+
+    from hpc.errors import DeviceOutOfMemoryError
+    from hpc.runtime.mesh import build_mesh, resolve_layout
+    from jobs.train import StepRunner, train
+
+    run = StepRunner.run
+
+    def queued(self, step):
+        if step == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return dataclasses.replace(run(self, step), ready=_EventNotYetPassed([], step))
+
+    StepRunner.run = queued
+    try:
+        train(_spec(run_dir, "oom"), world, build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank))
+    except DeviceOutOfMemoryError as error:
+        said = str(error)
+    return said, [json.loads(line)["step"] for line in (Path(run_dir) / "oom" / "metrics.jsonl").open()]
+
+
+def test_an_out_of_memory_is_one_error_after_the_steps_before_it_are_reported(tmp_path) -> None:
+    ((said, steps),) = run_ranks(1, _out_of_memory_at_step_3, str(tmp_path), timeout=120)
+    assert "out of memory" in said and "rank 0" in said, said
+    assert steps == [1, 2, 3]  # the third, pending when the fourth failed, too
