@@ -72,19 +72,20 @@ def bench_output(name: str, argv: Sequence[str]) -> dict:
 
 
 def rows(out: Path, steps: int, only: set[str]) -> list[tuple[str, callable]]:
-    """(group, thunk) in the order they run: the issue's throughput bars first (a run cut short keeps them)."""
+    """(group, thunk) in the order they run: the issue's bars first, the quick ones before the compiled rows,
+    whose compilation takes minutes (a run cut short keeps what ran)."""
     dp = ["parallel.tp=1", "parallel.pp=1", "checkpoint.every_steps=0", "parallel.microbatches=1"]
     shared = [*dp, "parallel.backend=gloo", "parallel.device=cuda"]
     table = [
         ("llama", lambda: ours("ours eager", out, [], steps)),
         ("llama", lambda: plain("plain eager AdamW", [], steps)),
         ("llama", lambda: plain("plain eager fused AdamW", ["--fused"], steps)),
-        ("compiled", lambda: ours("ours compiled", out, ["train.compile=true"], steps)),
-        ("compiled", lambda: plain("plain compiled fused AdamW", ["--compile", "--fused"], steps)),
         ("codecs", lambda: bench_output("codecs", ["codecs", "--json"])),
         ("checkpoint", lambda: bench_output("checkpoint", ["checkpoint", "-n", "1", "--size", "512M", "--iters", "3",
                                                            "--json", "--launcher", "local", "--device", "cuda",
                                                            "--dir", str(out / "checkpoint")])),
+        ("compiled", lambda: ours("ours compiled", out, ["train.compile=true"], steps)),
+        ("compiled", lambda: plain("plain compiled fused AdamW", ["--compile", "--fused"], steps)),
         ("dp", lambda: ours("gpt 1 rank cuda", out, [*shared], 30, 1, GPT)),
         ("dp", lambda: ours("gpt dp=2 sharing the gpu", out, [*shared], 30, 2, GPT)),
     ]
