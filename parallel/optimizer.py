@@ -242,11 +242,11 @@ class DistributedOptimizerMixin:
         others' are dropped. top-k and PowerSGD all-reduce as ever, then drop (parallel/zero.py says why)."""
         if not reducer.supports_reduce_scatter:
             sent = reducer.reduce(bucket.key, [p.grad for p in bucket.params], self.transport, self.average)
-            self.zero.keep_owned(bucket.params, None)
+            self.zero.keep_owned(bucket.params, None, self._stream)
             return sent
         flat = self.zero.flatten_by_owner(bucket.params)
         owned, sent = reducer.reduce_scatter(bucket.key, flat, self.transport, self.average)
-        self.zero.keep_owned(bucket.params, owned)
+        self.zero.keep_owned(bucket.params, owned, self._stream)
         return sent
 
     def holds_gradient(self, param: torch.Tensor) -> bool:

@@ -157,11 +157,14 @@ class ZeroShards:
                 offset += p.numel()
         return flat
 
-    def keep_owned(self, params: Sequence[torch.Tensor], reduced: torch.Tensor | None) -> None:
-        """Stage 2: this rank's gradients from its ``reduced`` chunk (None: already in place); the others' dropped."""
+    def keep_owned(self, params: Sequence[torch.Tensor], reduced: torch.Tensor | None, stream: CommStream) -> None:
+        """Stage 2: this rank's gradients from its ``reduced`` chunk (None: already in place); the others' dropped,
+        their memory released to ``stream``'s queued work (the reduction that reads them)."""
         offset = 0
         for p in params:
             if not self.owns(p):
+                if p.grad is not None:
+                    stream.release(p.grad)
                 p.grad = None
             elif reduced is not None:
                 p.grad.copy_(reduced[offset:offset + p.numel()].view_as(p.grad))

@@ -459,6 +459,10 @@ def _stream_protocol(world):
         def join(self, event=None) -> None:
             log.append(("join", event, threading.current_thread() is threading.main_thread()))
 
+        def release(self, tensor) -> None:
+            on_main = threading.current_thread() is threading.main_thread()
+            log.append(("release", getattr(inside, "event", None), on_main))
+
     fill = parallel.zero._Unit.fill
 
     def recorded_fill(unit, transport) -> None:
@@ -476,15 +480,20 @@ def _stream_protocol(world):
         model(torch.randn(4, 16)).square().mean().backward()
         optimizer.step()
     optimizer.close()
-    return log, len(optimizer.buckets)
+    others = sum(1 for p in model.parameters() if not optimizer.zero.owns(p))
+    return log, len(optimizer.buckets), others
 
 
 def test_zero3_gathers_run_on_the_communication_stream_after_an_event_and_compute_waits_for_each() -> None:
     """On a GPU (here a recorder stands in for the stream): every gather on the communication thread runs inside
     ``after(event)``, that event recorded by the compute side before it asked, and the compute side joins the
-    event recorded at the gather's end there, not the whole stream, before it goes on."""
-    for log, buckets in run_ranks(2, _stream_protocol, timeout=60):
-        assert buckets >= 3
+    event recorded at the gather's end there, not the whole stream, before it goes on. Each gradient a rank
+    drops (another rank owns it) is released to the communication stream, whose queued reduce-scatter still
+    reads it, from inside ``after``: else the allocator would hand its memory to backward at once."""
+    for log, buckets, others in run_ranks(2, _stream_protocol, timeout=60):
+        assert buckets >= 3 and others > 0
+        releases = [(after, on_main) for kind, after, on_main in log if kind == "release"]
+        assert len(releases) == 4 * others and all(after is not None and not on_main for after, on_main in releases)
         fills = [i for i, (kind, _, _) in enumerate(log) if kind == "fill"]
         # every step: each bucket gathered for forward and again for backward, but the first, which stays
         assert len(fills) == 4 * (2 * buckets - 1)

@@ -138,6 +138,16 @@ class CommStream:
         with torch.cuda.stream(self.stream):
             yield
 
+    def release(self, tensor: torch.Tensor) -> None:
+        """Before dropping ``tensor`` (made on another stream) inside ``after``, while this stream's queued work
+        still reads or writes it: its memory goes back to the caching allocator only once that work is done.
+        Without this the allocator hands it to the compute stream at once (a ZeRO-2 rank drops the gradients it
+        does not own as soon as their reduce-scatter is queued, while backward still runs)."""
+        import torch
+
+        if self.stream is not None and tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
     def join(self, event: object | None = None) -> None:
         """The consumer's stream waits for everything communicated so far, or, given an event ``ready()``
         recorded inside ``after``, for the communication up to that event only."""
