@@ -116,6 +116,9 @@ class TorchTransport:
                        tag=op.tag)
             for op in carried
         ])
+        if len(works) != len(carried):  # a backend that coalesces (NCCL): one Work completes the whole batch
+            (batch,) = works
+            works = [batch] * len(carried)
         return [_staged(op, host.tensor, work) if host is not op else work
                 for op, host, work in zip(ops, carried, works, strict=True)]
 

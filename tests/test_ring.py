@@ -10,7 +10,7 @@ import torch.distributed as dist
 from hpc.runtime import launch
 from parallel.compression.base import ErrorFeedback
 from parallel.compression.registry import make_codec
-from parallel.ring import TorchTransport, make_transport, ring_allreduce
+from parallel.ring import TorchTransport, make_transport, ring_allgather, ring_allreduce
 from tests.ranks import run_ranks, run_under_mpirun
 
 SIZES = [0, 1, 3, 7, 1000, 4099]
@@ -129,3 +129,40 @@ def test_mpi_transport_under_mpirun_equals_torch_all_reduce() -> None:
     assert sorted(r["rank"] for r in reports) == [0, 1, 2]
     for report in reports:
         assert report == {**report, "launcher": "openmpi", "rendezvous": "mpi", "mismatches": []}
+
+
+class _OneWorkForTheBatch:
+    """What ``batch_isend_irecv`` gives on a backend that coalesces (NCCL): one Work for the whole batch, which
+    may be waited for again once done (a Gloo send's Work may not)."""
+
+    def __init__(self, works) -> None:
+        self.works = works
+
+    def wait(self, *args) -> bool:
+        while self.works:
+            self.works.pop().wait()
+        return True
+
+
+def _coalesced(world, numel: int):
+    """The lockstep ring (NCCL's way) and the ring all-gather over Gloo, each batch answered by one Work as NCCL
+    answers; and torch's all-reduce and all-gather of the same tensors."""
+    batch = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: [_OneWorkForTheBatch(batch(ops))]
+    TorchTransport.in_lockstep = lambda self, device: True
+    x = _inputs(world.rank, numel, torch.float32, integer=False)
+    ours = ring_allreduce(x.clone(), TorchTransport()), ring_allgather(x, TorchTransport())
+    dist.batch_isend_irecv = batch
+    summed, gathered = x.clone(), [torch.empty_like(x) for _ in range(world.size)]
+    dist.all_reduce(summed)
+    dist.all_gather(gathered, x)
+    return [t.numpy() for t in ours], (summed.numpy(), torch.stack(gathered).numpy())
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_backend_that_answers_a_batch_with_one_work_runs_the_ring(n) -> None:
+    """NCCL coalesces a batch of sends and receives into one Work: the transport gives every message that one
+    to wait for (it raised at the first batch of two before)."""
+    for (ours_sum, ours_gathered), (summed, gathered) in run_ranks(n, _coalesced, 4099):
+        np.testing.assert_allclose(ours_sum, summed, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(ours_gathered, gathered)
