@@ -674,7 +674,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         if not self.training or size() == 1:
             return super().forward(input)
         dims = [0, *range(2, input.dim())]
-        count = torch.tensor([input.numel() / input.shape[1]], dtype=input.dtype)
+        count = torch.full((1,), input.numel() / input.shape[1], dtype=input.dtype, device=input.device)
         stats = torch.cat([input.sum(dims), (input * input).sum(dims), count])
         total = allreduce(stats, op=Sum, process_set=self.process_set)
         n = total[-1]
@@ -737,7 +737,8 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
     def strip(value):
         if torch.is_tensor(value):
             tensors.append(value)
-            return ("__tensor__", len(tensors) - 1, tuple(value.shape), str(value.dtype).removeprefix("torch."))
+            return ("__tensor__", len(tensors) - 1, tuple(value.shape), str(value.dtype).removeprefix("torch."),
+                    value.device.type)
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
@@ -747,8 +748,10 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
     skeleton = broadcast_object(strip(state) if state is not None else None, root_rank, process_set=process_set)
     if state is None:
         def rebuild(value):
-            if isinstance(value, tuple) and len(value) == 4 and value[0] == "__tensor__":
-                tensor = torch.empty(value[2], dtype=getattr(torch, value[3]))
+            if isinstance(value, tuple) and len(value) == 5 and value[0] == "__tensor__":
+                # received where the root's is sent from (a GPU's over NCCL), then loaded onto the parameters'
+                device = torch.device("cuda", torch.cuda.current_device()) if value[4] == "cuda" else None
+                tensor = torch.empty(value[2], dtype=getattr(torch, value[3]), device=device)
                 tensors.append(tensor)
                 return tensor
             if isinstance(value, dict):

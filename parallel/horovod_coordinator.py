@@ -36,7 +36,9 @@ KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "join", "barrier", "
 DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
           torch.float32, torch.float64, torch.bool, torch.complex64, torch.complex128)
 OPS = (Average, Sum, Min, Max, Product)
-FIELDS = ("operation", "data type", "number of dimensions", "root rank", "reduction op")
+DEVICES = ("cpu", "cuda")
+FIELDS = ("operation", "data type", "number of dimensions", "root rank", "reduction op", "device")
+DEVICE = FIELDS.index("device")
 SHAPE = len(FIELDS)  # the column where the shape starts
 MAX_DIMS = 8
 WAITING = SHAPE + MAX_DIMS  # the column: how many named operations wait on this rank
@@ -157,10 +159,13 @@ def wire(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def signature(kind: str, tensor: torch.Tensor, root: int = -1, op: str = "") -> torch.Tensor:
-    """This rank's row: operation, dtype, dimensions, root, op, shape (padded), waiting count (0)."""
+    """This rank's row: operation, dtype, dimensions, root, op, device type, shape (padded), waiting count (0).
+    The device type tells a joined rank where the others' tensors are (its zeros go there, through the same
+    backend), and a CPU/GPU mix between ranks is a disagreement, not a hang of two backends."""
     shape = list(tensor.shape) or [1]
     dtype = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else len(DTYPES)
-    header = [KINDS.index(kind), dtype, tensor.dim(), root, OPS.index(op) if op in OPS else -1]
+    device = DEVICES.index(tensor.device.type) if tensor.device.type in DEVICES else len(DEVICES)
+    header = [KINDS.index(kind), dtype, tensor.dim(), root, OPS.index(op) if op in OPS else -1, device]
     return torch.tensor(header + (shape + [-1] * MAX_DIMS)[:MAX_DIMS] + [0], dtype=torch.int64)
 
 
@@ -200,6 +205,8 @@ def _describe(col: int, value: int):
         return KINDS[value]
     if col == 1:
         return str(DTYPES[value]) if value < len(DTYPES) else "other"
+    if col == DEVICE:
+        return DEVICES[value] if value < len(DEVICES) else "other"
     return value
 
 
@@ -225,12 +232,14 @@ def negotiate(kind: str, tensor: torch.Tensor, process_set: ProcessSet, root: in
 
 
 def zeros_into_allreduce(row: torch.Tensor) -> None:
-    """A joined rank's part in an allreduce the others issue: zeros of their dtype and shape."""
+    """A joined rank's part in an allreduce the others issue: zeros of their dtype and shape, on their device type
+    (this rank's GPU when theirs are on GPUs)."""
     dims = int(row[2])
     if dims > MAX_DIMS:
         raise HorovodInternalError(f"allreduce of {dims} dimensions while a rank has joined (at most {MAX_DIMS})")
     shape = [int(d) for d in row[SHAPE : SHAPE + dims]]
-    zeros = wire(torch.zeros(shape, dtype=DTYPES[int(row[1])]))
+    device = torch.device("cuda", torch.cuda.current_device()) if DEVICES[int(row[DEVICE])] == "cuda" else None
+    zeros = wire(torch.zeros(shape, dtype=DTYPES[int(row[1])], device=device))
     dist.all_reduce(zeros, op=TORCH_OPS[OPS[int(row[4])]])
 
 
