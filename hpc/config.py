@@ -267,7 +267,7 @@ class SlurmConfig:
     """Resources for hpc submit and hpc sweep."""
 
     nodes: int = _field(1, "nodes (sbatch --nodes)", min=1)
-    ntasks_per_node: int = _field(1, "ranks per node", min=1)
+    ntasks_per_node: int = _field(0, "ranks per node; 0: one per GPU asked for (gpus_per_node), else 1", min=0)
     gpus_per_node: int = _field(0, "GPUs per node; 0: none asked for", min=0)
     cpus_per_task: int = _field(1, "CPUs per rank", min=1)
     mem: str = _field(
@@ -289,6 +289,12 @@ class SlurmConfig:
     signal_delay_s: int = _field(120, "SIGUSR1 this many seconds before the time limit: checkpoint and requeue",
                                  min=0)
     max_requeues: int = _field(3, "requeues after a warning signal before the job just stops", min=0)
+
+    @property
+    def tasks_per_node(self) -> int:
+        """The ranks a node runs: ``ntasks_per_node``, by default one per GPU asked for (a rank per GPU, as
+        torchrun's ``--nproc-per-node=gpu``), else 1."""
+        return self.ntasks_per_node or self.gpus_per_node or 1
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ def executor_parameters(slurm: SlurmConfig, name: str, array_parallelism: int | 
     params: dict[str, Any] = {
         "job_name": name,
         "nodes": slurm.nodes,
-        "ntasks_per_node": slurm.ntasks_per_node,
+        "ntasks_per_node": slurm.tasks_per_node,
         "cpus_per_task": slurm.cpus_per_task,
         "time": time_minutes(slurm.time),
         "signal_delay_s": slurm.signal_delay_s,
@@ -158,7 +158,7 @@ def check_resources(slurm: SlurmConfig, environ: Mapping[str, str] | None = None
     submitted: a node count, memory, partition or account the cluster cannot give is sbatch's own reason,
     as one line, and no job (not even a FAILED one) is left in sacct. Node count and resources come first,
     so ``--nodes 3`` on two nodes is that, not a batch that does not divide by 3 ranks."""
-    argv = ["sbatch", "--test-only", f"--nodes={slurm.nodes}", f"--ntasks-per-node={slurm.ntasks_per_node}",
+    argv = ["sbatch", "--test-only", f"--nodes={slurm.nodes}", f"--ntasks-per-node={slurm.tasks_per_node}",
             f"--cpus-per-task={slurm.cpus_per_task}", f"--time={time_minutes(slurm.time)}"]
     optional = {"gpus-per-node": slurm.gpus_per_node or "", "mem": slurm.mem, "partition": slurm.partition,
                 "account": slurm.account, "qos": slurm.qos, "constraint": slurm.constraint}

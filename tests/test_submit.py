@@ -24,7 +24,7 @@ import pytest
 
 from hpc.runtime.env import Launcher, detect_rank_info
 from slurm.job_registry import DONE_STATES, sacct_states
-from slurm.submit import quote_setup, signal_trap, time_minutes
+from slurm.submit import executor_parameters, quote_setup, signal_trap, time_minutes
 
 REPO = Path(__file__).resolve().parent.parent
 # sbatch passes the environment on: one torch thread per rank, as the references below use.
@@ -128,6 +128,18 @@ def test_the_batch_script_requeues_when_a_warning_signal_killed_a_rank(tmp_path,
         *signal_trap(3), "set -e", "export SUBMITIT_EXECUTOR=slurm", f"bash -c {shlex.quote(ranks)}", ""]))
     done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
     assert (done.returncode, done.stdout.strip()) == (status, said), done.stderr
+
+
+@pytest.mark.parametrize(("slurm", "tasks"), [({}, 1), ({"gpus_per_node": 8}, 8),
+                                              ({"gpus_per_node": 8, "ntasks_per_node": 2}, 2)])
+def test_a_node_runs_a_rank_per_gpu_asked_for_unless_told_otherwise(slurm, tasks) -> None:
+    """``hpc submit --nodes 4 --gpus-per-node 8`` is 32 ranks, one per GPU, as torchrun's --nproc-per-node=gpu
+    (it was 4 ranks, each on one of its node's 8 GPUs); ``ntasks_per_node`` still says otherwise."""
+    from hpc.config import spec_from_dict
+
+    config = spec_from_dict({"slurm": slurm}).slurm
+    assert config.tasks_per_node == tasks
+    assert executor_parameters(config, "job")["ntasks_per_node"] == tasks
 
 
 def test_a_batch_script_is_one_process_not_rank_0_of_the_allocation() -> None:

@@ -110,7 +110,7 @@ def _with_resources(spec, args: argparse.Namespace):
 
 
 def _ranks(spec) -> int:
-    return spec.slurm.nodes * spec.slurm.ntasks_per_node
+    return spec.slurm.nodes * spec.slurm.tasks_per_node
 
 
 def _submission(args: argparse.Namespace):
