@@ -33,12 +33,12 @@ from hpc.observe.timeline import Timeline, merge_rank_files
 from hpc.rundir import METRICS_FILE
 from hpc.runtime.bootstrap import World
 from hpc.runtime.mesh import Mesh
-from hpc.runtime.placement import out_of_memory, queued_copy_to_host
+from hpc.runtime.placement import out_of_memory, queued_copy_to_host, to_device
 from hpc.runtime.preemption import Preempted, Preemption
 from jobs.checkpointing import TrainingCheckpoints
 from jobs.layout import check_job_layout, uses_pipeline
 from jobs.optim import build_optimizer, freeze_parameters, learning_rate
-from jobs.workloads import Workload, counted_targets, sum_over_replicas, to_device, token_weighted
+from jobs.workloads import Workload, counted_targets, sum_over_replicas, token_weighted
 from parallel.clip import clip_grad_norm_, scaled_step
 from parallel.compression.registry import make_reducer
 from parallel.ep import ExpertGroups, reduce_expert_gradients
@@ -269,9 +269,6 @@ class StepReport:
     pipeline: StepStats | None
     moe_metrics: Callable[[Sequence[float]], Mapping[str, object]]  # Workload.moe_metrics
 
-    def done(self) -> bool:
-        return self.ready is None or self.ready.query()
-
     def outcome(self) -> StepOutcome:
         """The numbers, waiting for the device to finish the step first when it has not."""
         if self.ready is not None:
@@ -396,7 +393,7 @@ class RunRecords:
         A step whose numbers are on the host already (a CPU's) is reported at once."""
         self.settle()
         self.held = report
-        if report.done():
+        if report.ready is None:
             self.settle()
 
     def settle(self) -> None:

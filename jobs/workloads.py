@@ -24,6 +24,7 @@ from torch.utils.data import TensorDataset, default_collate
 
 from hpc.config import JobSpec
 from hpc.runtime.mesh import Mesh
+from hpc.runtime.placement import to_device
 from jobs.datasets import dp_shard, global_batch_indices
 from jobs.materialize import NotReplayable, build_on_meta
 from jobs.moe import expert_parameters, moe_layers
@@ -284,16 +285,6 @@ def token_weighted(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     return weighted
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch onto the rank's device. To a GPU through pinned memory, so the copy is queued behind whatever
-    the GPU is doing and the host goes on (from pageable memory it would wait for the GPU to drain)."""
-    if tensor.device == device:
-        return tensor
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
 def sum_over_replicas(values: Sequence[torch.Tensor | None], mesh: Mesh) -> torch.Tensor:
     """Sums over the DP replicas of 0-dim tensors held by the last pipeline stage (None elsewhere), on every
     rank: a float64 tensor on the device, not read (the caller reads it after the step).
@@ -302,8 +293,9 @@ def sum_over_replicas(values: Sequence[torch.Tensor | None], mesh: Mesh) -> torc
     stage with TP index 0 contribute (their TP peers hold the same numbers).
     """
     reports = mesh.index("pp") == mesh.size("pp") - 1 and mesh.index("tp") == 0
-    totals = torch.zeros(len(values), dtype=torch.float64, device=mesh.device)
     if reports:
-        totals.copy_(torch.stack([value.detach().to(totals) for value in values]))
+        totals = torch.stack([value.detach().to(torch.float64) for value in values])
+    else:
+        totals = torch.zeros(len(values), dtype=torch.float64, device=mesh.device)
     dist.all_reduce(totals)
     return totals

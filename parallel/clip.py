@@ -61,7 +61,7 @@ def clip_grad_norm_(
         total = local
     if not math.isfinite(max_norm):  # inf: measure the norm only (for metrics)
         return total.detach()
-    if takes_clip_scale(optimizer, total.device):
+    if takes_clip_scale(optimizer):
         factor = torch.clamp(max_norm / (total.detach() + 1e-6), max=1.0)  # clip_grads_with_norm_'s
         optimizer.grad_scale = factor.reciprocal().float()
     else:
@@ -69,14 +69,11 @@ def clip_grad_norm_(
     return total.detach()
 
 
-def takes_clip_scale(optimizer: torch.optim.Optimizer | None, device: torch.device) -> bool:
-    """Whether ``optimizer`` is one of torch's fused Adam/AdamW, every group fused, with no gradient
-    scale of its own (a GradScaler's) and its parameters on ``device``, the norm's."""
-    if not isinstance(optimizer, torch.optim.Adam) or getattr(optimizer, "grad_scale", None) is not None:
-        return False
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return (bool(params) and all(group.get("fused") for group in optimizer.param_groups)
-            and all(p.device == device for p in params))
+def takes_clip_scale(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether ``optimizer`` is one of torch's fused Adam/AdamW, every group fused, with no gradient scale of
+    its own (a GradScaler's). The fused step moves the scale to each of its parameters' devices itself."""
+    return (isinstance(optimizer, torch.optim.Adam) and getattr(optimizer, "grad_scale", None) is None
+            and all(group.get("fused") for group in optimizer.param_groups))
 
 
 @contextlib.contextmanager

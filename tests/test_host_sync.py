@@ -157,9 +157,6 @@ class _EventNotYetPassed:
     def __init__(self, log: list, step: int) -> None:
         self.log, self.step = log, step
 
-    def query(self) -> bool:
-        return False
-
     def synchronize(self) -> None:
         self.log.append(("read", self.step))
 

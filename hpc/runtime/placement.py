@@ -43,15 +43,21 @@ def staged_copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (a batch) onto ``device``. To a GPU through pinned memory, so the copy is queued behind
+    whatever the GPU is doing and the host goes on (from pageable memory it would wait for the GPU to drain)."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def host_numbers_to(values: Sequence[int | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Numbers the host knows (split sizes), as a tensor on ``device``: on a GPU through pinned memory, so the
-    copy is queued and the host goes on (from pageable memory the copy would wait for the device)."""
+    """Numbers the host knows (split sizes), as a tensor on ``device`` (``to_device``)."""
     import torch
 
-    values = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return values.to(device)
-    return values.pin_memory().to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def queued_copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, object | None]:
