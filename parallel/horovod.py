@@ -197,8 +197,13 @@ def gloo_enabled() -> bool:
     return gloo_built()
 
 
-def nccl_built() -> bool:
-    return dist.is_nccl_available()
+def nccl_built() -> int:
+    """Horovod's: the version code of the NCCL torch carries (NCCL's ``NCCL_VERSION_CODE``, 22809 for 2.28.9), 0
+    without one. Horovod's own tests skip alltoall where it is below 2700: a bool True would read as version 1."""
+    if not dist.is_nccl_available():
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()[:3]
+    return major * (1000 if (major, minor) <= (2, 8) else 10000) + minor * 100 + patch
 
 
 def cuda_built() -> bool:

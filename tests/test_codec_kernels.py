@@ -47,9 +47,29 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def interpreter_fuses_fma() -> bool:
+    """Whether Triton's interpreter rounds ``tl.fma`` once, as the GPU does (Triton 3.6's, torch 2.11's, multiplies
+    and then adds: two roundings). For a = 1 + 2^-23, a * a is 1 + 2^-22 + 2^-46: fma(a, a, -(1 + 2^-22)) keeps the
+    2^-46, rounding the product first loses it."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def product_residual(a_ptr, c_ptr, out_ptr):
+        lanes = tl.arange(0, 2)
+        a = tl.load(a_ptr + lanes)
+        tl.store(out_ptr + lanes, tl.fma(a, a, tl.load(c_ptr + lanes)))
+
+    out = torch.zeros(2)
+    product_residual[(1,)](torch.full((2,), 1.0 + 2.0**-23), torch.full((2,), -(1.0 + 2.0**-22)), out)
+    return out[0].item() == 2.0**-46
+
+
 def check_kernels_on_cpu() -> None:
-    """The kernels, called directly on CPU tensors (under the interpreter), against the torch path."""
+    """The kernels, called directly on CPU tensors (under the interpreter), against the torch path. int8's add
+    only where the interpreter's ``fma`` rounds as the GPU's does (``pytest -m cuda`` checks it on a GPU)."""
     codec, into_seed = Int8Codec(), 99
+    fused = interpreter_fuses_fma()
     for n in SIZES:
         x = _gradient(n, n)
         expected = codec.encode(x)
@@ -63,7 +83,8 @@ def check_kernels_on_cpu() -> None:
         into = _gradient(n, into_seed)
         summed = into.clone()
         kernels.int8_decode(scales, values, summed, codec.block, add=True)
-        assert torch.equal(_bits(summed), _bits(codec.add_decoded(expected, into.clone()))), f"int8 add, {n}"
+        assert not fused or torch.equal(_bits(summed), _bits(codec.add_decoded(expected, into.clone()))), \
+            f"int8 add, {n}"
     for name in ("fp16", "bf16"):
         cast = CastCodec(name)
         for n in SIZES:

@@ -65,8 +65,20 @@ def _collectives(world):
     out["objects"] = hvd.allgather_object(r * 10)
     out["join"] = hvd.join()
     hvd.barrier()
-    out["built"] = (hvd.gloo_built(), hvd.mpi_built(), isinstance(hvd.nccl_built(), bool))
+    out["built"] = (hvd.gloo_built(), hvd.mpi_built(), isinstance(hvd.nccl_built(), int))
     return out
+
+
+@pytest.mark.parametrize(("version", "code"), [((2, 28, 9), 22809), ((2, 7, 8), 2708), (None, 0)])
+def test_nccl_built_is_horovods_version_code(monkeypatch, version, code) -> None:
+    """Horovod's tests skip alltoall where ``nccl_built()`` is below 2700: the version, not a bool (True is 1)."""
+    import torch.distributed as dist
+
+    import parallel.horovod as hvd
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: version is not None)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: version)
+    assert hvd.nccl_built() == code
 
 
 def test_collectives_follow_horovod_semantics() -> None:
