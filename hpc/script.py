@@ -156,13 +156,13 @@ class Session:
         """Collective. Register what :meth:`save` and a preemption checkpoint, and load the newest complete
         checkpoint of this run into it (any world size saved it); returns its step, or 0 without one.
 
-        A rank also gets its RNG back when the world size is the one that saved it.
+        A rank also gets its RNGs back (the CPU's, and its GPU's where CUDA is) when the world size is the one that
+        saved it.
         """
-        import torch
         import torch.distributed as dist
 
         from hpc.checkpoint.load import load_rank_state, open_checkpoint
-        from hpc.checkpoint.state import RNG, choose_resume, load_state
+        from hpc.checkpoint.state import CUDA_RNG, RNG, choose_resume, load_state, restore_rng
 
         self._state = (model, optimizer)
         path = choose_resume("auto", self.checkpoint_path, dist.group.WORLD)
@@ -171,9 +171,7 @@ class Session:
         index = open_checkpoint(path)
         load_state(index, _unwrapped(model), optimizer)
         if index.world_size == self.size:  # rank r holds what rank r held
-            private = load_rank_state(index, self.rank, only=(RNG,))
-            if RNG in private:
-                torch.set_rng_state(private[RNG])
+            restore_rng(load_rank_state(index, self.rank, only=(RNG, CUDA_RNG)))
         if self.rank == 0:
             print(f"resumed from {path} at step {index.step}", flush=True)
         self._saved_step = index.step
@@ -182,11 +180,10 @@ class Session:
     def save(self, step: int) -> None:
         """Collective: checkpoint the model and optimizer :meth:`resume` registered as ``step``
         (every rank writes its share; rank 0 commits it atomically; the ``keep`` newest stay)."""
-        import torch
         import torch.distributed as dist
 
         from hpc.checkpoint import Checkpointer
-        from hpc.checkpoint.state import RNG, state_pieces
+        from hpc.checkpoint.state import rng_state, state_pieces
 
         if self._state is None:
             raise HpcError("save() checkpoints what resume(model, optimizer) registered: call resume first")
@@ -195,7 +192,7 @@ class Session:
         if self._checkpointer is None:
             self._checkpointer = Checkpointer(self.checkpoint_path, dist.group.WORLD, keep=self._keep)
         model, optimizer = self._state
-        self._checkpointer.save(step, state_pieces(_unwrapped(model), optimizer), {RNG: torch.get_rng_state()})
+        self._checkpointer.save(step, state_pieces(_unwrapped(model), optimizer), rng_state())
         self._saved_step = step
 
     def log(self, step: int, **values: float) -> None:

@@ -102,6 +102,42 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step_and_the_run_resu
     assert _steps(split) == list(range(1, 7)) and [code for _, code, _ in resumed] == [0, 0]
 
 
+def _dropout_on_the_gpu(world, run_path: str, steps: int, save_at: int | None) -> dict:
+    """A script's steps on the GPU with dropout there (the GPU's generator), resuming what the run saved;
+    checkpoints at ``save_at``. Returns the parameters (exact floats)."""
+    import torch
+
+    from hpc.script import Session
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 1)).to(world.device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    Path(run_path).mkdir(parents=True, exist_ok=True)  # as the launcher makes it
+    run = Session(world, Path(run_path), None, {}, max_requeues=0)
+    step = run.resume(model, optimizer)
+    with run:
+        while step < steps:
+            optimizer.zero_grad()
+            model(torch.ones(8, 64, device=world.device)).square().mean().backward()
+            optimizer.step()
+            step += 1
+            if step == save_at:
+                run.save(step)
+    return {name: tensor.tolist() for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.cuda
+def test_a_script_on_the_gpu_resumes_with_its_gpus_generator(tmp_path: Path) -> None:
+    """The session checkpoints the GPU's RNG with the CPU's: dropout masks after the resume are the ones an
+    uninterrupted run draws (a fresh process would start the GPU's generator from the seed again)."""
+    from tests.ranks import run_ranks
+
+    split, whole = str(tmp_path / "split"), str(tmp_path / "whole")
+    run_ranks(1, _dropout_on_the_gpu, split, 3, 3, device="cuda")
+    resumed = run_ranks(1, _dropout_on_the_gpu, split, 6, None, device="cuda")
+    assert resumed == run_ranks(1, _dropout_on_the_gpu, whole, 6, None, device="cuda")
+
+
 def test_each_srun_task_execs_the_script_with_its_run_path_and_the_warning_signals_still_blocked(
         tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
