@@ -128,10 +128,20 @@ def test_bench_gpu_reads_a_run_of_ours_into_one_row(tmp_path) -> None:
     from jobs.bench.gpu import WARMUP_STEPS, ours
 
     spec = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "mlp.toml"
-    row = ours("mlp on the cpu", tmp_path, ["parallel.tp=1", "parallel.pp=1"], WARMUP_STEPS + 3, spec=spec)
-    assert "error" not in row, row
-    assert row["loop"] == "mlp on the cpu" and row["step_s"] > 0 and row["samples_per_s"] > 0
-    assert row["mfu"] is None and "summary: 6 steps" in row["summary"]
+    for _ in range(2):  # a rerun into the same --out measures afresh: no resume, no steps of the first run
+        row = ours("mlp on the cpu", tmp_path, ["parallel.tp=1", "parallel.pp=1"], WARMUP_STEPS + 3, spec=spec)
+        assert "error" not in row, row
+        assert row["loop"] == "mlp on the cpu" and row["step_s"] > 0 and row["samples_per_s"] > 0
+        assert row["mfu"] is None and "summary: 6 steps" in row["summary"], row["summary"]
+        (metrics,) = (tmp_path / "mlp-on-the-cpu").glob("*/metrics.jsonl")
+        assert len(metrics.read_text().splitlines()) == WARMUP_STEPS + 3
+
+
+def test_bench_gpu_records_a_row_out_of_time_and_goes_on() -> None:
+    from jobs.bench.gpu import _run
+
+    done = _run(["-c", "import time; time.sleep(60)"], timeout_s=1)
+    assert done.returncode != 0 and done.stderr.splitlines()[-1] == "out of time: stopped after 1 s"
 
 
 def test_bench_gpu_weighs_its_rows_against_the_issues_bars() -> None:

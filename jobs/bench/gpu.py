@@ -20,6 +20,8 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,15 +36,31 @@ WARMUP_STEPS = 3  # left out of every median: allocation, autotuning, compilatio
 
 
 def _run(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """A row's process, in a session of its own: past ``timeout_s`` its whole group goes (``hpc run``'s ranks run
+    in sessions of their own too, so ``hpc``'s launcher stops them as it dies), and the row records the timeout
+    instead of ending the bench."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout_s)
+    with subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGTERM)
+            try:
+                stdout, stderr = child.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                stdout, stderr = child.communicate()
+            stderr += f"\nout of time: stopped after {timeout_s:g} s"
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
 
 
 def ours(name: str, out: Path, overrides: Sequence[str], steps: int, ranks: int = 1, spec: Path = SPEC) -> dict:
     """``hpc run`` of a spec; the median step of its metrics after the warm-up, its peak memory and MFU."""
     run_dir = out / name.replace(" ", "-")
+    shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: a rerun's medians must be its own steps
     sets = [arg for item in (f"job.run_dir={run_dir}", f"train.steps={steps}", *overrides) for arg in ("--set", item)]
     done = _run(["-m", "hpc.cli.main", "run", "-n", str(ranks), "--launcher", "local", str(spec), *sets], 900)
     if done.returncode:
