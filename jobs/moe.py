@@ -120,9 +120,25 @@ class MoE(nn.Module):
         self.last_kept: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, width = x.shape
+        time = x.shape[1]
         logits = self.router(x)
         routing, probs = route(logits, self.top_k, capacity(time, self.n_experts, self.top_k, self.capacity_factor))
+        y, counts = self._dispatch(x, routing)
+        if not self.training:
+            return y
+        aux = load_balancing_loss(probs, routing.expert[..., 0])
+        self._record(counts, routing.kept, aux)
+        total = self.aux_loss_coef * aux
+        if self.z_loss_coef:
+            total = total + self.z_loss_coef * router_z_loss(logits)
+        return AttachAuxLoss.apply(y, total, self.loss_scale) if total.requires_grad else y
+
+    @torch.compiler.disable
+    def _dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept choices through their experts and back, weighted by their gates: ``[batch, time, d]``, and
+        the kept choices per expert. Eager inside a compiled block: the counts read on the host size everything
+        here, and a graph of it would recompile for each new set of sizes (until Dynamo gives up on the block)."""
+        batch, time, width = x.shape
         k, n_experts = self.top_k, self.n_experts
         flat_expert, kept = routing.expert.reshape(-1), routing.kept.reshape(-1)
         counts = flat_expert.new_zeros(n_experts).index_add_(0, flat_expert, kept.long())  # kept choices per expert
@@ -135,18 +151,14 @@ class MoE(nn.Module):
                               self._rows_bound(batch, time))
         weighted = outputs * routing.gate.reshape(-1)[picks].unsqueeze(1).to(outputs.dtype)
         combined = weighted.new_zeros(batch * time * k, width).index_copy(0, picks, weighted)
-        y = combined.view(batch, time, k, width).sum(2)
-        if not self.training:
-            return y
-        aux = load_balancing_loss(probs, routing.expert[..., 0])
-        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward (activation checkpointing)
-            self.stats.add(counts, routing.kept.numel(), aux.detach())
-            self.last_kept = routing.kept.detach()  # which choices the last training forward kept (for tests)
-        total = self.aux_loss_coef * aux
-        if self.z_loss_coef:
-            total = total + self.z_loss_coef * router_z_loss(logits)
-        return AttachAuxLoss.apply(y, total, self.loss_scale) if total.requires_grad else y
+        return combined.view(batch, time, k, width).sum(2), counts
 
+    @torch.compiler.disable
+    def _record(self, counts: torch.Tensor, kept: torch.Tensor, aux: torch.Tensor) -> None:
+        """A training forward's statistics, not a recomputation's inside backward (activation checkpointing)."""
+        if torch._C._current_graph_task_id() == -1:
+            self.stats.add(counts, kept.numel(), aux.detach())
+            self.last_kept = kept.detach()  # which choices the last training forward kept (for tests)
 
     def _rows_bound(self, batch: int, time: int) -> int | None:
         """The most rows any rank can send any peer, when every rank of the EP group routes ``batch`` sequences

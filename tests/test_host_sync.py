@@ -146,7 +146,7 @@ def test_on_the_gpu_a_step_synchronizes_only_once_per_moe_layer(example, tmp_pat
     if example == "llama.toml":
         pytest.importorskip("transformers")
     ((sites, moe),) = run_ranks(1, _gpu_syncs, example, str(tmp_path), timeout=300, device="cuda")
-    assert [frames[-1] if frames else "the test's" for frames in sites] == ["jobs/moe.py:forward"] * moe + [
+    assert [frames[-1] if frames else "the test's" for frames in sites] == ["jobs/moe.py:_dispatch"] * moe + [
         "the test's"], sites
 
 

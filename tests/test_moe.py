@@ -501,3 +501,27 @@ def test_a_change_of_ep_restores_no_codec_residuals_of_other_buckets(two_ranks) 
         assert comm[2]["steps_synchronized"] == 2 and any(key.startswith("residual/") for key in comm[2])  # kept
         assert comm[1] == {"steps_synchronized": 2}  # another layout: only the shared step count
         assert start_step == 2 and np.isfinite(final_loss)
+
+
+def test_a_compiled_block_runs_its_moe_dispatch_eagerly_and_never_recompiles() -> None:
+    """``train.compile`` compiles each block: the MoE dispatch, sized by the counts read on the host, stays
+    eager, so a new routing (new sizes) reuses the block's graphs instead of recompiling them until Dynamo
+    gives up on the block."""
+    import torch._dynamo
+
+    from jobs.moe import MoE
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.LayerNorm(16), MoE(16, 4, lambda: torch.nn.Linear(16, 16), top_k=2))
+    compiled, sizes = torch.compile(block, backend="eager"), set()
+    for step in range(6):
+        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(step))
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            y = compiled(x)
+        y.square().mean().backward()
+        sizes.add(tuple(block[1].stats.tokens.tolist()))
+        block[1].stats.reset()
+        torch.testing.assert_close(y, block(x), rtol=0, atol=0)  # the graphs compute what the module does
+        block[1].stats.reset()
+    assert len(sizes) == 6  # each step's experts took other numbers of rows
