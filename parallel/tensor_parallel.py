@@ -5,7 +5,11 @@ outputs, a row-parallel linear splits its inputs and sums the partial products, 
 column then row costs one all-reduce forward and one backward. The collectives are
 tiny autograd Functions rather than ``torch.distributed.nn.functional``: those have
 no "identity forward, all-reduce backward" pair, and each Function here states in
-its docstring what it does each way. The TP process group is always an argument.
+its docstring what it does each way. Inside, the collectives are torch's functional ones
+(``_functional_collectives``: a new tensor out, nothing in place), which torch.compile traces
+into a block's graph as they are; torch 2.11's Dynamo rewrote an in-place ``all_reduce`` in a
+traced backward into zeros, and TP under ``train.compile`` then trained only its last layers.
+The TP process group is always an argument.
 
 Every layer is built from the full single-device module (``from_full``) by taking
 this rank's slice, so the same seed gives the same weights under every layout.
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -75,9 +80,8 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
+        gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))  # the parts stacked
+        return torch.cat(gathered.chunk(dist.get_world_size(group)), dim=-1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -86,10 +90,8 @@ class _GatherFromTP(torch.autograd.Function):
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Sum into a fresh contiguous copy: autograd may share ``x`` with other nodes."""
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
-    return out
+    """The sum over ``group``, a new tensor (autograd may share ``x`` with other nodes)."""
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
