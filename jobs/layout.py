@@ -26,11 +26,13 @@ def uses_pipeline(parallel: ParallelConfig) -> bool:
 
 
 def check_layout(spec: JobSpec, world_size: int) -> MeshShape:
-    """The mesh shape of ``spec`` on ``world_size`` ranks, with the model's cut, schedule and batch split checked."""
-    from hpc.runtime.mesh import resolve_layout
+    """The mesh shape of ``spec`` on ``world_size`` ranks, with the model's cut, schedule, batch split and expert
+    groups checked (``parallel.dp = "auto"`` is known only here)."""
+    from hpc.runtime.mesh import expert_group_ranks, resolve_layout
 
     shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world_size)
     check_job_layout(spec, shape)
+    expert_group_ranks(shape, spec.parallel.ep)
     return shape
 
 

@@ -243,6 +243,7 @@ def test_clipping_across_tp_and_pp_equals_torch_on_the_single_device_model() -> 
                        "--set", "parallel.tp=1", "--set", "parallel.pp=4"], "microbatches to be a multiple"),
         (MLP_EXAMPLE, ["-n", "4", "--set", "parallel.tp=2"], "model.kind='mlp' has no tp_plan and no pipeline_parts"),
         (GPT_EXAMPLE, ["-n", "4", "--set", "data.name=digits"], "model.kind='gpt' trains on data.name='licenses'"),
+        (GPT_EXAMPLE.with_name("gpt_moe.toml"), ["-n", "2"], "parallel.ep=4 does not divide dp=2"),
     ],
 )
 def test_a_layout_that_does_not_fit_is_one_error_line_before_launch(capsys, example, args, message) -> None:
