@@ -47,14 +47,19 @@ def _run(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess:
         try:
             stdout, stderr = child.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGTERM)
+            _signal_group(child.pid, signal.SIGTERM)
             try:
                 stdout, stderr = child.communicate(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
+                _signal_group(child.pid, signal.SIGKILL)
                 stdout, stderr = child.communicate()
             stderr += f"\nout of time: stopped after {timeout_s:g} s"
     return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+        os.killpg(pid, signum)
 
 
 def ours(name: str, out: Path, overrides: Sequence[str], steps: int, ranks: int = 1, spec: Path = SPEC) -> dict:
