@@ -145,6 +145,7 @@ COMPILED = [  # train.compile: each block one graph of Triton kernels
 ]
 
 
+@pytest.mark.timeout(600)  # inductor compiles every block's Triton kernels first, on both ranks
 def test_compiled_blocks_on_the_gpu_train_like_one_eager_cuda_process(reference, tmp_path) -> None:
     """TP's collectives inside compiled blocks (functional collectives: torch 2.11's Dynamo turned the in-place
     all-reduce of a backward into zeros, and TP trained only its last layers), and an MoE dispatch kept eager
