@@ -314,3 +314,27 @@ def test_a_fused_adamw_takes_the_clip_factor_into_its_step_as_torch_clips(fused:
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=2**-22, atol=0)
         torch.testing.assert_close(ours, theirs, rtol=2**-22, atol=lr * 2**-20)
+
+
+def _compiled_graphs(world, run_dir: str) -> list[tuple[int, int]]:
+    """(graphs, operations in them) torch.compile made while training on dp 2, without ZeRO and under ZeRO-3."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from jobs.train import train
+
+    made = []
+    for zero in (0, 3):
+        torch._dynamo.reset()
+        counters.clear()
+        spec = gpt_spec(run_dir, f"graphs-zero{zero}", (2, 1, 1), zero=zero, compile=True)
+        train(spec, world, build_mesh(MeshShape(2, 1, 1), world.rank))
+        made.append((counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]))
+    return made
+
+
+def test_zero3_leaves_the_compiled_blocks_graphs_whole(tmp_path) -> None:
+    """ZeRO-3 gathers a compiled block's parameters around its graph: the same graphs, capturing the same
+    operations, as without ZeRO (its hooks on the modules inside broke each block's graph at every one)."""
+    for without, zero3 in run_ranks(2, _compiled_graphs, str(tmp_path), timeout=300):
+        assert zero3 == without
