@@ -755,8 +755,7 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
         def rebuild(value):
             if isinstance(value, tuple) and len(value) == 5 and value[0] == "__tensor__":
                 # received where the root's is sent from (a GPU's over NCCL), then loaded onto the parameters'
-                device = torch.device("cuda", torch.cuda.current_device()) if value[4] == "cuda" else None
-                tensor = torch.empty(value[2], dtype=getattr(torch, value[3]), device=device)
+                tensor = torch.empty(value[2], dtype=getattr(torch, value[3]), device=_coord.local_device(value[4]))
                 tensors.append(tensor)
                 return tensor
             if isinstance(value, dict):

@@ -231,6 +231,12 @@ def negotiate(kind: str, tensor: torch.Tensor, process_set: ProcessSet, root: in
     return rows[:, SHAPE].tolist()
 
 
+def local_device(device_type: str) -> torch.device | None:
+    """Where this rank keeps a tensor that others keep on ``device_type``: its current GPU for "cuda", else the
+    default (None)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else None
+
+
 def zeros_into_allreduce(row: torch.Tensor) -> None:
     """A joined rank's part in an allreduce the others issue: zeros of their dtype and shape, on their device type
     (this rank's GPU when theirs are on GPUs)."""
@@ -238,8 +244,7 @@ def zeros_into_allreduce(row: torch.Tensor) -> None:
     if dims > MAX_DIMS:
         raise HorovodInternalError(f"allreduce of {dims} dimensions while a rank has joined (at most {MAX_DIMS})")
     shape = [int(d) for d in row[SHAPE : SHAPE + dims]]
-    device = torch.device("cuda", torch.cuda.current_device()) if DEVICES[int(row[DEVICE])] == "cuda" else None
-    zeros = wire(torch.zeros(shape, dtype=DTYPES[int(row[1])], device=device))
+    zeros = wire(torch.zeros(shape, dtype=DTYPES[int(row[1])], device=local_device(DEVICES[int(row[DEVICE])])))
     dist.all_reduce(zeros, op=TORCH_OPS[OPS[int(row[4])]])
 
 

@@ -229,27 +229,24 @@ class _Unit:
             p.data = view
 
 
-def _holders(module: torch.nn.Module, seen: set[int] | None = None) -> Iterator[tuple[torch.nn.Module,
-                                                                                     list[torch.Tensor]]]:
+def _holders(module: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, list[torch.Tensor]]]:
     """Each module with the parameters its own forward uses: those it holds, and those of its ParameterList and
     ParameterDict children (containers without a forward of their own). A module compiled in place
     (``train.compile``) holds all of its parameters: the hooks then run around its graph, not inside it, where
     each would break the graph at every module they sit on."""
     containers = (torch.nn.ParameterList, torch.nn.ParameterDict)
-    seen = set() if seen is None else seen
-    if id(module) in seen:
-        return
-    seen.add(id(module))
-    if getattr(module, "_compiled_call_impl", None) is not None:
-        yield module, list(module.parameters())
-        return
-    if not isinstance(module, containers):
-        params = list(module.parameters(recurse=False))
-        for child in module.children():
+    compiled = [m for m in module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    inside = {id(sub) for m in compiled for sub in m.modules() if sub is not m}
+    for m in module.modules():
+        if id(m) in inside or isinstance(m, containers):
+            continue
+        if m in compiled:
+            yield m, list(m.parameters())
+            continue
+        params = list(m.parameters(recurse=False))
+        for child in m.children():
             params += list(child.parameters()) if isinstance(child, containers) else []
-        yield module, params
-    for child in module.children():
-        yield from _holders(child, seen)
+        yield m, params
 
 
 class ShardedParameters:

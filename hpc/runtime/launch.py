@@ -211,7 +211,7 @@ def _start(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
     )
 
 
-def _stop(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM every process group still alive, SIGKILL what is left after the grace period."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for proc in procs:
@@ -255,7 +255,7 @@ def run_local(commands: Sequence[RankCommand]) -> None:
                 failure = (commands[index].rank, code)
                 break
     finally:
-        _stop(procs)
+        stop_process_groups(procs)
     if failure is not None:
         rank, code = failure
         others = len(commands) - 1
@@ -277,7 +277,7 @@ def run_mpirun(command: Sequence[str], env: Mapping[str, str] | None = None) -> 
     try:
         _, code = exits.get()
     finally:
-        _stop([proc])
+        stop_process_groups([proc])
     if code != 0:
         what = deaths[0] if deaths else f"mpirun {describe_exit(code)}"
         raise RankFailedError(what, exit_code=code if code > 0 else 128 - code)

@@ -21,13 +21,14 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from hpc.runtime.launch import stop_process_groups
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = REPO / "jobs" / "bench" / "llama_bench.toml"
@@ -47,19 +48,10 @@ def _run(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess:
         try:
             stdout, stderr = child.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _signal_group(child.pid, signal.SIGTERM)
-            try:
-                stdout, stderr = child.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                _signal_group(child.pid, signal.SIGKILL)
-                stdout, stderr = child.communicate()
+            stop_process_groups([child])
+            stdout, stderr = child.communicate()
             stderr += f"\nout of time: stopped after {timeout_s:g} s"
     return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
-
-
-def _signal_group(pid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-        os.killpg(pid, signum)
 
 
 def ours(name: str, out: Path, overrides: Sequence[str], steps: int, ranks: int = 1, spec: Path = SPEC) -> dict:
