@@ -8,7 +8,9 @@ no "identity forward, all-reduce backward" pair, and each Function here states i
 its docstring what it does each way. Inside, the collectives are torch's functional ones
 (``_functional_collectives``: a new tensor out, nothing in place), which torch.compile traces
 into a block's graph as they are; torch 2.11's Dynamo rewrote an in-place ``all_reduce`` in a
-traced backward into zeros, and TP under ``train.compile`` then trained only its last layers.
+traced backward into zeros, and TP under ``train.compile`` then trained only its last layers. Gloo's
+gather into one tensor (what the functional all-gather runs) crashes on CUDA tensors (pytorch#152645), so
+ranks sharing a GPU over Gloo gather by a sum (``_all_gather``).
 The TP process group is always an argument.
 
 Every layer is built from the full single-device module (``from_full``) by taking
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpc.errors import LayoutError
+from hpc.runtime.placement import carries_cuda
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -80,8 +83,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))  # the parts stacked
-        return torch.cat(gathered.chunk(dist.get_world_size(group)), dim=-1)
+        return torch.cat(_all_gather(x, group).chunk(dist.get_world_size(group)), dim=-1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -92,6 +94,22 @@ class _GatherFromTP(torch.autograd.Function):
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """The sum over ``group``, a new tensor (autograd may share ``x`` with other nodes)."""
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+
+
+def _all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The ranks' ``x`` stacked along dimension 0, a new tensor."""
+    if x.is_cuda and not carries_cuda(group):
+        return _all_gather_by_sum(x, group)
+    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))
+
+
+def _all_gather_by_sum(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The all-gather as a sum over ``group`` of each rank's ``x`` in its slot of zeros: exact (one term of each
+    sum is not zero), for Gloo on CUDA tensors, whose gather into one tensor copies device memory as host
+    memory and crashes the rank (pytorch#152645)."""
+    slots = x.new_zeros((dist.get_world_size(group), *x.shape))
+    slots[dist.get_rank(group)] = x
+    return _all_reduce(slots, group).flatten(0, 1)
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -140,6 +140,30 @@ def test_layer_matches_the_single_device_layer(layer) -> None:
     _assert_pairs(run_ranks(2, layer, 2))
 
 
+def _gathers(world):
+    """The functional all-gather and the sum-gather (Gloo's way for ranks sharing a GPU) of the same parts."""
+    import torch
+
+    from parallel.tensor_parallel import _all_gather, _all_gather_by_sum
+
+    group = _tp_group(world, 2)
+    torch.manual_seed(world.rank)
+    parts = [torch.randn(3, 5) * 1e30, torch.tensor([[-0.0, float("inf"), -1e-40]]), torch.randn(2, 4).bfloat16()]
+    return [(_all_gather(part, group), _all_gather_by_sum(part, group)) for part in parts]
+
+
+def test_the_gather_by_a_sum_is_the_all_gather_bit_for_bit() -> None:
+    """What ranks sharing a GPU over Gloo gather with, since Gloo's gather into one tensor crashes on CUDA
+    tensors (pytorch#152645): here on the CPU, against the functional all-gather, huge, tiny and infinite
+    values and bf16 alike (a zero's sign aside: -0 + 0 is +0)."""
+    import torch
+
+    for rank_pairs in run_ranks(2, _gathers):
+        for gathered, summed in rank_pairs:
+            assert gathered.dtype == summed.dtype and gathered.shape == summed.shape
+            assert torch.equal(gathered, summed)
+
+
 def _logit_sized(fn, numel: int) -> int:
     """How many tensors of at least ``numel`` elements ``fn()`` creates."""
     import torch
