@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = ["gpt.toml", "llama.toml", "gpt_moe.toml"]
 # a host read of a device value, and the ops whose output size is one on a GPU (each reads the device first)
 SYNCING_OPS = ("_local_scalar_dense", "nonzero", "bincount")
+SYNC_WARNING = "called a synchronizing CUDA operation"  # c10/cuda's warn_or_error_on_sync
 
 
 def _ours(frames) -> list[str]:
@@ -123,7 +124,7 @@ def _gpu_syncs(world, example: str, run_dir: str) -> tuple[list[list[str]], int]
     sites: list[list[str]] = []
 
     def record(message, *args, **kwargs) -> None:
-        if "synchroniz" in str(message):
+        if str(message).startswith(SYNC_WARNING):  # not the mode's own "prototype feature" warning as it is set
             sites.append(_ours(traceback.extract_stack()))
 
     with warnings.catch_warnings():
