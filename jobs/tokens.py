@@ -37,6 +37,8 @@ FORMAT = "hpc-tokens"
 VERSION = 1
 META, TOKENS, OFFSETS, TOKENIZER = "meta.json", "tokens.bin", "offsets.bin", "tokenizer.json"
 OFFSET_DTYPE = "<i8"
+TOKEN_DTYPES = ("uint8", "uint16", "uint32", "uint64")  # what tokens.dtype may say; hpc data prepare writes uint16/32
+SCAN_TOKENS = 1 << 24  # ids read at a time when a set's largest id is looked for
 GPT_ENTRY = "jobs.gpt:gpt"
 
 
@@ -54,23 +56,56 @@ def read_meta(path: str | Path, key: str = "data.args.path") -> dict[str, Any]:
         raise ConfigError(f"{key}={str(path)!r} {what}: prepare it with hpc data prepare --out {path} ...")
     try:
         meta = json.loads(meta_path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{key}={str(path)!r}: {META} is not JSON ({exc})") from None
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{key}={str(path)!r}: {META} is not JSON ({type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:200]})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ConfigError(f"{key}={str(path)!r}: {META} is not {FORMAT} version {VERSION}")
     return meta
 
 
+def meta_field(meta: dict[str, Any], dotted: str, path: str | Path, kind: str = "count") -> Any:
+    """``meta[a][b]`` for ``dotted`` = "a.b", checked to be a ``kind`` of :data:`META_KINDS`; one line naming the
+    field of ``meta.json`` when it is missing or of another kind."""
+    value: Any = meta
+    parts = dotted.split(".")
+    for depth, part in enumerate(parts):
+        if not isinstance(value, dict):
+            raise _bad_meta(path, f"{'.'.join(parts[:depth])} is {_shown(value)}, not a table (it needs {dotted})")
+        if part not in value:
+            raise _bad_meta(path, f"has no {dotted}")
+        value = value[part]
+    wanted, fits = META_KINDS[kind]
+    if not fits(value):
+        raise _bad_meta(path, f"{dotted} is {_shown(value)}, not {wanted}")
+    return value
+
+
+META_KINDS = {  # kind -> (what it is, the test)
+    "count": ("a count (an integer >= 0)", lambda v: type(v) is int and v >= 0),
+    "size": ("a positive integer", lambda v: type(v) is int and v > 0),
+    "dtype": (f"an unsigned integer type ({', '.join(TOKEN_DTYPES)})", lambda v: v in TOKEN_DTYPES),
+}
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+
+
+def _bad_meta(path: str | Path, problem: str) -> ConfigError:
+    return ConfigError(f"data.args.path={str(path)!r}: {META} {problem} (not as hpc data prepare writes it)")
+
+
 def check_vocab(meta: dict[str, Any], path: str | Path, vocab_size: int | None,
                 where: str = "vocabulary") -> None:
     """Raise when the set's ids can reach past the model's vocabulary (``where`` says whose it is)."""
-    ids = meta["tokenizer"]["vocab_size"]
+    ids = meta_field(meta, "tokenizer.vocab_size", path, "size")
     if vocab_size is not None and ids > vocab_size:
         fix = (f"model.entry = {GPT_ENTRY!r} with model.args.vocab_size = {ids} (jobs/examples/gpt_tokens.toml)"
                if "model.kind" in where else f"a model with a vocabulary of at least {ids:,}")
         raise ConfigError(f"data.args.path={str(path)!r} was tokenized with {ids:,} ids "
-                          f"({meta['tokenizer']['source']}), more than the model's {where} of {vocab_size:,}: "
-                          f"train {fix}")
+                          f"({meta['tokenizer'].get('source', 'tokenizer')}), more than the model's {where} of "
+                          f"{vocab_size:,}: train {fix}")
 
 
 def model_window(spec: JobSpec) -> tuple[int, int | None, str]:
@@ -79,19 +114,28 @@ def model_window(spec: JobSpec) -> tuple[int, int | None, str]:
     if not model.entry:
         return model.seq_len, model.vocab_size, f"vocabulary (model.kind={model.kind!r} reads bytes)"
     vocab = model.args.get("vocab_size")
-    seq_len = int(model.args.get("seq_len", model.seq_len))
-    return seq_len, None if vocab is None else int(vocab), "vocabulary (model.args.vocab_size)"
+    seq_len = _positive(model.args.get("seq_len", model.seq_len), "model.args.seq_len")
+    return seq_len, None if vocab is None else _positive(vocab, "model.args.vocab_size"), \
+        "vocabulary (model.args.vocab_size)"
 
 
-def built_vocab(spec: JobSpec) -> int | None:
+def _positive(value: Any, key: str) -> int:
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"{key}={_shown(value)} must be a positive integer")
+    return value
+
+
+def built_vocab(spec: JobSpec, model: Any = None) -> int | None:
     """The input embedding's rows of the model built on the meta device (no memory), for a spec whose
-    ``[model.args]`` do not say (a transformers model from ``pretrained``'s config)."""
+    ``[model.args]`` do not say (a transformers model from ``pretrained``'s config); ``model``: that build,
+    when the caller has it."""
     import torch
 
     from jobs.protocol import build_model
 
-    with torch.device("meta"):
-        model = build_model(spec)
+    if model is None:
+        with torch.device("meta"):
+            model = build_model(spec)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else next(
         (module for module in model.modules() if isinstance(module, torch.nn.Embedding)), None)
     return getattr(embedding, "num_embeddings", None)
@@ -106,31 +150,41 @@ def entry_args(spec: JobSpec) -> dict[str, Any]:
     return {"seq_len": seq_len, **dict(spec.data.args), "vocab_size": vocab}
 
 
-def check_spec(spec: JobSpec) -> None:
-    """Before any rank starts: a token set's directory is complete and its ids fit the model's vocabulary."""
+def check_spec(spec: JobSpec, model: Any = None) -> None:
+    """Before any rank starts: a token set's directory is whole (``TokenSet``), its ids fit the model's vocabulary
+    and ``[data.args]`` split it (``model``: the spec's model built on the meta device, when the caller has it)."""
+    from jobs.protocol import call_entry
+
     if spec.data.entry != TOKENS_ENTRY:
         return
     path = spec.data.args.get("path")
     if not isinstance(path, str):
         raise ConfigError(f"data.entry={TOKENS_ENTRY!r} needs data.args.path = the directory hpc data prepare wrote")
-    meta = read_meta(path)
-    entry_args(spec)  # refuses data.args.vocab_size
+    args = entry_args(spec)  # refuses data.args.vocab_size
     _, vocab, where = model_window(spec)
     if vocab is None:
-        vocab, where = built_vocab(spec), "input embedding"
-    check_vocab(meta, path, vocab, where)
+        vocab, where = built_vocab(spec, model), "input embedding"
+    check_vocab(read_meta(path), path, vocab, where)
+    call_entry(tokens, args, TOKENS_ENTRY, "data.entry")  # the files, their ids, the held-out split
 
 
 class TokenSet:
-    """A prepared directory, memory-mapped: ``tokens`` and ``offsets`` as read-only numpy arrays."""
+    """A prepared directory, memory-mapped: ``tokens`` and ``offsets`` as read-only numpy arrays, checked whole
+    when opened: ``meta.json``'s fields, the files' sizes, offsets that tile the tokens, every id within the
+    vocabulary ``meta.json`` declares (one pass over the file, remembered for the process)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.meta = read_meta(path)
-        directory, counts = self.path, self.meta
-        self.tokens = _map(directory / TOKENS, np.dtype(counts["tokens"]["dtype"]).newbyteorder("<"),
-                           counts["tokens"]["count"], path)
-        self.offsets = _map(directory / OFFSETS, np.dtype(OFFSET_DTYPE), counts["documents"] + 1, path)
+        self.meta = meta = read_meta(path)
+        documents = meta_field(meta, "documents", path)
+        count, dtype = meta_field(meta, "tokens.count", path), meta_field(meta, "tokens.dtype", path, "dtype")
+        vocab = meta_field(meta, "tokenizer.vocab_size", path, "size")
+        if "offsets" in meta and meta_field(meta, "offsets.count", path) != documents + 1:
+            raise _bad_meta(path, f"says offsets.count={meta['offsets']['count']} for {documents} documents")
+        self.tokens = _map(self.path / TOKENS, np.dtype(dtype).newbyteorder("<"), count, path, "tokens.count")
+        self.offsets = _map(self.path / OFFSETS, np.dtype(OFFSET_DTYPE), documents + 1, path, "documents + 1")
+        _check_offsets(self.offsets, count, path)
+        _check_ids(self.tokens, vocab, path)
 
     @property
     def documents(self) -> int:
@@ -141,21 +195,59 @@ class TokenSet:
         return self.tokens[self.offsets[index]: self.offsets[index + 1]]
 
 
-def _map(file: Path, dtype: np.dtype, count: int, path: str | Path) -> np.ndarray:
-    size = file.stat().st_size if file.is_file() else -1
+def _map(file: Path, dtype: np.dtype, count: int, path: str | Path, what: str) -> np.ndarray:
+    if not file.is_file():
+        raise ConfigError(f"data.args.path={str(path)!r}: {file.name} is "
+                          f"{'not a file' if file.exists() else 'missing'} (not as hpc data prepare writes it)")
+    size = file.stat().st_size
     if size != count * dtype.itemsize:
-        raise ConfigError(f"data.args.path={str(path)!r}: {file.name} holds {size} bytes, {META} says "
-                          f"{count} x {dtype.itemsize}")
+        raise ConfigError(f"data.args.path={str(path)!r}: {file.name} holds {size:,} bytes, {META} says "
+                          f"{count:,} ({what}) x {dtype.itemsize} ({dtype.name})")
     if count == 0:
         return np.zeros(0, dtype)
     return np.memmap(file, dtype=dtype, mode="r", shape=(count,))
 
 
+def _check_offsets(offsets: np.ndarray, count: int, path: str | Path) -> None:
+    """Document i is ``tokens[offsets[i]:offsets[i + 1]]``: the offsets start at 0, never decrease and end at
+    the token count; read ``SCAN_TOKENS`` at a time."""
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0 or last != count:
+        raise ConfigError(f"data.args.path={str(path)!r}: {OFFSETS} runs from {first:,} to {last:,}, not from 0 to "
+                          f"the {count:,} tokens of {TOKENS}")
+    for begin in range(0, len(offsets) - 1, SCAN_TOKENS):
+        steps = np.diff(offsets[begin: begin + SCAN_TOKENS + 1])
+        if (steps < 0).any():
+            at = begin + int(np.argmax(steps < 0)) + 1
+            raise ConfigError(f"data.args.path={str(path)!r}: {OFFSETS} decreases at entry {at:,} "
+                              f"({int(offsets[at - 1]):,}, then {int(offsets[at]):,})")
+
+
+_SCANNED: dict[tuple[int, int, int, int], int] = {}  # (device, inode, size, mtime_ns) of a tokens.bin -> its max id
+
+
+def _check_ids(tokens: np.ndarray, vocab: int, path: str | Path) -> None:
+    """Every id below ``vocab`` (``tokenizer.vocab_size``): the file's largest id, found once a process."""
+    if not len(tokens):
+        return
+    info = (Path(path) / TOKENS).stat()
+    key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    if key not in _SCANNED:
+        _SCANNED[key] = max(int(tokens[i: i + SCAN_TOKENS].max()) for i in range(0, len(tokens), SCAN_TOKENS))
+    if _SCANNED[key] >= vocab:
+        at = next(i + int(np.argmax(tokens[i: i + SCAN_TOKENS] >= vocab))
+                  for i in range(0, len(tokens), SCAN_TOKENS) if (tokens[i: i + SCAN_TOKENS] >= vocab).any())
+        raise ConfigError(f"data.args.path={str(path)!r}: {TOKENS} holds id {int(tokens[at]):,} at token {at:,}, "
+                          f"past the vocabulary of {vocab:,} that {META} declares (tokenizer.vocab_size)")
+
+
 def held_out_documents(documents: int, fraction: float, seed: int) -> np.ndarray:
     """A boolean mask of the held-out documents: ``round(fraction * documents)`` of them (at least one when
     ``fraction`` > 0, never all), drawn by ``seed`` alone so every job seed evaluates on the same ones."""
-    if not 0 <= fraction < 1:
-        raise ConfigError(f"data.args.held_out={fraction} must be in [0, 1)")
+    if type(fraction) not in (int, float) or not 0 <= fraction < 1:
+        raise ConfigError(f"data.args.held_out={_shown(fraction)} must be a number in [0, 1)")
+    if type(seed) is not int or seed < 0:
+        raise ConfigError(f"data.args.split_seed={_shown(seed)} must be an integer >= 0")
     mask = np.zeros(documents, dtype=bool)
     count = min(max(round(fraction * documents), 1 if fraction else 0), documents - 1)
     if count > 0:
@@ -224,6 +316,9 @@ def tokens(path: str, seq_len: int, vocab_size: int | None = None, held_out: flo
     """The ``jobs.tokens:tokens`` entry: training windows drawn from the documents not held out, held-out
     windows tiling the ``held_out`` fraction of whole documents (``held_out = 0``: none). ``seq_len`` and
     ``vocab_size`` default to the model's (``entry_args``)."""
+    if not isinstance(path, str):
+        raise ConfigError(f"data.args.path={_shown(path)} must be the directory hpc data prepare wrote")
+    seq_len = _positive(seq_len, "model.seq_len")
     data = TokenSet(path)
     check_vocab(data.meta, path, vocab_size)
     mask = held_out_documents(data.documents, held_out, split_seed)

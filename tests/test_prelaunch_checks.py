@@ -1,0 +1,218 @@
+"""Bad input refused before any rank starts (issue 45): one ``hpc: error:`` line naming the file, field or path,
+exit 2, from ``hpc run --dry-run`` and from ``hpc submit`` (which then submits nothing), never a traceback and
+never a run that trains on garbage.
+
+A family per surface: a token set (``jobs.tokens:tokens``) damaged in its ``meta.json``, its files' sizes, its
+offsets and its ids; a transformers directory (``model.args.pretrained``) damaged in its ``config.json`` and its
+safetensors headers; ``checkpoint.init_from`` naming what is not this model's checkpoint and a device the
+backend cannot run on; and the odd ones (``hpc plan --layout ''``, an entry that exits, ``hpc ckpt export --to``
+under a file). Each goes through ``hpc.cli.main.main`` in-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpc.cli.main import main
+
+REPO = Path(__file__).resolve().parents[1]
+GPT_TOKENS = REPO / "jobs" / "examples" / "gpt_tokens.toml"
+VOCAB = 512
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def _refused(argv: list[str], message: str, run_dir: Path) -> str:
+    """``hpc ARGV`` is exit 2 and one ``hpc: error:`` line holding ``message``; nothing started or written."""
+    code, out, err = _cli(*argv)
+    assert code == 2, (code, out, err)
+    assert err.startswith("hpc: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert message in err, err
+    assert "RANK=" not in out and not run_dir.exists(), out
+    return err
+
+
+@pytest.fixture
+def no_slurm(monkeypatch) -> list:
+    """``hpc submit`` without a cluster: what would be submitted is recorded, nothing is."""
+    from slurm import submit
+
+    submitted: list = []
+    monkeypatch.setattr(submit, "check_resources", lambda *args, **kwargs: None)
+    monkeypatch.setattr(submit, "make_executor", lambda *args, **kwargs: object())
+    monkeypatch.setattr(submit, "submit", lambda *args: submitted.append(args) or "1")
+    return submitted
+
+
+def _run_and_submit(spec: Path, overrides: list[str], message: str, run_dir: Path, submitted: list) -> None:
+    sets = [x for override in overrides for x in ("--set", override)]
+    _refused(["run", "--dry-run", "--launcher", "local", str(spec), *sets], message, run_dir)
+    _refused(["submit", str(spec), *sets], message, run_dir)
+    assert submitted == []
+
+
+# --- token sets ---------------------------------------------------------------------------------------------
+
+
+def write_set(directory: Path, docs: list[list[int]], vocab: int = VOCAB, dtype: str = "uint16") -> Path:
+    """A token set as hpc data prepare writes it, by hand: each document's ids and an EOS (0)."""
+    directory.mkdir(parents=True)
+    ids = np.concatenate([np.asarray([*doc, 0]) for doc in docs]).astype(np.dtype(dtype).newbyteorder("<"))
+    offsets = np.concatenate(([0], np.cumsum([len(doc) + 1 for doc in docs]))).astype("<i8")
+    (directory / "tokens.bin").write_bytes(ids.tobytes())
+    (directory / "offsets.bin").write_bytes(offsets.tobytes())
+    meta = {"format": "hpc-tokens", "version": 1, "documents": len(docs),
+            "tokens": {"file": "tokens.bin", "dtype": dtype, "count": len(ids)},
+            "offsets": {"file": "offsets.bin", "dtype": "int64", "count": len(docs) + 1},
+            "tokenizer": {"source": "hand", "file": "tokenizer.json", "vocab_size": vocab, "eos": "</s>",
+                          "eos_id": 0}}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return directory
+
+
+def _docs() -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, VOCAB, int(rng.integers(20, 60))).tolist() for _ in range(12)]
+
+
+def _edit_meta(edit: Callable[[dict], object]) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        meta = json.loads((directory / "meta.json").read_text())
+        edit(meta)
+        (directory / "meta.json").write_text(json.dumps(meta))
+    return apply
+
+
+def _write(name: str, data: bytes | Callable[[bytes], bytes]) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        file = directory / name
+        file.write_bytes(data(file.read_bytes()) if callable(data) else data)
+    return apply
+
+
+def _offsets(edit: Callable[[np.ndarray], None]) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        offsets = np.fromfile(directory / "offsets.bin", "<i8")
+        edit(offsets)
+        offsets.astype("<i8").tofile(directory / "offsets.bin")
+    return apply
+
+
+def _id_past_vocab(directory: Path) -> None:
+    ids = np.fromfile(directory / "tokens.bin", "<u2")
+    ids[100] = VOCAB + 7
+    ids.tofile(directory / "tokens.bin")
+
+
+def _swap(a: int, b: int) -> Callable[[np.ndarray], None]:
+    def apply(offsets: np.ndarray) -> None:
+        offsets[a], offsets[b] = offsets[b], offsets[a]
+    return apply
+
+
+TOKEN_SETS = {  # case -> (what is done to a good set, what the line says)
+    "no tokenizer": (_edit_meta(lambda m: m.pop("tokenizer")), "meta.json has no tokenizer.vocab_size"),
+    "tokenizer null": (_edit_meta(lambda m: m.update(tokenizer=None)), "meta.json tokenizer is null, not a table"),
+    "no vocab_size": (_edit_meta(lambda m: m["tokenizer"].pop("vocab_size")), "has no tokenizer.vocab_size"),
+    "string vocab_size": (_edit_meta(lambda m: m["tokenizer"].update(vocab_size="512")),
+                          "tokenizer.vocab_size is '512', not a positive integer"),
+    "no tokens": (_edit_meta(lambda m: m.pop("tokens")), "meta.json has no tokens.count"),
+    "dtype V2": (_edit_meta(lambda m: m["tokens"].update(dtype="V2")), "tokens.dtype is 'V2', not an unsigned"),
+    "dtype S2": (_edit_meta(lambda m: m["tokens"].update(dtype="S2")), "tokens.dtype is 'S2', not an unsigned"),
+    "dtype float16": (_edit_meta(lambda m: m["tokens"].update(dtype="float16")), "tokens.dtype is 'float16'"),
+    "dtype garbage": (_edit_meta(lambda m: m["tokens"].update(dtype="garbage!")), "tokens.dtype is 'garbage!'"),
+    "dtype list": (_edit_meta(lambda m: m["tokens"].update(dtype=["uint16"])), "tokens.dtype is ['uint16']"),
+    "negative count": (_edit_meta(lambda m: m["tokens"].update(count=-3)), "tokens.count is -3, not a count"),
+    "documents float": (_edit_meta(lambda m: m.update(documents=12.0)), "documents is 12.0, not a count"),
+    "offsets count": (_edit_meta(lambda m: m["offsets"].update(count=5)), "says offsets.count=5 for 12 documents"),
+    "meta a list": (_write("meta.json", b'[{"format": "hpc-tokens", "version": 1}]'),
+                    "meta.json is not hpc-tokens version 1"),
+    "meta not JSON": (_write("meta.json", b"{"), "meta.json is not JSON (JSONDecodeError"),
+    "meta deep": (_write("meta.json", b"[" * 100_000 + b"]" * 100_000), "meta.json is not JSON (RecursionError"),
+    "meta not UTF-8": (_write("meta.json", b"\xff\xfe{}"), "meta.json is not JSON"),
+    "tokens odd size": (_write("tokens.bin", lambda b: b + b"\x01"),
+                        "tokens.bin holds 1,041 bytes, meta.json says 520 (tokens.count) x 2 (uint16)"),
+    "tokens short": (_write("tokens.bin", lambda b: b[:-2]), "tokens.bin holds 1,038 bytes"),
+    "tokens gone": (lambda d: (d / "tokens.bin").unlink(), "tokens.bin is missing"),
+    "tokens a directory": (lambda d: ((d / "tokens.bin").unlink(), (d / "tokens.bin").mkdir()),
+                           "tokens.bin is not a file"),
+    "offsets short": (_write("offsets.bin", lambda b: b[:-8]), "offsets.bin holds 96 bytes"),
+    "offset past the end": (_offsets(lambda o: o.__setitem__(-1, 10**6)), "offsets.bin runs from 0 to 1,000,000"),
+    "offset inside the file, past the end": (_offsets(lambda o: o.__setitem__(5, 10**6)),
+                                             "offsets.bin decreases at entry 6"),
+    "negative offset": (_offsets(lambda o: o.__setitem__(3, -3288)), "offsets.bin decreases at entry 3"),
+    "offsets not monotonic": (_offsets(_swap(4, 5)), "offsets.bin decreases at entry 5"),
+    "offsets not from 0": (_offsets(lambda o: o.__setitem__(0, 2)), "offsets.bin runs from 2 to"),
+    "id past the vocabulary": (_id_past_vocab, "tokens.bin holds id 519 at token 100, past the vocabulary of 512"),
+}
+
+
+@pytest.fixture
+def token_spec(tmp_path) -> tuple[Path, list[str]]:
+    """A GPT spec on a good token set at tmp_path/set (a dry run passes) and the overrides it needs."""
+    directory = write_set(tmp_path / "set", _docs())
+    overrides = [f"data.args.path={directory}", f"job.run_dir={tmp_path / 'runs'}", f"model.args.vocab_size={VOCAB}",
+                 "model.args.seq_len=16", "model.args.n_layers=1", "model.args.d_model=32", "data.batch_size=4",
+                 "data.args.held_out=0.1"]
+    return GPT_TOKENS, overrides
+
+
+def test_a_good_token_set_passes_the_dry_run(token_spec, tmp_path) -> None:
+    spec, overrides = token_spec
+    code, out, err = _cli("run", "--dry-run", "--launcher", "local", str(spec),
+                          *(x for o in overrides for x in ("--set", o)))
+    assert code == 0 and "RANK=0" in out and err == "", err
+
+
+@pytest.mark.parametrize("case", list(TOKEN_SETS))
+def test_a_damaged_token_set_is_one_line_before_launch(token_spec, tmp_path, no_slurm, case) -> None:
+    spec, overrides = token_spec
+    damage, message = TOKEN_SETS[case]
+    damage(tmp_path / "set")
+    _run_and_submit(spec, overrides, message, tmp_path / "runs", no_slurm)
+    err = _refused(["run", "--dry-run", "--launcher", "local", str(spec),
+                    *(x for o in overrides for x in ("--set", o))], message, tmp_path / "runs")
+    assert f"data.args.path='{tmp_path / 'set'}'" in err, err
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("data.args.held_out='0.1'", "data.args.held_out='0.1' must be a number in [0, 1)"),
+    ("data.args.held_out=true", "data.args.held_out=True must be a number in [0, 1)"),
+    ("data.args.held_out=1.5", "data.args.held_out=1.5 must be a number in [0, 1)"),
+    ("data.args.split_seed=-1", "data.args.split_seed=-1 must be an integer >= 0"),
+    ("data.args.path=3", "needs data.args.path = the directory hpc data prepare wrote"),
+    ("data.args.nosuch=3", "data.args do not fit jobs.tokens:tokens"),
+    ("model.args.vocab_size=100", "more than the model's vocabulary (model.args.vocab_size) of 100"),
+])
+def test_bad_token_set_arguments_are_one_line_before_launch(token_spec, tmp_path, no_slurm, override,
+                                                            message) -> None:
+    spec, overrides = token_spec
+    _run_and_submit(spec, [*overrides, override], message, tmp_path / "runs", no_slurm)
+
+
+def test_the_entry_opens_a_set_checked_whole(tmp_path) -> None:
+    """On a rank too (a set damaged after the pre-launch check): the entry refuses it, never an IndexError."""
+    from hpc.errors import ConfigError
+    from jobs.tokens import tokens
+
+    directory = write_set(tmp_path / "set", _docs())
+    assert len(tokens(str(directory), seq_len=8, held_out=0).train) > 0
+    _id_past_vocab(directory)
+    with pytest.raises(ConfigError, match=r"tokens\.bin holds id 519 at token 100"):
+        tokens(str(directory), seq_len=8)
+    directory = write_set(tmp_path / "neg", _docs())
+    _offsets(lambda o: o.__setitem__(3, -3288))(directory)
+    with pytest.raises(ConfigError, match=r"offsets\.bin decreases at entry 3"):
+        tokens(str(directory), seq_len=8, held_out=0)
