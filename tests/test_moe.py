@@ -85,6 +85,63 @@ def _kept_pieces(model, mesh) -> list[tuple[str, tuple, tuple, np.ndarray]]:
     return pieces
 
 
+def _misroute_one_token(at_call: int):
+    """``jobs.moe.route`` that, at its ``at_call``-th call, sends the first token's first choice to an expert it
+    did not choose: what an off-by-one in a dispatch or a wrong split does to one token."""
+    import jobs.moe
+
+    original, calls = jobs.moe.route, [0]
+
+    def route(logits, top_k, slots):
+        routing, probs = original(logits, top_k, slots)
+        calls[0] += 1
+        if calls[0] != at_call:
+            return routing, probs
+        expert = routing.expert.clone()
+        expert[0, 0, 0] = next(e for e in range(logits.shape[-1]) if e not in expert[0, 0].tolist())
+        return jobs.moe.Routing(expert, routing.gate, assign_slots(expert, logits.shape[-1], slots)), probs
+    return route
+
+
+def _drop_expert_gradient(at_backward: int):
+    """``jobs.moe.run_experts`` that zeroes the first layer's expert 0's gradients at their ``at_backward``-th
+    backward: what an expert gradient missing from its replicas' reduction does at one step."""
+    import jobs.moe
+
+    original, hooked = jobs.moe.run_experts, []
+
+    def run_experts(x, counts, sizes, experts, *args):
+        if not hooked:
+            for param in experts[0].parameters():
+                seen = [0]
+
+                def drop(grad, seen=seen):
+                    seen[0] += 1
+                    return torch.zeros_like(grad) if seen[0] == at_backward else grad
+                hooked.append(param.register_hook(drop))
+        return original(x, counts, sizes, experts, *args)
+    return run_experts
+
+
+PLANTED = {"a token routed to the wrong expert at step 2": ("route", lambda: _misroute_one_token(at_call=3)),
+           "an expert's gradient dropped at step 2": ("run_experts", lambda: _drop_expert_gradient(at_backward=2))}
+
+
+def _train_planted(world, run_dir: str) -> list:
+    """The single process once per planted bug: its pieces, each run."""
+    import jobs.moe
+
+    results = []
+    for attribute, patched in PLANTED.values():
+        original = getattr(jobs.moe, attribute)
+        setattr(jobs.moe, attribute, patched())
+        try:
+            results.append(_train(world, run_dir, [_case(f"planted-{len(results)}", (1, 1, 1, 1))])[0])
+        finally:
+            setattr(jobs.moe, attribute, original)
+    return results
+
+
 def _weights(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {key: value for key, value in params.items() if not key.startswith("kept/")}
 
@@ -124,9 +181,9 @@ def reference(tmp_path_factory):
     """The single process, without drops and with a small capacity (dropping about a fifth); and the user's
     model at ep=1 (``user``: its held-out evaluation)."""
     run_dir = tmp_path_factory.mktemp("single")
-    trained, (user,) = _launch(1, (_train, str(run_dir), [_case("single", (1, 1, 1, 1)),
-                                                         _case("small", (1, 1, 1, 1), 0.5)]),
-                               (_train_user_model, str(run_dir), 1))
+    trained, (user,), planted = _launch(1, (_train, str(run_dir), [_case("single", (1, 1, 1, 1)),
+                                                                  _case("small", (1, 1, 1, 1), 0.5)]),
+                                        (_train_user_model, str(run_dir), 1), (_train_planted, str(run_dir)))
     params = _assembled(trained)
     full, small = _records(run_dir, "single"), _records(run_dir, "small")
     assert [r["step"] for r in full] == list(range(1, STEPS + 1))
@@ -140,7 +197,8 @@ def reference(tmp_path_factory):
         loads = np.array(record["moe_tokens_per_expert"])  # [MoE layer, expert]
         assert loads.shape == (2, EXPERTS) and (loads.sum(1) == 8 * SEQ_LEN * TOP_K).all()
         assert record["moe_aux_loss"] >= 1.0  # Switch's loss is 1 at a perfectly even load, more otherwise
-    return {"single": (full, params[0]), "small": (small, params[1]), "user": (run_dir, user)}
+    return {"single": (full, params[0]), "small": (small, params[1]), "user": (run_dir, user),
+            "planted": dict(zip(PLANTED, _assembled(planted), strict=True))}
 
 
 def _check(reference, run_dir: Path, cases, params, which="single") -> None:
@@ -211,6 +269,16 @@ def test_ep2_alone_trains_like_one_process(reference, two_ranks) -> None:
     run_dir, params = two_ranks["run_dir"], [two_ranks["params"][name] for name, *_ in TWO_RANKS]
     _check(reference, run_dir, TWO_RANKS[:2], params[:2])  # recomputed blocks: the same, their routing counted once
     _check(reference, run_dir, TWO_RANKS[2:], params[2:], "small")  # the same choices dropped, step after step
+
+
+@pytest.mark.parametrize("bug", list(PLANTED))
+def test_a_planted_routing_or_expert_gradient_bug_fails_the_parameter_check(reference, bug) -> None:
+    """The parameters alone (as tests/numerics.py bounds them, outliers in whole units allowed) catch a bug
+    that touches one token or one expert at one step."""
+    _, ref_params = reference["single"]
+    with pytest.raises(AssertionError, match="experts"):
+        assert_trained_close(_weights(reference["planted"][bug]), _weights(ref_params), optimizer="adam", lr=LR,
+                             steps=STEPS, name=bug)
 
 
 def test_ep_with_dp_tp_and_pp_on_four_ranks_trains_like_one_process(reference, four_ranks) -> None:
