@@ -68,6 +68,8 @@ def build_config(model_type: str = "llama", **fields: Any) -> Any:
     """The transformers config of ``model_type`` with ``fields`` (``[model.args]``); one error line naming the key."""
     auto_config = _transformers().AutoConfig
     try:
+        if not isinstance(model_type, str):
+            raise ValueError(model_type)
         default = auto_config.for_model(model_type)
     except ValueError:
         raise ConfigError(f"model.args.model_type={model_type!r} is not a transformers model type "

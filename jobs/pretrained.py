@@ -139,8 +139,10 @@ def _weight_map(root: Path, where: str) -> tuple[dict[str, str], str]:
 
 
 def read_header(path: Path, what: str) -> dict[str, Stored]:
-    """The tensors a safetensors file holds, from its header alone, each checked to lie within the file; one
-    ``ConfigError`` line starting with ``what`` when the file is not a safetensors file."""
+    """The tensors a safetensors file holds, from its header alone, checked as safetensors checks them when a rank
+    opens the file: each a dtype, a shape and its bytes, the tensors' bytes tiling the data after the header
+    without a gap or an overlap, ``__metadata__`` a table of strings; one ``ConfigError`` line starting with
+    ``what`` when the file is not a safetensors file."""
     try:
         size = path.stat().st_size
         with path.open("rb") as handle:
@@ -150,21 +152,44 @@ def read_header(path: Path, what: str) -> dict[str, Stored]:
             header = json.loads(handle.read(length))
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
-        header.pop("__metadata__", None)
-        return {name: _entry(path.name, name, fields, size - 8 - length) for name, fields in header.items()}
-    except (OSError, ValueError, TypeError, KeyError) as exc:
+        metadata = header.pop("__metadata__", {})
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise ValueError(f"__metadata__ is {_one_line(repr(metadata))[:60]}, not a table of strings")
+        tensors = {name: _entry(path.name, name, fields) for name, fields in header.items()}
+        _check_tiled(header, size - 8 - length)
+        return tensors
+    except (OSError, ValueError, TypeError, KeyError, RecursionError) as exc:
         raise ConfigError(f"{what} is not a safetensors file ({type(exc).__name__}: {_one_line(exc)})") from None
 
 
-def _entry(file: str, name: str, fields: dict, data_bytes: int) -> Stored:
-    dtype, shape, (begin, end) = fields["dtype"], tuple(fields["shape"]), fields["data_offsets"]
-    if dtype not in ITEM_BYTES or not all(isinstance(n, int) and n >= 0 for n in shape):
-        raise ValueError(f"{name}: dtype {dtype!r}, shape {list(shape)}")
-    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_bytes) or (
-            end - begin != math.prod(shape) * ITEM_BYTES[dtype]):
-        raise ValueError(f"{name}: bytes {begin}-{end} of {data_bytes} for {dtype} {list(shape)}")
-    return Stored(file, dtype, shape)
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
 
 
-def _one_line(exc: BaseException) -> str:
+def _entry(file: str, name: str, fields: dict) -> Stored:
+    dtype, shape, offsets = fields["dtype"], fields["shape"], fields["data_offsets"]
+    if dtype not in ITEM_BYTES or not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+        raise ValueError(f"{name}: dtype {dtype!r}, shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(n) for n in offsets)
+            and offsets[1] - offsets[0] == math.prod(shape) * ITEM_BYTES[dtype]):
+        raise ValueError(f"{name}: data_offsets {offsets!r} for {dtype} {shape}")
+    return Stored(file, dtype, tuple(shape))
+
+
+def _check_tiled(header: dict, data_bytes: int) -> None:
+    """The tensors' byte ranges, in order, cover the data after the header exactly (safetensors' own rule)."""
+    end = 0
+    for name, fields in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
+        begin, stop = fields["data_offsets"]
+        if stop > data_bytes:
+            raise ValueError(f"{name}: data_offsets [{begin}, {stop}] run past the file's {data_bytes} bytes of data")
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else f"leaves bytes {end}-{begin} unused"
+            raise ValueError(f"{name}: data_offsets [{begin}, {stop}] {what}")
+        end = stop
+    if end != data_bytes:
+        raise ValueError(f"the tensors' bytes end at {end}, the file's data at {data_bytes}")
+
+
+def _one_line(exc: object) -> str:
     return " ".join(str(exc).split())[:200]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -216,3 +218,116 @@ def test_the_entry_opens_a_set_checked_whole(tmp_path) -> None:
     _offsets(lambda o: o.__setitem__(3, -3288))(directory)
     with pytest.raises(ConfigError, match=r"offsets\.bin decreases at entry 3"):
         tokens(str(directory), seq_len=8, held_out=0)
+
+
+# --- a transformers directory (model.args.pretrained) ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """A two-layer Llama as save_pretrained writes it: config.json and one model.safetensors."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    path = tmp_path_factory.mktemp("pretrained") / "llama"
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+def _config(edit: Callable[[dict], object]) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        config = json.loads((directory / "config.json").read_text())
+        replaced = edit(config)
+        (directory / "config.json").write_text(replaced if isinstance(replaced, str) else json.dumps(config))
+    return apply
+
+
+def _header(edit: Callable[[dict, list[str]], bytes | None]) -> Callable[[Path], None]:
+    """Rewrite model.safetensors' header with ``edit(header, names in the order of their bytes)``; bytes it
+    returns are appended to the data."""
+    def apply(directory: Path) -> None:
+        file = directory / "model.safetensors"
+        raw = file.read_bytes()
+        length = struct.unpack("<Q", raw[:8])[0]
+        header, data = json.loads(raw[8: 8 + length]), raw[8 + length:]
+        names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+        data += edit(header, names) or b""
+        text = json.dumps(header).encode()
+        file.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return apply
+
+
+def _shift(name_index: int, by: int) -> Callable[[dict, list[str]], None]:
+    def apply(header: dict, names: list[str]) -> None:
+        offsets = header[names[name_index]]["data_offsets"]
+        header[names[name_index]]["data_offsets"] = [offsets[0] + by, offsets[1] + by]
+    return apply
+
+
+def _deep_header(directory: Path) -> None:
+    text = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text)
+
+
+NOT_SAFETENSORS = "model.safetensors is not a safetensors file"
+PRETRAINED = {  # case -> (what is done to a copy of the Llama, what the line says)
+    "config a list": (_config(lambda c: "[1, 2]"), "config.json holds a JSON list, not an object"),
+    "config a string": (_config(lambda c: '"llama"'), "config.json holds a JSON str, not an object"),
+    "config deep": (_config(lambda c: "[" * 100_000 + "]" * 100_000), "config.json (RecursionError"),
+    "config not JSON": (_config(lambda c: "{"), "cannot read"),
+    "model_type a list": (_config(lambda c: c.update(model_type=["llama"])), "config.json's model_type is ['llama']"),
+    "100000 layers": (_config(lambda c: c.update(num_hidden_layers=100_000)),
+                      "config.json's num_hidden_layers=100,000 is more layers than hpc builds (at most 2,048"),
+    "0 layers": (_config(lambda c: c.update(num_hidden_layers=0)), "num_hidden_layers=0 must be an integer >= 1"),
+    "-1 layers": (_config(lambda c: c.update(num_hidden_layers=-1)), "num_hidden_layers=-1 must be an integer >= 1"),
+    "layers a string": (_config(lambda c: c.update(num_hidden_layers="2")), "num_hidden_layers='2' must be an"),
+    "rms_norm_eps NaN": (_config(lambda c: c.update(rms_norm_eps=float("nan"))),
+                         "config.json's rms_norm_eps=nan must be a finite number"),
+    "rms_norm_eps 0": (_config(lambda c: c.update(rms_norm_eps=0)), "rms_norm_eps=0 must be a number above zero"),
+    "rope_theta negative": (_config(lambda c: c.update(rope_theta=-1.0)), "rope_theta=-1.0 must be a number above"),
+    "tie a string": (_config(lambda c: c.update(tie_word_embeddings="yes")),
+                     "its config.json and model.args do not make a llama config"),
+    "header deep": (_deep_header, f"{NOT_SAFETENSORS} (RecursionError"),
+    "offsets past the file": (_header(_shift(-1, 10**9)), "run past the file's"),
+    "offsets overlapping": (_header(_shift(1, -4)), "overlaps the tensor before it"),
+    "offsets with a gap": (_header(lambda h, n: _shift(-1, 4)(h, n) or b"\0" * 4), "leaves bytes 139776-139780 unused"),
+    "bytes left over": (_header(lambda h, n: b"\0" * 16), "the tensors' bytes end at"),
+    "negative offset": (_header(lambda h, n: h[n[0]].update(data_offsets=[-4, h[n[0]]["data_offsets"][1]])),
+                        "data_offsets [-4,"),
+    "metadata a list": (_header(lambda h, n: h.update(__metadata__=["pt"])), "__metadata__ is ['pt'], not a table"),
+    "metadata not strings": (_header(lambda h, n: h.update(__metadata__={"format": 1})), "not a table of strings"),
+    "shape of booleans": (_header(lambda h, n: h[n[0]].update(shape=[*h[n[0]]["shape"], True])), "shape ["),
+}
+
+
+@pytest.mark.parametrize("case", list(PRETRAINED))
+def test_a_damaged_pretrained_directory_is_one_line_before_launch(llama, tmp_path, no_slurm, case) -> None:
+    directory = tmp_path / "llama"
+    shutil.copytree(llama, directory)
+    damage, message = PRETRAINED[case]
+    damage(directory)
+    spec = tmp_path / "job.toml"
+    spec.write_text(f'[job]\nname = "pretrained"\nrun_dir = "{tmp_path / "runs"}"\n[model]\n'
+                    f'entry = "jobs.hf:causal_lm"\nseq_len = 16\n[model.args]\npretrained = "{directory}"\n'
+                    '[data]\nname = "licenses"\nbatch_size = 8\n')
+    _run_and_submit(spec, [], message, tmp_path / "runs", no_slurm)
+    err = _refused(["run", "--dry-run", "--launcher", "local", str(spec)], message, tmp_path / "runs")
+    assert err.startswith(f"hpc: error: model.args.pretrained='{directory}': "), err
+
+
+def test_the_safetensors_checks_refuse_what_safetensors_refuses(llama, tmp_path) -> None:
+    """The header check is safetensors' own: every damaged header above safetensors cannot open either."""
+    from safetensors import SafetensorError, safe_open
+
+    for case in ("offsets past the file", "offsets overlapping", "offsets with a gap", "bytes left over",
+                 "metadata a list", "metadata not strings"):
+        directory = tmp_path / case.replace(" ", "-")
+        shutil.copytree(llama, directory)
+        PRETRAINED[case][0](directory)
+        with pytest.raises(SafetensorError), safe_open(str(directory / "model.safetensors"), framework="pt"):
+            pass
+    with safe_open(str(llama / "model.safetensors"), framework="pt") as files:
+        assert len(list(files.keys())) == 21
