@@ -231,6 +231,8 @@ class ParallelConfig:
     def field_conflict(self) -> tuple[str, str] | None:
         if isinstance(self.dp, int) and self.dp % self.ep:
             return "ep", f"a divisor of dp={self.dp} (expert-parallel groups are carved out of the DP ranks)"
+        if self.backend == "nccl" and self.device == "cpu":
+            return "backend", "'gloo' or 'auto' with device='cpu' (NCCL moves GPU memory only)"
         return None
 
 

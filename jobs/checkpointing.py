@@ -135,6 +135,31 @@ def weights_problem(index: CheckpointIndex, pieces: list[Piece]) -> str | None:
     return None
 
 
+def check_init_from(spec: JobSpec, model: torch.nn.Module | None = None) -> None:
+    """Before any rank starts: ``checkpoint.init_from`` names a complete checkpoint (a step directory, or a
+    directory of them) that holds every tensor of this model at its shape and dtype (``model``: the spec's model
+    built on the meta device, when the caller has it). Not checked when this run's own checkpoint comes first
+    (``resume = "auto"`` and one is there: a requeue), as the ranks would not read it."""
+    from hpc.checkpoint.discovery import find_latest, resolve_resume
+    from jobs.protocol import build_model
+
+    source = spec.checkpoint.init_from
+    if not source or (spec.checkpoint.resume == "auto" and find_latest(spec.checkpoint_path) is not None):
+        return
+    if not Path(source).exists():
+        raise CheckpointError(f"checkpoint.init_from={source}: no such file or directory")
+    if not Path(source).is_dir():
+        raise CheckpointError(f"checkpoint.init_from={source}: not a directory (a checkpoint is a step directory, "
+                              "or a directory of them)")
+    index = open_checkpoint(resolve_resume(source, source, key="checkpoint.init_from"))
+    if model is None:
+        with torch.device("meta"):
+            model = build_model(spec)
+    problem = weights_problem(index, model_pieces(model))
+    if problem is not None:
+        raise CheckpointError(f"checkpoint.init_from={source}: {problem}")
+
+
 class TrainingCheckpoints:
     """What ``jobs/train.py`` asks of checkpointing: resume once, save on schedule, finish writing at exit."""
 

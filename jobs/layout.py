@@ -9,7 +9,7 @@ TP plan and pipeline blocks (``jobs.protocol.check_model_layout``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpc.errors import ConfigError, LayoutError
 
@@ -26,22 +26,28 @@ def uses_pipeline(parallel: ParallelConfig) -> bool:
 
 
 def check_layout(spec: JobSpec, world_size: int) -> MeshShape:
-    """The mesh shape of ``spec`` on ``world_size`` ranks, with the model's cut, schedule, batch split and expert
-    groups checked (``parallel.dp = "auto"`` is known only here)."""
+    """The mesh shape of ``spec`` on ``world_size`` ranks, with the model's cut, schedule, batch split, expert
+    groups and ``checkpoint.init_from`` checked (``parallel.dp = "auto"`` is known only here): what ``hpc run``
+    (``--dry-run`` too), ``hpc submit`` and ``hpc sweep`` check before anything starts."""
     from hpc.runtime.mesh import expert_group_ranks, resolve_layout
 
     shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world_size)
-    check_job_layout(spec, shape)
+    model = check_job_layout(spec, shape)
     expert_group_ranks(shape, spec.parallel.ep)
+    if spec.checkpoint.init_from:
+        from jobs.checkpointing import check_init_from  # torch and h5py: only when a checkpoint is to be read
+
+        check_init_from(spec, model)
     return shape
 
 
-def check_job_layout(spec: JobSpec, shape: MeshShape) -> None:
-    """Raise ``ConfigError``/``LayoutError`` naming the numbers when ``spec`` cannot train on ``shape``."""
+def check_job_layout(spec: JobSpec, shape: MeshShape) -> Any:
+    """Raise ``ConfigError``/``LayoutError`` naming the numbers when ``spec`` cannot train on ``shape``; returns
+    the model built on the meta device to check it (a ``model.entry``), else None."""
     from jobs.protocol import check_model_layout, load_entry
     from parallel.schedule import build_schedule
 
-    par = spec.parallel
+    par, model = spec.parallel, None
     if not spec.model.entry and not spec.data.entry and spec.data.name != DATA_OF_MODEL[spec.model.kind]:
         raise ConfigError(f"model.kind={spec.model.kind!r} trains on data.name={DATA_OF_MODEL[spec.model.kind]!r}, "
                           f"got {spec.data.name!r}")
@@ -50,16 +56,17 @@ def check_job_layout(spec: JobSpec, shape: MeshShape) -> None:
         split = f"dp={shape.dp}" if m == 1 else f"dp * parallel.microbatches = {shape.dp}*{m} = {shape.dp * m}"
         raise LayoutError(f"data.batch_size={spec.data.batch_size} is not divisible by {split}")
     if spec.model.entry:
-        check_model_layout(spec, shape.tp, shape.pp, par.virtual_stages)  # builds it on the meta device: torch
+        model = check_model_layout(spec, shape.tp, shape.pp, par.virtual_stages)  # builds it on meta: torch
     else:
         _check_builtin_model(spec, shape)
     if spec.data.entry:
         load_entry(spec.data.entry, "data.entry")
-        from jobs.tokens import check_spec  # a prepared token set: complete, its ids within the model's vocabulary
+        from jobs.tokens import check_spec  # a prepared token set: whole, its ids within the model's vocabulary
 
-        check_spec(spec)
+        check_spec(spec, model)
     if uses_pipeline(par):
         build_schedule(par.schedule, shape.pp, m, par.virtual_stages)
+    return model
 
 
 def _check_builtin_model(spec: JobSpec, shape: MeshShape) -> None:

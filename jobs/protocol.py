@@ -259,8 +259,8 @@ def shared_parameters(model: nn.Module, first: nn.Module, last: nn.Module) -> li
     return [name for name, param in model.named_parameters() if id(param) in both]
 
 
-def check_model_layout(spec: JobSpec, tp: int, pp: int, virtual: int) -> None:
-    """Build the model on the meta device (no memory, no init cost) and check the layout cuts it."""
+def check_model_layout(spec: JobSpec, tp: int, pp: int, virtual: int) -> nn.Module:
+    """Build the model on the meta device (no memory, no init cost) and check the layout cuts it; returns it."""
     import torch
 
     with torch.device("meta"):
@@ -269,3 +269,4 @@ def check_model_layout(spec: JobSpec, tp: int, pp: int, virtual: int) -> None:
     check_pipeline(model, pp * virtual, f"parallel.pp * virtual_stages = {pp}*{virtual}")
     if spec.train.activation_checkpointing and getattr(model, "pipeline_parts", None) is None:
         raise ConfigError("train.activation_checkpointing recomputes the model's blocks: it needs pipeline_parts()")
+    return model

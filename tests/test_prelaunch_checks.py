@@ -331,3 +331,80 @@ def test_the_safetensors_checks_refuse_what_safetensors_refuses(llama, tmp_path)
             pass
     with safe_open(str(llama / "model.safetensors"), framework="pt") as files:
         assert len(list(files.keys())) == 21
+
+
+# --- checkpoint.init_from, and a device the backend cannot run on ----------------------------------------------
+
+MLP = REPO / "jobs" / "examples" / "mlp.toml"
+
+
+def _save_model(world, root: str, hidden: list[int] | None) -> None:
+    """A checkpoint of the MLP of ``hidden`` sizes (None: of another model, one tensor ``model/w``)."""
+    import torch
+    import torch.distributed as dist
+
+    from hpc.checkpoint import Checkpointer, Piece
+    from hpc.config import load_spec
+    from jobs.checkpointing import model_pieces
+    from jobs.protocol import build_model
+
+    saver = Checkpointer(root, dist.group.WORLD)
+    if hidden is None:
+        pieces = [Piece.whole("model/w", torch.ones(2))]
+    else:
+        pieces = model_pieces(build_model(load_spec(MLP, [f"model.hidden_sizes={hidden}"])))
+    saver.save(1, pieces, attrs={"job_spec": "{}"})
+    saver.finalize()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    """root/mlp (the MLP of hidden sizes [16]), root/other (another model's), one complete checkpoint each."""
+    from tests.ranks import run_ranks
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    run_ranks(1, _save_model, str(root / "mlp"), [16])
+    run_ranks(1, _save_model, str(root / "other"), None)
+    return root
+
+
+def _incomplete(root: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "incomplete"
+    shutil.copytree(root / "mlp", copy)
+    for marker in copy.glob("step-*/COMPLETE"):
+        marker.unlink()
+    return copy / "step-00000001"
+
+
+INIT_FROM = {  # case -> (the path init_from names, from the checkpoints' root and tmp_path; what the line says)
+    "missing": (lambda root, tmp: tmp / "nowhere", "nowhere: no such file or directory"),
+    "a file": (lambda root, tmp: MLP, "mlp.toml: not a directory (a checkpoint is a step directory"),
+    "no checkpoint there": (lambda root, tmp: tmp, "no complete checkpoint there"),
+    "another model's": (lambda root, tmp: root / "other", "is not in"),
+    "another shape": (lambda root, tmp: root / "mlp", "in this model (the [model] settings must match its run's)"),
+    "incomplete": (_incomplete, "that checkpoint is incomplete"),
+}
+
+
+@pytest.mark.parametrize("case", list(INIT_FROM))
+def test_init_from_what_this_model_cannot_start_from_is_one_line_before_launch(checkpoints, tmp_path, no_slurm,
+                                                                               case) -> None:
+    source, message = INIT_FROM[case][0](checkpoints, tmp_path), INIT_FROM[case][1]
+    overrides = [f"job.run_dir={tmp_path / 'runs'}", "model.hidden_sizes=[8]", f"checkpoint.init_from={source}"]
+    _run_and_submit(MLP, overrides, message, tmp_path / "runs", no_slurm)
+    err = _refused(["run", "--dry-run", "--launcher", "local", str(MLP), *(x for o in overrides for x in ("--set", o))],
+                   message, tmp_path / "runs")
+    assert f"checkpoint.init_from={source}" in err, err
+
+
+def test_init_from_this_model_s_checkpoint_passes(checkpoints, tmp_path) -> None:
+    for source in (checkpoints / "mlp", checkpoints / "mlp" / "step-00000001"):
+        code, out, err = _cli("run", "--dry-run", "--launcher", "local", str(MLP), "--set", "model.hidden_sizes=[16]",
+                              "--set", f"job.run_dir={tmp_path / 'runs'}", "--set", f"checkpoint.init_from={source}")
+        assert code == 0 and "RANK=0" in out and err == "", err
+
+
+def test_nccl_on_the_cpu_is_one_line_before_launch(tmp_path, no_slurm) -> None:
+    overrides = [f"job.run_dir={tmp_path / 'runs'}", "parallel.device=cpu", "parallel.backend=nccl"]
+    _run_and_submit(MLP, overrides, "parallel.backend must be 'gloo' or 'auto' with device='cpu'", tmp_path / "runs",
+                    no_slurm)
