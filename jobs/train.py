@@ -43,9 +43,9 @@ from parallel.clip import clip_grad_norm_, scaled_step
 from parallel.compression.registry import make_reducer
 from parallel.ep import ExpertGroups, reduce_expert_gradients
 from parallel.optimizer import CommStats, distributed_optimizer
-from parallel.pipeline import StepStats, lookahead_for, run_pipeline_step
+from parallel.pipeline import StepStats, run_pipeline_step
 from parallel.ring import Transport, make_transport
-from parallel.schedule import Action, build_schedule, matches_in_order
+from parallel.schedule import Action, build_schedule, lockstep_deadlock
 from parallel.tensor_parallel import tp_split_dims
 
 __all__ = ["StepReport", "StepRunner", "TrainResult", "base_learning_rate", "clip_gradients", "forward_backward",
@@ -93,7 +93,7 @@ def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float, optimize
 def forward_backward(
     workload: Workload, actions: list[Action] | None, pp: Transport,
     inputs: torch.Tensor, targets: torch.Tensor, microbatches: int, probe: Probe | None = None,
-    lookahead: int = 4, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, StepStats | None]:
     """Accumulate this step's gradients; ``pp`` carries the pipeline's messages over its group. Returns the
     replica's mean loss (with targets marked -100, its share of the global mean times dp) on its last pipeline
@@ -110,7 +110,7 @@ def forward_backward(
     stats = run_pipeline_step(
         actions, workload.chunks, pp.group, activation_shape=workload.activation_shape(len(inputs) // microbatches),
         loss_fn=loss_fn, inputs=inputs.chunk(microbatches), targets=targets.chunk(microbatches), probe=probe,
-        transport=pp, device=workload.device, lookahead=lookahead,
+        transport=pp, device=workload.device,
     )
     return stats.loss_sum, stats
 
@@ -288,11 +288,9 @@ class StepRunner:
         schedule = build_schedule(self.par.schedule, mesh.size("pp"), self.par.microbatches, self.par.virtual_stages)
         self.actions = schedule[mesh.index("pp")] if uses_pipeline(self.par) else None
         self.pp = workload.pp_transport
-        self.lookahead = lookahead_for(self.pp, mesh.device)
-        if self.lookahead == 0 and self.actions is not None and not matches_in_order(schedule):
-            raise LayoutError(f"parallel.schedule={self.par.schedule!r} with pp={mesh.size('pp')} receives messages "
-                              "in another order than they are sent, which NCCL cannot match (it ignores tags): "
-                              "use pp >= 4 for interleaved, or the 1f1b schedule", rank=mesh.rank)
+        if self.actions is not None and self.pp.in_lockstep(mesh.device) and (why := lockstep_deadlock(schedule)):
+            raise LayoutError(f"parallel.schedule={self.par.schedule!r} with pp={mesh.size('pp')} would hang or mix "
+                              f"up messages under NCCL's rules: {why}", rank=mesh.rank)
         dp = mesh.members["dp"] if self.par.zero >= 2 else ()
         experts = workload.expert_groups.ep_members if workload.expert_groups else ()
         self.grad_norm_peers = sorted({*mesh.members["tp"], *mesh.members["pp"], *dp, *experts})
@@ -312,7 +310,7 @@ class StepRunner:
         self.prefetched = None
         optimizer.zero_grad(set_to_none=True)
         loss, pipeline = forward_backward(self.workload, self.actions, self.pp, batch.inputs, batch.targets,
-                                          self.par.microbatches, probe, self.lookahead, batch.loss_fn)
+                                          self.par.microbatches, probe, batch.loss_fn)
         optimizer.synchronize()
         groups = self.workload.expert_groups
         if groups is not None:

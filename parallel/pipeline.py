@@ -10,15 +10,14 @@ and runs its optimizer after it.
 
 Every tensor crossing a stage boundary has the same ``activation_shape`` and dtype, given
 per call (true of stacks of equal blocks, which is what we cut into stages), so a
-receive allocates its buffer without a shape exchange. Messages travel as isend/irecv
-through a ``parallel.ring`` transport of the pipeline group (torch.distributed by default,
-or MPI), tagged by the message they carry. The schedule's next ``lookahead`` receives are
-always posted, so a message lands while this rank computes and its sender never waits for
-us to ask for it (NCCL: ``lookahead=0``, each receive posted when due, see ``lookahead_for``);
-sends and receives due between two computes are queued and posted as one
-batch right before the next compute or wait (one ``batch_isend_irecv`` launch where the
-backend coalesces, NCCL), so a send never holds up the next compute; sends are awaited only
-at the end of the step. Nothing is copied: a stage's
+receive allocates its buffer without a shape exchange. Messages travel through a
+``parallel.ring`` transport of the pipeline group (torch.distributed by default, or MPI),
+tagged by the message they carry, posted as ``schedule.ticks`` says: after each tick's computes,
+one batch of the sends of their outputs and the receives of the next tick's inputs (one
+``batch_isend_irecv`` launch where the backend coalesces, NCCL; Megatron's batched
+point-to-point). That order is the one ``schedule.lockstep_deadlock`` proves NCCL moves: each
+rank's batches in order on one queue, messages matched in order, not by tag. A compute waits
+only for its own input; sends are awaited at the end of the step. Nothing is copied: a stage's
 output and its input's gradient are sent as they are, received buffers become the next
 stage's input or output gradient. We drive torch.distributed point-to-point
 ourselves instead of torch.distributed.pipelining so that the schedule executed is
@@ -39,7 +38,7 @@ from hpc.errors import LayoutError
 from hpc.observe.probe import Probe
 from hpc.observe.stopwatch import Stopwatch
 from parallel.ring import Pending, PointToPoint, TorchTransport, Transport
-from parallel.schedule import Action, Message, stage_bounds
+from parallel.schedule import Action, Message, stage_bounds, ticks
 
 
 @dataclass(frozen=True)
@@ -81,15 +80,6 @@ def split_into_stages(layers: Sequence[nn.Module], p: int, v: int = 1) -> list[l
     return [chunks[rank::p] for rank in range(p)]
 
 
-def lookahead_for(transport: Transport, device: torch.device) -> int:
-    """How many receives to keep posted ahead. Where the carrier moves messages in lockstep
-    (``Transport.in_lockstep``: NCCL), a posted receive holds the stream until its message comes, so a later
-    send to the same peer would wait behind it (a deadlock when the peer needs that send first): there,
-    receives are posted only when due, batched with the sends queued before them, and matched in order
-    (``schedule.matches_in_order``)."""
-    return 0 if transport.in_lockstep(torch.device(device)) else 4
-
-
 def message_tag(message: Message, num_stages: int) -> int:
     """A tag unique to the message within a step, so receives never depend on arrival order."""
     return (message.microbatch * num_stages + message.stage) * 2 + (message.direction == "B")
@@ -107,7 +97,6 @@ def run_pipeline_step(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     probe: Probe | None = None,
-    lookahead: int = 4,
     transport: Transport | None = None,
 ) -> StepStats:
     """Run this rank's actions once: forward and backward of every microbatch, grads accumulated.
@@ -119,10 +108,8 @@ def run_pipeline_step(
     (timeline, stall inspector). ``transport`` carries the messages, over ``group``
     (default: torch.distributed's point-to-point).
     """
-    if lookahead < 0:
-        raise ValueError(f"lookahead must be at least 0 posted receives, got {lookahead}")
     step = _Step(actions, chunks, group, tuple(activation_shape), loss_fn, inputs, targets,
-                 dtype or torch.float32, device, probe or Probe(), lookahead, transport or TorchTransport(group))
+                 dtype or torch.float32, device, probe or Probe(), transport or TorchTransport(group))
     return step.run()
 
 
@@ -130,8 +117,7 @@ class _Step:
     """One rank during one step: messages posted and in hand, activations kept for backward."""
 
     def __init__(
-        self, actions, chunks, group, activation_shape, loss_fn, inputs, targets, dtype, device, probe, lookahead,
-        transport,
+        self, actions, chunks, group, activation_shape, loss_fn, inputs, targets, dtype, device, probe, transport,
     ) -> None:
         self.actions, self.chunks, self.group, self.probe, self.transport = actions, chunks, group, probe, transport
         self.activation_shape, self.loss_fn, self.inputs, self.targets = activation_shape, loss_fn, inputs, targets
@@ -140,11 +126,8 @@ class _Step:
         self.global_ranks = dist.get_process_group_ranks(group)
         self.num_stages = self.p * len(chunks)
         self.m = 1 + max(action.microbatch for action in actions)
-        self.upcoming = iter([action for action in actions if action.kind in ("RECV_F", "RECV_B")])
-        self.lookahead = lookahead
-        self.batch: list[tuple[PointToPoint, Message | None]] = []  # posted together before the next compute or wait
         self.buffers: dict[Message, torch.Tensor] = {}  # receive buffers of the messages in self.posted
-        self.posted: dict[Message, Pending] = {}  # message -> pending irecv
+        self.posted: dict[Message, tuple[Pending, int]] = {}  # message -> pending irecv, its sender
         self.inbox: dict[Message, torch.Tensor] = {}  # received or handed over, not yet consumed
         self.outbox: dict[Message, torch.Tensor] = {}  # computed, not yet sent
         self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, stage) -> (input, output, bytes kept)
@@ -155,19 +138,14 @@ class _Step:
     def run(self) -> StepStats:
         wall = Stopwatch(self.device)
         started = wall.mark()
-        self._post_receives()
         computes = {"F": ("forward", self._forward), "B": ("backward", self._backward)}
-        for action in self.actions:
-            if action.kind in ("SEND_F", "SEND_B"):
-                self._send(action)
-            elif action.kind in ("RECV_F", "RECV_B"):
-                self._receive(action)
-            else:
-                self._flush()
+        for tick in ticks(self.actions):
+            for action in tick.computes:
+                self._await_input(action)
                 name, compute = computes[action.kind]
                 with self.probe.span(name, microbatch=action.microbatch, stage=action.stage):
                     compute(action)
-        self._flush()
+            self._post(tick.posts)
         with self.probe.span("wait for sends", "wait"):
             for pending in self.sends:
                 pending.wait()
@@ -175,56 +153,41 @@ class _Step:
         loss = sum(self.losses) if self.losses else None  # a device scalar: no synchronization here
         return StepStats(loss, self.forward, self.backward, wall, self.peak)
 
-    def _post_receives(self) -> None:
-        """Queue the schedule's next receives until ``lookahead`` are posted, so messages land while we compute."""
-        while len(self.posted) + sum(message is not None for _, message in self.batch) < self.lookahead:
-            action = next(self.upcoming, None)
-            if action is None:
-                return
-            self._queue_receive(action)
-
-    def _queue_receive(self, action: Action) -> None:
-        buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
-        self.buffers[action.message] = buffer
-        tag = message_tag(action.message, self.num_stages)
-        self.batch.append((PointToPoint(False, buffer, action.peer, tag), action.message))
-
-    def _flush(self) -> None:
-        """Post the queued sends and receives as one batch (one launch on backends that coalesce, NCCL)."""
-        if not self.batch:
+    def _post(self, actions: Sequence[Action]) -> None:
+        """The tick's sends and the next tick's receives as one batch (one launch where the backend coalesces)."""
+        if not actions:
             return
-        works = self.transport.post([op for op, _ in self.batch])
-        for (_, message), work in zip(self.batch, works, strict=True):
-            if message is None:
+        ops = []
+        for action in actions:
+            message, tag = action.message, message_tag(action.message, self.num_stages)
+            if action.kind in ("SEND_F", "SEND_B"):
+                ops.append(PointToPoint(True, self.outbox.pop(message), action.peer, tag))
+                self.probe.sent(f"send {message.direction} mb{message.microbatch} stage{message.stage}",
+                                self._link(self.rank, action.peer))
+            else:
+                self.buffers[message] = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+                ops.append(PointToPoint(False, self.buffers[message], action.peer, tag))
+        for action, work in zip(actions, self.transport.post(ops), strict=True):
+            if action.kind in ("SEND_F", "SEND_B"):
                 self.sends.append(work)
             else:
-                self.posted[message] = work
-        self.batch.clear()
+                self.posted[action.message] = (work, action.peer)
 
     def _link(self, src: int, dst: int) -> str:
         """The stall inspector's channel for messages from pipeline rank src to dst."""
         return f"p2p:{self.global_ranks[src]}>{self.global_ranks[dst]}"
 
-    def _receive(self, action: Action) -> None:
-        message = action.message
-        if message not in self.posted and all(queued != message for _, queued in self.batch):
-            self._queue_receive(next(self.upcoming))  # lookahead 0: posted when due (it is the next one)
-        self._flush()  # the sends queued before this wait, which the peer may need first
-        pending = self.posted.pop(message)
+    def _await_input(self, action: Action) -> None:
+        """Wait for the message this compute consumes, when one is on its way."""
+        stage = action.stage
+        message = Message(action.kind, action.microbatch, stage)
+        if message not in self.posted:
+            return
+        pending, peer = self.posted.pop(message)
         with self.probe.collective(f"recv {message.direction} mb{message.microbatch} stage{message.stage}",
-                                   self._link(action.peer, self.rank), [self.global_ranks[action.peer]]):
+                                   self._link(peer, self.rank), [self.global_ranks[peer]]):
             pending.wait()
         self.inbox[message] = self.buffers.pop(message)
-        self._post_receives()
-
-    def _send(self, action: Action) -> None:
-        """Queued, posted with whatever else is queued right before this rank next computes or waits."""
-        message = action.message
-        tensor = self.outbox.pop(message)
-        tag = message_tag(message, self.num_stages)
-        self.batch.append((PointToPoint(True, tensor, action.peer, tag), None))
-        self.probe.sent(f"send {message.direction} mb{message.microbatch} stage{message.stage}",
-                        self._link(self.rank, action.peer))
 
     def _deliver(self, message: Message, tensor: torch.Tensor) -> None:
         """Output of a compute: to the network, or straight to the next stage when it is ours (p == 1)."""

@@ -139,8 +139,11 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
     Every rank visits (microbatch, chunk) pairs in the same order: p microbatches through
     chunk 0, the same p through chunk 1, ..., then the next p microbatches (backwards run
-    the chunks in reverse). Rank r warms up with (p-r-1) + (v-1)*p forwards: enough for the
-    last rank to reach its last chunk, one fewer per rank towards the front.
+    the chunks in reverse). Rank r warms up with 2*(p-r-1) + (v-1)*p forwards, Megatron's count:
+    with each tick's messages posted as one batch (``ticks``), rank r's t-th batch then meets
+    rank r+1's (t-1)-th in both directions, which is what lets NCCL's in-order queues move
+    (``lockstep_deadlock``); one forward per rank fewer deadlocks them once m > p. The price is
+    up to p-1 more microbatch-chunks in flight on the first ranks.
     """
     _check_sizes(p, m, v)
     if m % p:
@@ -158,7 +161,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
     orders = []
     for r in range(p):
-        warmup = min((p - r - 1) + (v - 1) * p, total)
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
 
         def step(kind: Direction, k: int, rank: int = r) -> tuple[Direction, int, int]:
             microbatch, chunk = visit(k, kind == "F")
@@ -341,15 +344,136 @@ def _names(messages: list[Message]) -> str:
     return f"[{shown}{', ...' if len(messages) > 4 else ''}]"
 
 
-def matches_in_order(schedule: Sequence[Sequence[Action]]) -> bool:
-    """Whether, for every pair of ranks, the receiver's receives come in the order the sender sends: then a
-    carrier that ignores tags and matches messages in order (NCCL) pairs every message right."""
-    sent: dict[tuple[int, int], list[Message]] = {}
-    received: dict[tuple[int, int], list[Message]] = {}
-    for rank, actions in enumerate(schedule):
-        for action in actions:
-            if action.kind in ("SEND_F", "SEND_B"):
-                sent.setdefault((rank, action.peer), []).append(action.message)
-            elif action.kind in ("RECV_F", "RECV_B"):
-                received.setdefault((action.peer, rank), []).append(action.message)
-    return sent == received
+@dataclass(frozen=True)
+class Tick:
+    """A rank's computes that run back to back (a forward, a backward, or the steady state's forward then
+    backward), then ``posts``: one batch of the sends of their outputs and the receives of the next tick's
+    inputs (Megatron's batched point-to-point). A rank's first tick has no computes: its batch holds the
+    receives of the first real tick's inputs."""
+
+    computes: tuple[Action, ...]
+    posts: tuple[Action, ...]
+
+
+def ticks(actions: Sequence[Action]) -> list[Tick]:
+    """One rank's actions as ticks. With one chunk a rank (GPipe, 1F1B) a tick is one compute, Megatron's
+    ``send_forward_recv_backward`` and ``send_backward_recv_forward``; with several (interleaved) the warm-up
+    forwards are one a tick, then forward and backward pairs, then the cool-down backwards one a tick (any
+    schedule built here is warm-up, pairs, cool-down), as Megatron's interleaved schedule batches them: split
+    into one batch per compute, NCCL's queues deadlock it (``lockstep_deadlock``)."""
+    units: list[tuple[Action | None, Action, Action | None]] = []  # (receive of its input, compute, send)
+    receive: Action | None = None
+    for action in actions:
+        if action.kind in ("RECV_F", "RECV_B"):
+            receive = action
+        elif action.is_compute:
+            units.append((receive, action, None))
+            receive = None
+        else:
+            units[-1] = (*units[-1][:2], action)
+    kinds = [compute.kind for _, compute, _ in units]
+    forwards = kinds.count("F")
+    before_backward = kinds.index("B") if "B" in kinds else forwards
+    warmup = forwards if before_backward == forwards else before_backward - 1
+    if len({compute.stage for _, compute, _ in units}) == 1:
+        warmup = forwards  # one chunk: every compute its own tick
+    sizes = [1] * warmup + [2] * (forwards - warmup) + [1] * (len(units) - 2 * forwards + warmup)
+    groups, start = [], 0
+    for size in sizes:
+        groups.append(units[start:start + size])
+        start += size
+    result = [Tick((), tuple(r for r, _, _ in groups[0] if r is not None))] if groups else []
+    for index, group in enumerate(groups):
+        following = groups[index + 1] if index + 1 < len(groups) else []
+        posts = [s for _, _, s in group if s is not None] + [r for r, _, _ in following if r is not None]
+        result.append(Tick(tuple(c for _, c, _ in group), tuple(posts)))
+    return result
+
+
+def lockstep_deadlock(schedule: Sequence[Sequence[Action]]) -> str | None:
+    """Why the schedule, posted as ``ticks``, would hang or mix up messages on NCCL, or None when it runs.
+
+    NCCL's rules, as the executor meets them: each rank's batches run one after another on the group's one
+    queue; a batch finishes once each of its messages met its match in the peer's running batch; the k-th
+    message from one rank to another meets the k-th receive the other posted from it (tags ignored, so it
+    must be the same message); a rank waits for a tick's inputs before computing it, and for everything at
+    the end.
+    """
+    p = len(schedule)
+    plans = [ticks(actions) for actions in schedule]
+    state = _Lockstep(p)
+    position = [0] * p
+    while True:
+        progressed = False
+        for rank, plan in enumerate(plans):
+            while position[rank] < len(plan) and state.inputs_arrived(rank, plan[position[rank] - 1]
+                                                                       if position[rank] else None):
+                state.post(rank, plan[position[rank]].posts)
+                position[rank] += 1
+                progressed = True
+        mixed, moved = state.match()
+        if mixed:
+            return mixed
+        if all(position[r] == len(plans[r]) for r in range(p)) and state.drained():
+            return None
+        if not (progressed or moved):
+            return "every rank waits: " + "; ".join(state.describe(r, plans[r], position[r]) for r in range(p))
+
+
+class _Lockstep:
+    """Posted batches per rank, matched as NCCL matches them (see ``lockstep_deadlock``)."""
+
+    def __init__(self, p: int) -> None:
+        self.queues: list[list[list[list]]] = [[] for _ in range(p)]  # rank -> batches -> [action, key, done]
+        self.counts: dict[tuple[int, int, bool], int] = defaultdict(int)
+        self.arrived: list[set[Message]] = [set() for _ in range(p)]
+
+    def post(self, rank: int, posts: Sequence[Action]) -> None:
+        batch = []
+        for action in posts:
+            sending = action.kind.startswith("SEND")
+            channel = (rank, action.peer) if sending else (action.peer, rank)
+            batch.append([action, (*channel, self.counts[(*channel, sending)]), False])
+            self.counts[(*channel, sending)] += 1
+        if batch:
+            self.queues[rank].append(batch)
+
+    def inputs_arrived(self, rank: int, previous: Tick | None) -> bool:
+        """Whether the receives the previous tick posted (this tick's inputs) have arrived."""
+        return previous is None or all(action.message in self.arrived[rank] for action in previous.posts
+                                       if action.kind in ("RECV_F", "RECV_B"))
+
+    def match(self) -> tuple[str | None, bool]:
+        moved = False
+        for rank, queue in enumerate(self.queues):
+            if not queue:
+                continue
+            for op in queue[0]:
+                action, key, done = op
+                if done or not action.kind.startswith("SEND"):
+                    continue
+                peer_queue = self.queues[action.peer]
+                match = next((o for o in (peer_queue[0] if peer_queue else []) if not o[2] and o[1] == key
+                              and o[0].kind.startswith("RECV")), None)
+                if match is None:
+                    continue
+                if match[0].message != action.message:
+                    return (f"rank {action.peer} receives {match[0]} where rank {rank} sends {action}: NCCL matches "
+                            "messages in order, not by tag"), moved
+                op[2] = match[2] = moved = True
+        for rank, queue in enumerate(self.queues):
+            while queue and all(op[2] for op in queue[0]):
+                for op in queue.pop(0):
+                    if op[0].kind.startswith("RECV"):
+                        self.arrived[rank].add(op[0].message)
+                moved = True
+        return None, moved
+
+    def drained(self) -> bool:
+        return not any(self.queues)
+
+    def describe(self, rank: int, plan: Sequence[Tick], position: int) -> str:
+        running = self.queues[rank][0] if self.queues[rank] else []
+        waiting = [str(op[0]) for op in running if not op[2]]
+        at = "the end" if position == len(plan) else " ".join(str(c) for c in plan[position].computes)
+        return f"rank {rank} before {at}, its running batch waits on {', '.join(waiting) or 'nothing'}"

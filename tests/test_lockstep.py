@@ -240,12 +240,12 @@ def test_the_all_gather_moves_in_lockstep(n) -> None:
         assert torch.equal(gathered, torch.arange(n, dtype=torch.float32).repeat_interleave(5).view(n, 5))
 
 
-def _pipeline(schedule: str, p: int, m: int, v: int, lookahead: int):
-    """One step of a pipeline of 2 p v linear layers; each rank's loss (last stage) and its gradients."""
+def _pipeline(schedule_actions, p: int, m: int, v: int):
+    """One step of a pipeline of 2 p v linear layers under ``schedule_actions`` (per rank); each rank's loss (last
+    stage) and its gradients."""
     from torch import nn
 
     from parallel.pipeline import run_pipeline_step, split_into_stages
-    from parallel.schedule import build_schedule
 
     generator = torch.Generator().manual_seed(0)
     layers = []
@@ -256,41 +256,93 @@ def _pipeline(schedule: str, p: int, m: int, v: int, lookahead: int):
             layer.bias.copy_(torch.randn(8, generator=generator))
         layers.append(nn.Sequential(layer, nn.Tanh()))
     x, y = torch.randn(2 * m, 8, generator=generator), torch.randn(2 * m, 8, generator=generator)
-    stages, schedule_actions = split_into_stages(layers, p, v), build_schedule(schedule, p, m, v)
+    stages = split_into_stages(layers, p, v)
 
     def work(rank: int, transport) -> tuple[float | None, list[torch.Tensor]]:
         stats = run_pipeline_step(schedule_actions[rank], stages[rank], transport.group, activation_shape=(2, 8),
                                   loss_fn=nn.functional.mse_loss, inputs=x.chunk(m), targets=y.chunk(m),
-                                  lookahead=lookahead, transport=transport)
+                                  transport=transport)
         return stats.loss, [param.grad.clone() for chunk in stages[rank] for param in chunk.parameters()]
     return work
 
 
-@pytest.mark.parametrize("schedule, p, m, v", [("gpipe", 2, 2, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1),
-                                               ("interleaved", 4, 4, 2)])
-def test_the_pipeline_posting_receives_when_due_moves_in_lockstep(monkeypatch, schedule, p, m, v) -> None:
-    """NCCL's pipeline (``lookahead_for``: 0, each receive posted when due with the sends queued before it):
-    no deadlock, and the pipelined run's losses and gradients."""
+def _layouts(ps):
+    """(schedule, p, m, v): every schedule over p in ``ps``, m in {1, p, 2p, 4p} (interleaved: multiples of p),
+    v in {2, 3} for interleaved."""
+    return [(name, p, m, v) for p in ps for m in sorted({1, p, 2 * p, 4 * p})
+            for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3))) for v in vs
+            if name != "interleaved" or m % p == 0]
+
+
+def _runs_in_lockstep(monkeypatch, name: str, p: int, m: int, v: int) -> None:
+    """The executor's messages under NCCL's rules, threaded: no deadlock, and the losses and gradients of the
+    same schedule over a carrier that matches by tag (Gloo)."""
     from parallel import pipeline
+    from parallel.schedule import build_schedule, lockstep_deadlock
 
     monkeypatch.setattr(pipeline, "dist", SIMULATED_GROUPS)
-    expected = _on_ranks(p, ordered=False, lockstep=False, work=_pipeline(schedule, p, m, v, lookahead=4))
-    got = _on_ranks(p, ordered=True, lockstep=True, work=_pipeline(schedule, p, m, v, lookahead=0))
+    schedule = build_schedule(name, p, m, v)
+    assert lockstep_deadlock(schedule) is None
+    expected = _on_ranks(p, ordered=False, lockstep=False, work=_pipeline(schedule, p, m, v))
+    got = _on_ranks(p, ordered=True, lockstep=True, work=_pipeline(schedule, p, m, v))
     for rank in range(p):
-        assert not isinstance(got[rank], Exception), got[rank]
+        assert not isinstance(got[rank], Exception), (name, p, m, v, got[rank])
         assert got[rank][0] == expected[rank][0]
         for want, have in zip(expected[rank][1], got[rank][1], strict=True):
-            assert torch.equal(want, have), (schedule, rank)
+            assert torch.equal(want, have), (name, p, m, v, rank)
 
 
-@pytest.mark.parametrize("schedule, p, m, v, lookahead", [("1f1b", 2, 4, 1, 4), ("1f1b", 4, 8, 1, 4),
-                                                          ("interleaved", 2, 4, 2, 0)])
-def test_what_nccl_is_kept_from_deadlocks_in_lockstep(monkeypatch, schedule, p, m, v, lookahead) -> None:
-    """Receives posted ahead (lookahead 4), and the schedule ``matches_in_order`` refuses (interleaved, p=2)."""
+@pytest.mark.parametrize("name, p, m, v", _layouts(range(2, 5)))
+def test_every_schedule_moves_in_lockstep_and_trains_as_over_gloo(monkeypatch, name, p, m, v) -> None:
+    _runs_in_lockstep(monkeypatch, name, p, m, v)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, p, m, v", _layouts(range(5, 9)))
+def test_every_schedule_on_up_to_eight_ranks_moves_in_lockstep(monkeypatch, name, p, m, v) -> None:
+    _runs_in_lockstep(monkeypatch, name, p, m, v)
+
+
+def test_no_schedule_on_up_to_eight_ranks_deadlocks_under_nccls_rules() -> None:
+    """The issue's sweep, on the pure model: p in 2..8, m in {1, p, 2p, 3p}, v in {2, 3}."""
+    from parallel.schedule import build_schedule, lockstep_deadlock
+
+    layouts = [(name, p, m, v) for p in range(2, 9) for m in sorted({1, p, 2 * p, 3 * p})
+               for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3))) for v in vs
+               if name != "interleaved" or m % p == 0]
+    assert [layout for layout in layouts if lockstep_deadlock(build_schedule(*layout))] == []
+
+
+def _one_warmup_forward_fewer(p: int, m: int, v: int):
+    """Interleaved 1F1B as built before Megatron's warm-up count: (p-r-1) + (v-1) p forwards on rank r."""
+    from parallel.schedule import _with_messages
+
+    total = m * v
+
+    def step(kind: str, k: int, rank: int):
+        group, within = divmod(k, p * v)
+        chunk = within // p if kind == "F" else v - 1 - within // p
+        return kind, group * p + within % p, chunk * p + rank
+
+    orders = []
+    for r in range(p):
+        warmup = min((p - r - 1) + (v - 1) * p, total)
+        order = [step("F", k, r) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [step("F", warmup + k, r), step("B", k, r)]
+        orders.append(order + [step("B", k, r) for k in range(total - warmup, total)])
+    return _with_messages(orders, p, v)
+
+
+@pytest.mark.parametrize("p, m, v", [(3, 6, 2), (4, 8, 2), (4, 12, 3)])
+def test_one_warmup_forward_fewer_deadlocks_interleaved_under_nccls_rules(monkeypatch, p, m, v) -> None:
+    """The schedule before (issue 39: m > p hung on a cluster): the model names it, and the executor, run under
+    NCCL's rules, hangs in every rank."""
     from parallel import pipeline
-    from parallel.schedule import build_schedule, matches_in_order
+    from parallel.schedule import lockstep_deadlock
 
     monkeypatch.setattr(pipeline, "dist", SIMULATED_GROUPS)
-    results = _on_ranks(p, ordered=True, lockstep=True, work=_pipeline(schedule, p, m, v, lookahead))
+    schedule = _one_warmup_forward_fewer(p, m, v)
+    assert lockstep_deadlock(schedule).startswith("every rank waits")
+    results = _on_ranks(p, ordered=True, lockstep=True, work=_pipeline(schedule, p, m, v))
     assert all(isinstance(result, Deadlock) for result in results), results
-    assert matches_in_order(build_schedule(schedule, p, m, v)) == (lookahead > 0)

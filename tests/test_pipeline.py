@@ -52,7 +52,7 @@ def _train(world, shape: MeshShape, cases: list[tuple[str, int, int]], transport
     return [_train_case(mesh, *case, transport=transport) for case in cases]
 
 
-def _train_case(mesh, schedule: str, m: int, v: int, lookahead: int = 4, transport: str = "torch"):
+def _train_case(mesh, schedule: str, m: int, v: int, transport: str = "torch"):
     import torch.distributed as dist
 
     from parallel.pipeline import run_pipeline_step
@@ -71,7 +71,7 @@ def _train_case(mesh, schedule: str, m: int, v: int, lookahead: int = 4, transpo
         optimizer.zero_grad()
         stats = run_pipeline_step(
             actions, chunks, mesh.group("pp"), activation_shape=(rows // m, WIDTH), loss_fn=nn.functional.mse_loss,
-            inputs=x.chunk(m), targets=y.chunk(m), lookahead=lookahead,
+            inputs=x.chunk(m), targets=y.chunk(m),
             transport=make_transport(transport, mesh.group("pp")),
         )
         loss = stats.loss
@@ -135,28 +135,20 @@ def test_pipeline_over_the_mpi_transport_matches_single_process() -> None:
         _check_matches_single_process([per_rank[index] for per_rank in results], MeshShape(dp=1, tp=1, pp=2), v)
 
 
-@pytest.mark.slow
-def test_one_receive_posted_ahead_or_none_trains_the_same() -> None:
-    """The receive look-ahead changes when messages are posted, never what is computed; 0 (NCCL's: each
-    receive posted when due) included."""
-    shape = MeshShape(dp=1, tp=1, pp=2)
-    cases = [("interleaved", 4, 2, 1), ("1f1b", 4, 1, 0)]
-    results = run_ranks(shape.size, _train, shape, cases, timeout=120)
-    for index, (_, _, virtual, _) in enumerate(cases):
-        _check_matches_single_process([per_rank[index] for per_rank in results], shape, virtual)
-    with pytest.raises(ValueError, match="lookahead must be at least 0"):
-        from parallel.pipeline import run_pipeline_step
+def test_every_schedule_built_moves_under_nccls_rules_and_a_reordered_one_does_not() -> None:
+    """NCCL matches messages in order and runs each rank's batches one after another: every schedule built
+    here passes ``lockstep_deadlock`` (tests/test_lockstep.py runs them); one whose last rank receives two
+    forward messages swapped is named."""
+    from parallel.schedule import Action, build_schedule, lockstep_deadlock
 
-        run_pipeline_step([], [], None, activation_shape=(1,), loss_fn=nn.functional.mse_loss, lookahead=-1)
-
-
-def test_nccl_matches_messages_in_order_only_where_the_schedule_sends_them_in_order() -> None:
-    """NCCL ignores tags: the receiver must post in the order the sender sends. Interleaved with pp=2 does not."""
-    from parallel.schedule import build_schedule, matches_in_order
-
-    assert all(matches_in_order(build_schedule(name, p, 8, 1)) for name in ("gpipe", "1f1b") for p in (2, 4))
-    assert matches_in_order(build_schedule("interleaved", 4, 8, 2))
-    assert not matches_in_order(build_schedule("interleaved", 2, 8, 2))
+    assert not any(lockstep_deadlock(build_schedule(name, p, 8, v))
+                   for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)) for p in (2, 4))
+    schedule = build_schedule("gpipe", 2, 2)
+    receives = [index for index, action in enumerate(schedule[1]) if action.kind == "RECV_F"]
+    first, second = (schedule[1][index] for index in receives)
+    schedule[1][receives[0]], schedule[1][receives[1]] = (Action("RECV_F", second.microbatch, 1, 0),
+                                                          Action("RECV_F", first.microbatch, 1, 0))
+    assert "NCCL matches messages in order" in lockstep_deadlock(schedule)
 
 
 def test_a_model_that_does_not_divide_into_stages_is_a_layout_error() -> None:
