@@ -104,6 +104,7 @@ def run_script(args: argparse.Namespace) -> int:
 
 
 SCRIPT_COMMANDS = ("run", "submit", "sweep")  # they pass what follows -- to a script
+RANK_COMMANDS = ("run", "sweep", "bench", "plan")  # they may start ranks (when they loaded the launcher)
 
 
 def split_script_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -135,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hpc: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("hpc: interrupted; all ranks stopped", file=sys.stderr)
+        ranks = args.command in RANK_COMMANDS and "hpc.runtime.launch" in sys.modules
+        print(f"hpc: interrupted{'; all ranks stopped' * ranks}", file=sys.stderr)
         return 130
 
 
