@@ -163,7 +163,7 @@ def _errors(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "unknown tokenizer": (["--tokenizer", str(tmp_path / "nope"), str(good)], "no such file or directory"),
         "tokenizer without EOS": (["--tokenizer", str(no_eos), str(good)], "give --eos TOKEN"),
         "EOS not a token": (["--eos", "<s>", str(good)], "--eos '<s>' is not a token"),
-        "out exists": (["--out", str(tmp_path / "exists"), str(good)], "exists: remove it, or --force"),
+        "out exists": (["--out", str(tmp_path / "exists"), str(good)], "exists and is an empty directory"),
         "Parquet without pyarrow": ([str(tmp_path / "data.parquet")], "pip install pyarrow"),
     }
 

@@ -6,6 +6,7 @@ The work is ``jobs.prepare``; nothing heavy at module level (``hpc --help`` impo
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -19,6 +20,10 @@ OUT gets tokens.bin (uint16 ids when the vocabulary fits, else uint32), offsets.
 document starts), tokenizer.json and meta.json (tokenizer, vocabulary size, dtype, counts, source files
 and their sha256). It is written as OUT.tmp-PID-* and renamed when complete: a failed or interrupted run
 leaves no OUT. Train on it with data.entry = "jobs.tokens:tokens" and data.args.path = OUT.
+
+OUT must not exist. --force replaces only a token set a previous hpc data prepare wrote (a directory of
+just meta.json, tokens.bin, offsets.bin and tokenizer.json); anything else there (a file, a link, a
+directory holding anything more, or an input file) is refused, and nothing it did not write is deleted.
 """
 
 
@@ -36,8 +41,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                                                          "(default %(default)s)")
     prepare.add_argument("--eos", help="the end-of-document token (default: eos_token of tokenizer_config.json "
                                        "beside the tokenizer, else a special token <|endoftext|>, </s>, ...)")
-    prepare.add_argument("--force", action="store_true", help="replace OUT when it exists (once the new one is "
-                                                              "complete)")
+    prepare.add_argument("--force", action="store_true", help="replace OUT when it is a token set hpc data prepare "
+                                                              "wrote (once the new one is complete); nothing else")
     prepare.set_defaults(handler=cmd_prepare)
 
 
@@ -46,8 +51,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from jobs.prepare import prepare
 
     start = time.perf_counter()
-    meta = prepare(args.files, args.tokenizer, args.out, args.field, args.eos, args.force,
-                   progress=sys.stderr.isatty())
+    # past a file size limit (ulimit -f) a write fails with EFBIG, reported as one line, instead of SIGXFSZ's core
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        meta = prepare(args.files, args.tokenizer, args.out, args.field, args.eos, args.force,
+                       progress=sys.stderr.isatty())
+    finally:
+        signal.signal(signal.SIGXFSZ, previous)
     seconds = time.perf_counter() - start
     size = sum(source["bytes"] for source in meta["sources"])
     tokenizer = meta["tokenizer"]
