@@ -26,6 +26,7 @@ group hold the same stage and run the same schedule, so their all-to-alls match.
 
 from __future__ import annotations
 
+import datetime
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,9 +94,10 @@ def build_expert_groups(mesh: Mesh, ep: int, transport: str = "torch") -> Expert
     "mpi" exchanges tokens through mpi4py (``parallel.transport``)."""
     ep_ranks, replica_ranks = expert_group_ranks(mesh.shape, ep)
     mine: dict[str, tuple[ProcessGroup, tuple[int, ...]]] = {}
+    timeout = None if mesh.timeout_s is None else datetime.timedelta(seconds=mesh.timeout_s)
     for kind, groups in (("ep", ep_ranks), ("replica", replica_ranks if mesh.shape.dp > ep else [])):
         for ranks in groups:
-            group = dist.new_group(list(ranks))
+            group = dist.new_group(list(ranks), timeout=timeout)  # the mesh's timeout, as its groups
             if mesh.rank in ranks:
                 mine[kind] = (group, ranks)
     group, ranks = mine["ep"]

@@ -86,7 +86,7 @@ def train_rank(spec_path: str, overrides: Sequence[str], watcher, site: FailureS
     par = spec.parallel
     world = bootstrap.init(par.backend, par.init_timeout_s, par.timeout_s, device=par.device)
     shape = resolve_layout(par.dp, par.tp, par.pp, world.size)
-    mesh = build_mesh(shape, world.rank, world.device)
+    mesh = build_mesh(shape, world.rank, world.device, par.timeout_s)
     try:
         result, _ = train(spec, world, mesh, progress_mode(), watcher)
     except preemption.Preempted as stop:

@@ -90,6 +90,7 @@ class Mesh:
     groups: dict[Axis, ProcessGroup]
     members: dict[Axis, tuple[int, ...]]
     device: torch.device
+    timeout_s: float | None = None  # each group's collective timeout (None: the backend's default, 30 minutes)
 
     def index(self, axis: Axis) -> int:
         return self.shape.coords(self.rank)[axis]
@@ -101,9 +102,13 @@ class Mesh:
         return self.groups[axis]
 
 
-def build_mesh(shape: MeshShape, rank: int, device: torch.device | str = "cpu") -> Mesh:
+def build_mesh(shape: MeshShape, rank: int, device: torch.device | str = "cpu", timeout_s: float | None = None) -> Mesh:
     """Create one process group per axis group; every rank must call this (collective). ``device``: the
-    rank's (``World.device``)."""
+    rank's (``World.device``); ``timeout_s``: each group's collective timeout (``parallel.timeout_s``): torch
+    gives a new group the backend's 30 minutes, not the world's, so a hang in a TP or pipeline collective
+    would otherwise go unnamed for half an hour."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -111,12 +116,14 @@ def build_mesh(shape: MeshShape, rank: int, device: torch.device | str = "cpu") 
         raise LayoutError(f"mesh {shape} has {shape.size} ranks but the world has {dist.get_world_size()}")
     groups: dict[Axis, ProcessGroup] = {}
     members: dict[Axis, tuple[int, ...]] = {}
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     for axis in AXES:
         for ranks in shape.group_ranks(axis):
-            group = dist.new_group(list(ranks))
+            group = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
                 groups[axis], members[axis] = group, ranks
-    return Mesh(shape=shape, rank=rank, groups=groups, members=members, device=torch.device(device))
+    return Mesh(shape=shape, rank=rank, groups=groups, members=members, device=torch.device(device),
+                timeout_s=timeout_s)
 
 
 def expert_group_ranks(shape: MeshShape, ep: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
