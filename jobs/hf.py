@@ -342,7 +342,7 @@ def export_hf(step_dir: str | Path, dest: str | Path, spec: JobSpec, max_shard_b
     ``hpc.checkpoint.export.MAX_SHARD_BYTES``), from a checkpoint of ``spec``; returns how many tensors.
     ``from_pretrained(dest)`` loads it, in float32 (the trainer's masters). A model of ``pretrained = DIR``
     needs DIR/config.json still (its weights, no longer)."""
-    from hpc.checkpoint.export import MAX_SHARD_BYTES, export_model_dir
+    from hpc.checkpoint.export import MAX_SHARD_BYTES, check_destination, export_model_dir
     from hpc.checkpoint.format import CheckpointError
     from hpc.checkpoint.load import open_checkpoint
     from jobs.model_shape import hf_config
@@ -362,12 +362,14 @@ def export_hf(step_dir: str | Path, dest: str | Path, spec: JobSpec, max_shard_b
         raise CheckpointError(f"{index.path}: its model tensors do not match model.args "
                               f"({differ}: checkpoint {stored.get(differ)}, config {expected.get(differ)})")
     dest = Path(dest)
-    if dest.exists() and not dest.is_dir():
-        raise ConfigError(f"--to {dest}: not a directory (--format hf writes config.json and model.safetensors)")
-    dest.mkdir(parents=True, exist_ok=True)
+    check_destination(dest, directory=True)
     config.architectures = [_causal_lm_class(config)]
     config.dtype = torch.float32  # what the tensors are, whatever a pretrained config.json said
-    config.save_pretrained(dest)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(dest)
+    except OSError as exc:
+        raise CheckpointError(f"--to {dest}: cannot write it ({exc.strerror or exc})") from None
     return export_model_dir(step_dir, dest, "model/", max_shard_bytes or MAX_SHARD_BYTES)
 
 

@@ -93,6 +93,8 @@ def load_entry(entry: str, key: str) -> Callable[..., Any]:
         raise ConfigError(f"{key}={entry!r}: cannot import {module_name!r} ({exc})") from None
     except Exception as exc:  # the user's module failed while importing: one line
         raise ConfigError(f"{key}={entry!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+    except SystemExit as exc:  # sys.exit() in the module: it would end hpc with that code and no word
+        raise ConfigError(f"{key}={entry!r}: importing {module_name!r} exited {_exit_code(exc)}") from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise ConfigError(f"{key}={entry!r}: {module_name!r} has no function {function_name!r}")
@@ -108,7 +110,16 @@ def call_entry(function: Callable[..., Any], args: Mapping[str, Any], entry: str
         raise ConfigError(f"{table} do not fit {entry}: {exc}") from None
     except ValueError:  # no signature to inspect (a builtin): let the call say
         pass
-    return function(**args)
+    try:
+        return function(**args)
+    except SystemExit as exc:  # sys.exit() in the entry: it would end hpc (or the rank) with that code and no word
+        raise ConfigError(f"{key}={entry!r} exited {_exit_code(exc)} instead of returning") from None
+
+
+def _exit_code(exc: SystemExit) -> str:
+    """How ``SystemExit`` says it: ``with code 3``, or its message (``sys.exit("why")``)."""
+    code = 0 if exc.code is None else exc.code
+    return f"with code {code}" if isinstance(code, int) else f"with the message {str(code)[:200]!r}"
 
 
 def model_entry(spec: JobSpec) -> tuple[str, dict[str, Any]]:

@@ -408,3 +408,79 @@ def test_nccl_on_the_cpu_is_one_line_before_launch(tmp_path, no_slurm) -> None:
     overrides = [f"job.run_dir={tmp_path / 'runs'}", "parallel.device=cpu", "parallel.backend=nccl"]
     _run_and_submit(MLP, overrides, "parallel.backend must be 'gloo' or 'auto' with device='cpu'", tmp_path / "runs",
                     no_slurm)
+
+
+# --- the odd ones: an empty --layout, an entry that exits, ckpt export --to under a file ------------------------
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--layout", "", "--cluster", "x.toml", "--gpus", "2"], "--layout is empty: give dp=,tp=,pp="),
+    (["--layout", " , ", "--cluster", "x.toml"], "--layout is empty"),
+    (["--validate", "--layouts", "", str(MLP), "--cluster", "x.toml"], "--layouts is empty"),
+])
+def test_an_empty_layout_is_refused_not_ignored(tmp_path, args, message) -> None:
+    _refused(["plan", *args], message, tmp_path / "runs")
+
+
+EXITS = {  # module text -> what the line says
+    "def model(**kwargs):\n    raise SystemExit(3)\n": "model.entry='{name}:model' exited with code 3 instead of",
+    "import sys\ndef model(**kwargs):\n    sys.exit('no model')\n": "exited with the message 'no model' instead of",
+    "raise SystemExit(3)\n": "model.entry='{name}:model': importing '{name}' exited with code 3",
+    "import sys\nsys.exit()\n": "importing '{name}' exited with code 0",
+}
+
+
+@pytest.mark.parametrize("text", list(EXITS), ids=range(len(EXITS)))
+def test_an_entry_that_exits_is_named(tmp_path, monkeypatch, no_slurm, text) -> None:
+    name = f"exits_{abs(hash(text))}"
+    (tmp_path / f"{name}.py").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    overrides = [f"job.run_dir={tmp_path / 'runs'}", f"model.entry={name}:model"]
+    _run_and_submit(MLP, overrides, EXITS[text].format(name=name), tmp_path / "runs", no_slurm)
+
+
+def test_an_entry_that_exits_on_a_rank_is_one_error_not_its_exit_code() -> None:
+    from hpc.errors import ConfigError
+    from jobs.protocol import call_entry
+
+    def data() -> None:
+        raise SystemExit(3)
+
+    with pytest.raises(ConfigError, match=r"^data.entry='m:data' exited with code 3 instead of returning$"):
+        call_entry(data, {}, "m:data", "data.entry")
+
+
+@pytest.fixture(scope="module")
+def mlp_checkpoint(checkpoints) -> Path:
+    return checkpoints / "mlp" / "step-00000001"
+
+
+@pytest.mark.parametrize(("to", "message"), [
+    ("/etc/hostname/sub.safetensors", "--to /etc/hostname/sub.safetensors: /etc/hostname is not a directory"),
+    ("/etc/hostname/sub.pt", "/etc/hostname is not a directory"),
+    ("/dev/null/x/y.safetensors", "/dev/null is not a directory"),
+    ("{tmp}/nowhere/out.safetensors", "the directory {tmp}/nowhere does not exist"),
+    ("{tmp}", "--to {tmp}: the file name must end in .safetensors or .pt"),
+    ("{tmp}/dir.safetensors", "--to {tmp}/dir.safetensors: a directory (give a file name"),
+])
+def test_ckpt_export_to_where_no_file_can_be_is_one_line(mlp_checkpoint, tmp_path, to, message) -> None:
+    (tmp_path / "dir.safetensors").mkdir()
+    before = sorted(tmp_path.iterdir())
+    _refused(["ckpt", "export", str(mlp_checkpoint), "--to", to.format(tmp=tmp_path)], message.format(tmp=tmp_path),
+             tmp_path / "runs")
+    assert sorted(tmp_path.iterdir()) == before
+    assert _cli("ckpt", "export", str(mlp_checkpoint), "--to", str(tmp_path / "out.pt"))[0] == 0
+
+
+def test_a_model_directory_under_a_file_is_one_line(tmp_path) -> None:
+    from hpc.checkpoint.export import check_destination
+    from hpc.checkpoint.format import CheckpointError
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match=r"file: not a directory \(--format hf writes"):
+        check_destination(tmp_path / "file", directory=True)
+    with pytest.raises(CheckpointError, match=r"/file is not a directory$"):
+        check_destination(tmp_path / "file" / "sub" / "dir", directory=True)
+    check_destination(tmp_path / "new" / "dir", directory=True)  # made with its parents
+    assert not (tmp_path / "new").exists()

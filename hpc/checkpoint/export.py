@@ -7,8 +7,11 @@ is for code that wants ``torch.load(..., weights_only=True)``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from hpc.checkpoint.format import CheckpointError
@@ -22,22 +25,51 @@ SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 def export_tensors(step_dir: str | Path, dest: str | Path, only: str = "") -> int:
     """Write the tensors whose name starts with ``only`` (prefix stripped) to ``dest``; returns how many."""
     import torch
+    from safetensors.torch import save_file
 
     dest = Path(dest)
     if dest.suffix not in SUFFIXES:
         raise CheckpointError(f"--to {dest}: the file name must end in {' or '.join(SUFFIXES)}")
+    check_destination(dest, directory=False)
     index = open_checkpoint(step_dir)
     names = [name for name in sorted(index.tensors) if name.startswith(only)]
     if not names:
         raise CheckpointError(f"{index.path} has no tensor whose name starts with {only!r}")
     tensors = {name.removeprefix(only): read_tensor(index, name) for name in names}
-    if dest.suffix == ".pt":
-        torch.save(tensors, dest)
-    else:
-        from safetensors.torch import save_file
-
-        save_file(tensors, dest, metadata={"step": str(index.step), "source": str(index.path)})
+    with _writing(dest):
+        if dest.suffix == ".pt":
+            torch.save(tensors, dest)
+        else:
+            save_file(tensors, dest, metadata={"step": str(index.step), "source": str(index.path)})
     return len(tensors)
+
+
+def check_destination(dest: Path, directory: bool) -> None:
+    """``--to``: a file to write in an existing directory, or a directory (made with its parents when missing);
+    one line saying which part of the path is in the way."""
+    if directory and dest.exists() and not dest.is_dir():
+        raise CheckpointError(f"--to {dest}: not a directory (--format hf writes config.json and model.safetensors)")
+    if not directory and dest.is_dir():
+        raise CheckpointError(f"--to {dest}: a directory (give a file name ending in {' or '.join(SUFFIXES)})")
+    parent = dest if directory else dest.parent
+    existing = next(path for path in (parent, *parent.parents) if path.exists() or path == path.parent)
+    if not existing.is_dir():
+        raise CheckpointError(f"--to {dest}: {existing} is not a directory")
+    if existing != parent and not directory:
+        raise CheckpointError(f"--to {dest}: the directory {parent} does not exist")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"--to {dest}: cannot write in {existing} (permission denied)")
+
+
+@contextlib.contextmanager
+def _writing(dest: Path) -> Iterator[None]:
+    """A write that fails (a full disk, a file-size limit, an I/O error) as one line naming ``--to``."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        raise CheckpointError(f"--to {dest}: cannot write it ({' '.join(str(exc).split())[:200]})") from None
 
 
 def export_model_dir(step_dir: str | Path, dest: Path, only: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> int:
@@ -66,7 +98,8 @@ def export_model_dir(step_dir: str | Path, dest: Path, only: str, max_shard_byte
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
     metadata = {"format": "pt", "step": str(index.step), "source": str(index.path)}
     for file, shard in zip(files, shards, strict=True):
-        save_file({name.removeprefix(only): read_tensor(index, name) for name in shard}, dest / file, metadata)
+        with _writing(dest / file):
+            save_file({name.removeprefix(only): read_tensor(index, name) for name in shard}, dest / file, metadata)
     if len(files) > 1:
         weight_map = {name.removeprefix(only): file for file, shard in zip(files, shards, strict=True)
                       for name in shard}

@@ -84,6 +84,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from parallel.cluster import load_cluster
     from parallel.plan import plan
 
+    for option, value, wanted in (("--layout", args.layout, "dp=,tp=,pp=[,m=,schedule=,ckpt=,zero=,ep=]"),
+                                  ("--layouts", args.layouts, "comma-separated layout labels")):
+        if value is not None and not value.strip(" ,"):
+            raise ConfigError(f"{option} is empty: give {wanted}, or leave the option out")
     if args.layout and (args.calibrate or args.validate):
         raise ConfigError("--layout predicts one layout; --calibrate and --validate do not take it "
                           "(--validate runs the layouts of --layouts)")
