@@ -14,7 +14,11 @@ A prepared directory holds:
 The entry ``jobs.tokens:tokens`` (``data.entry``, ``data.args.path``) memory-maps the tokens: training
 windows of ``seq_len + 1`` tokens drawn anywhere in the training documents as a pure function of
 (seed, step), held-out windows tiling a seeded set of whole documents, and the vocabulary checked
-against the model's (``check_spec``, run by ``hpc run`` before any rank starts, and by the entry).
+against the model's (``check_spec``, run by ``hpc run``, ``--dry-run`` too, and ``hpc submit`` before any
+rank starts, and by the entry). A set is checked whole when it is opened (``TokenSet``): ``meta.json``'s
+fields, the files' sizes against its counts, offsets that run from 0 to the token count without decreasing,
+and every id below the vocabulary it declares (one pass over ``tokens.bin``, a chunk at a time); what does
+not hold is one line naming the file and the field, never an ``IndexError`` at a training step.
 """
 
 from __future__ import annotations
@@ -205,7 +209,10 @@ def _map(file: Path, dtype: np.dtype, count: int, path: str | Path, what: str) -
                           f"{count:,} ({what}) x {dtype.itemsize} ({dtype.name})")
     if count == 0:
         return np.zeros(0, dtype)
-    return np.memmap(file, dtype=dtype, mode="r", shape=(count,))
+    try:
+        return np.memmap(file, dtype=dtype, mode="r", shape=(count,))
+    except OSError as exc:
+        raise ConfigError(f"data.args.path={str(path)!r}: cannot read {file.name} ({exc.strerror or exc})") from None
 
 
 def _check_offsets(offsets: np.ndarray, count: int, path: str | Path) -> None:
