@@ -12,6 +12,14 @@ overlaps the rest of backward. Buckets are launched strictly in bucket order, th
 same on every rank, because ring messages are matched by order (Horovod negotiates
 the order through a coordinator; DDP fixes it the same way we do).
 
+Under NCCL the thread would break NCCL's rule that one host thread issues every communicator's work in one
+order on every rank: the DP thread's reductions and the main thread's TP, pipeline and EP collectives could
+interleave differently on two ranks, which deadlocks once kernels share a queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``).
+There, reductions are issued where backward's hooks fire (``InlineExecutor``), at the same point of backward on
+every rank, and overlap through the communication stream instead: NCCL's calls return once queued. Under NCCL a
+bucket with nothing compressed goes through the backend's own collectives (ZeRO-2's reduce-scatter, ZeRO-3's
+all-gather: NVLS, SHARP, its tuned algorithms), not our ring.
+
 The wrapper is a dynamic subclass of the wrapped optimizer's class sharing its
 state, as Horovod does, so ``isinstance``, ``param_groups`` and LR schedulers keep
 working. ``step()`` waits for the reductions first, unless inside
@@ -23,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -108,6 +116,19 @@ class BucketViews:
             param.grad = view
 
 
+class InlineExecutor(Executor):
+    """Runs each submitted call at once on the submitting thread (see the module docstring: NCCL's one issuing
+    thread); its future is done when returned."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # handed to whoever waits, as a thread's executor would
+            future.set_exception(exc)
+        return future
+
+
 def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[Bucket]:
     """Greedy packing in the given order; a parameter larger than the threshold gets its own bucket."""
     buckets: list[Bucket] = []
@@ -161,8 +182,11 @@ class DistributedOptimizerMixin:
         device = params[0].device if params else torch.device("cpu")
         # the thread's current device is the rank's: kernels launched there without a tensor to follow (Triton's
         # codecs, torch.cuda defaults) land on this rank's GPU, not GPU 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpc-dp-comm", initializer=use_device,
-                                            initargs=(device,)) if overlap else None
+        self._lockstep = transport.in_lockstep(device)
+        self._executor: Executor | None = None
+        if overlap:
+            self._executor = InlineExecutor() if self._lockstep else ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="hpc-dp-comm", initializer=use_device, initargs=(device,))
         self._skip_sync = False
         self._device = device
         self._stream = CommStream(device)
@@ -243,6 +267,10 @@ class DistributedOptimizerMixin:
         if not reducer.supports_reduce_scatter:
             sent = reducer.reduce(bucket.key, [p.grad for p in bucket.params], self.transport, self.average)
             self.zero.keep_owned(bucket.params, None, self._stream)
+            return sent
+        if reducer.name == "none" and self.transport.name == "torch" and self._lockstep:
+            owned, sent = self.zero.reduce_scatter(bucket.params, self.average)
+            self.zero.keep_owned(bucket.params, owned, self._stream)
             return sent
         flat = self.zero.flatten_by_owner(bucket.params)
         owned, sent = reducer.reduce_scatter(bucket.key, flat, self.transport, self.average)

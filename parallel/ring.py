@@ -96,9 +96,10 @@ class TorchTransport:
         return tensor.is_cuda and not self._carries_cuda()
 
     def in_lockstep(self, device: torch.device) -> bool:
-        """Whether messages of ``device``'s tensors go through NCCL, whose receives complete only within the batch
-        that holds this rank's matching turn (see the module docstring)."""
-        return device.type == "cuda" and self._carries_cuda()
+        """Whether messages of ``device``'s tensors go through NCCL (or a backend keeping its rules, as the CPU
+        harness of tests/nccl_rules.py does), whose receives complete only within the batch that holds this
+        rank's matching turn (see the module docstring)."""
+        return self._carries_cuda()
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Pending:
         return self.post([PointToPoint(True, tensor, peer, tag)])[0]

@@ -144,10 +144,11 @@ class ZeroShards:
                         offset += p.numel()
         return received
 
-    def flatten_by_owner(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Stage 2: one bucket's gradients as the ring's reduce-scatter wants them: n equal chunks, chunk c
-        holding (in bucket order) those of the parameters rank (c - 1) % n owns, zero-padded to the largest."""
-        shares = [[p for p in params if self._owner_of[id(p)] == (c - 1) % self.size] for c in range(self.size)]
+    def flatten_by_owner(self, params: Sequence[torch.Tensor], shift: int = 1) -> torch.Tensor:
+        """Stage 2: one bucket's gradients as a reduce-scatter wants them: n equal chunks, chunk c holding (in
+        bucket order) those of the parameters rank (c - shift) % n owns, zero-padded to the largest (the ring
+        leaves rank r chunk r + 1; the backend's own reduce-scatter, chunk r)."""
+        shares = [[p for p in params if self._owner_of[id(p)] == (c - shift) % self.size] for c in range(self.size)]
         length = max(sum(p.numel() for p in share) for share in shares)
         flat = params[0].grad.new_zeros(self.size * length)
         for c, share in enumerate(shares):
@@ -156,6 +157,16 @@ class ZeroShards:
                 flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
                 offset += p.numel()
         return flat
+
+    def reduce_scatter(self, params: Sequence[torch.Tensor], average: bool) -> tuple[torch.Tensor, int]:
+        """Stage 2 with nothing compressed under NCCL (parallel/optimizer.py): the backend's own reduce-scatter of
+        the bucket; this rank's reduced chunk, and the bytes a ring sends for it."""
+        flat = self.flatten_by_owner(params, shift=0)
+        owned = flat.new_empty(flat.numel() // self.size)
+        dist.reduce_scatter_tensor(owned, flat, group=self.group)
+        if average:
+            owned.div_(self.size)
+        return owned, (self.size - 1) * owned.nbytes
 
     def keep_owned(self, params: Sequence[torch.Tensor], reduced: torch.Tensor | None, stream: CommStream) -> None:
         """Stage 2: this rank's gradients from its ``reduced`` chunk (None: already in place); the others' dropped,
@@ -208,7 +219,7 @@ class _Unit:
 
     @torch.no_grad()
     def fill(self, transport) -> None:
-        """Collective over the DP group: every owner's share into ``full`` (allocated) through the ring."""
+        """Collective over the DP group: every owner's share into ``full`` (allocated), rank r's in chunk r."""
         from parallel.ring import ring_allgather
 
         payload = self.full.new_zeros(self.length)
@@ -216,6 +227,8 @@ class _Unit:
             torch.cat([p.reshape(-1) for p in self.owned], out=payload[:sum(p.numel() for p in self.owned)])
         if transport.name == "mpi":  # mpi4py sees tensors through numpy, which makes their memory fixed-size
             self.full.copy_(ring_allgather(payload, transport).view(-1))
+        elif transport.name == "torch" and transport.in_lockstep(payload.device):  # NCCL's own (optimizer.py)
+            dist.all_gather_into_tensor(self.full.view(-1), payload, group=transport.group)
         else:
             ring_allgather(payload, transport, out=self.full.view(-1, self.length))
 
