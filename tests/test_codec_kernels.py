@@ -8,6 +8,8 @@ without stopping the host for the device.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -108,6 +110,170 @@ def test_kernels_equal_torch_under_the_interpreter() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+
+
+SPECIAL_N = 2 * 256 + 100  # two whole int8 blocks and a ragged one: a NaN or inf must stay in its own block
+PATTERNS = ("nan", "inf", "-inf", "mix", "zero", "overflow")
+SPECIAL = {  # pattern: {index: value}, written over finite gradients (block 1, at 256-511, keeps finite values
+    "nan": {3: math.nan, 600: math.nan},  # but for "mix" and "overflow")
+    "inf": {5: math.inf, 610: math.inf},
+    "-inf": {5: -math.inf, 511: 1e-3, 605: -math.inf},
+    "mix": {3: math.nan, 4: math.inf, 5: -math.inf, 300: math.inf, 301: -math.inf, 600: math.nan, 601: math.inf},
+    "zero": {**dict.fromkeys(range(256), 0.0), **dict.fromkeys(range(512, SPECIAL_N), 0.0), 7: -0.0, 520: -0.0},
+    "overflow": {7: 1e5, 8: -7e4, 9: 65520.0, 10: 65519.0, 300: torch.finfo(torch.float32).max, 301: -3.4e38,
+                 600: 1e38, 601: -65536.0},  # fp16 is inf past 65504 (65520 rounds up), bf16 past float32's max
+}
+
+
+def _special(pattern: str, seed: int) -> torch.Tensor:
+    """``SPECIAL_N`` finite gradients across magnitudes with ``pattern``'s values written in."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(SPECIAL_N, generator=g) * torch.logspace(-3, 3, SPECIAL_N).pow(torch.rand(SPECIAL_N, generator=g))
+    for index, value in SPECIAL.get(pattern, {}).items():
+        x[(index + 17 * seed) % SPECIAL_N if seed > 1 else index] = value
+    return x
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, but a NaN equals any NaN (its sign and payload are the device's: the GPU writes
+    0x7FFFFFFF where x86 writes 0xFFC00000)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(_bits(a[~nan]), _bits(b[~nan]))
+
+
+def _torch_ops(codec) -> tuple[Callable, Callable, Callable]:
+    """The codec's own encode, decode and add: torch on CPU tensors, the kernels on CUDA tensors."""
+    return codec.encode, codec.decode, codec.add_decoded
+
+
+def _kernel_ops(codec) -> tuple[Callable, Callable, Callable]:
+    """The kernels called directly (under the interpreter, on CPU tensors), as the codec calls them on CUDA."""
+    if isinstance(codec, Int8Codec):
+        def encode(x):
+            payload = torch.full_like(codec.empty_payload(x), 7)
+            kernels.int8_encode(x, *codec._split(payload, x.numel()), codec.block)
+            return payload
+
+        def decode_into(payload, into, add):
+            kernels.int8_decode(*codec._split(payload, into.numel()), into, codec.block, add=add)
+            return into
+    else:
+        def encode(x):
+            payload = codec.empty_payload(x)
+            kernels.cast(x, payload)
+            return payload
+
+        def decode_into(payload, into, add):
+            kernels.cast(payload, into, add=add)
+            return into
+    return (encode, lambda payload, like: decode_into(payload, torch.full_like(like, 7.0), False),
+            lambda payload, into: decode_into(payload, into, True))
+
+
+def _chain(codec, ops, pattern: str, feedback: bool, device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """One ring hop's encode and decode of ``pattern``; with ``feedback`` the error buffer's update
+    (``error += segment - decoded``, as parallel.ring) and the next step, which encodes a gradient plus that
+    residual; without, the decoded payload added into a received segment that holds the pattern too."""
+    encode, decode, add = ops
+    x = _special(pattern, 1).to(device)
+    payload = encode(x)
+    results = [*_payload_parts(codec, payload, x.numel()), ("decoded", decode(payload, x))]
+    if feedback:
+        error = torch.zeros_like(x)
+        error.add_(x - results[-1][1])
+        compensated = _special("", 2).to(device) + error
+        payload = encode(compensated)
+        decoded = decode(payload, compensated)
+        results += [("error", error), *_payload_parts(codec, payload, x.numel()), ("decoded 2", decoded),
+                    ("error 2", compensated - decoded)]
+    else:
+        results.append(("added", add(payload, _special(pattern, 2).to(device))))
+    return [(name, t.cpu()) for name, t in results]
+
+
+def _payload_parts(codec, payload: torch.Tensor, n: int) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(codec, Int8Codec):
+        scales, values = codec._split(payload, n)
+        return [("scales", scales), ("values", values)]
+    return [("payload", payload)]
+
+
+def _codec(name: str):
+    return Int8Codec() if name == "int8" else CastCodec(name)
+
+
+def _non_finite(t: torch.Tensor) -> torch.Tensor:
+    return torch.stack([t.isnan(), t.isposinf(), t.isneginf()])
+
+
+def _differences(got: list[tuple[str, torch.Tensor]], expected: list[tuple[str, torch.Tensor]],
+                 loose: tuple[str, ...] = ()) -> str:
+    """The first stage whose tensors differ, with the first differing values; '' when all are the same. The
+    stages in ``loose`` need only hold NaN and inf in the same places."""
+    for (name, a), (_, b) in zip(got, expected, strict=True):
+        if name in loose and torch.equal(_non_finite(a), _non_finite(b)):
+            continue
+        if not _same(a, b):
+            bad = (a.isnan() != b.isnan()) | ((a != b) & ~a.isnan()) if a.is_floating_point() else a != b
+            at = bad.nonzero().flatten()[:4].tolist()
+            return f"{name} differs at {at}: {a[at].tolist()} against {b[at].tolist()}"
+    return ""
+
+
+def check_special_values_on_cpu() -> dict[str, str]:
+    """Every codec x pattern x error feedback under the interpreter against the torch path: case -> '' or the
+    first difference. int8's fused add only by where it holds NaN and inf if the interpreter's ``fma`` rounds
+    twice (Triton 3.6's)."""
+    results, fused = {}, interpreter_fuses_fma()
+    for name in ("int8", "fp16", "bf16"):
+        codec = _codec(name)
+        loose = ("added",) if name == "int8" and not fused else ()
+        for pattern in PATTERNS:
+            for feedback in (False, True):
+                expected = _chain(codec, _torch_ops(codec), pattern, feedback)
+                got = _chain(codec, _kernel_ops(codec), pattern, feedback)
+                results[f"{name}-{pattern}-{feedback}"] = _differences(got, expected, loose)
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted_special_values() -> dict[str, str]:
+    if not _triton_importable():
+        pytest.skip("needs triton (its interpreter runs the kernels on CPU)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    code = ("import json; from tests.test_codec_kernels import check_special_values_on_cpu; "
+            "print(json.dumps(check_special_values_on_cpu()))")
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("name", ["int8", "fp16", "bf16"])
+def test_kernels_keep_nan_and_inf_under_the_interpreter(interpreted_special_values, name, pattern, feedback) -> None:
+    """A NaN or inf in a block: the kernels' scales, values, decoded sums and error buffers are the torch
+    path's (int8: a block holding a NaN has a NaN scale and decodes all NaN, one holding an inf an inf scale
+    and decodes all NaN; fp16: past 65504 is inf; NaN stays NaN)."""
+    assert interpreted_special_values[f"{name}-{pattern}-{feedback}"] == ""
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("name", ["int8", "fp16", "bf16"])
+def test_cuda_kernels_keep_nan_and_inf(name: str, pattern: str, feedback: bool) -> None:
+    codec = _codec(name)
+    if _triton_importable():
+        assert kernels.available(torch.zeros(4, device="cuda")), "Triton imports but the kernels do not dispatch"
+    expected = _chain(codec, _torch_ops(codec), pattern, feedback)
+    assert _differences(_chain(codec, _torch_ops(codec), pattern, feedback, device="cuda"), expected) == ""
+    assert not kernels._failed, kernels._failed
 
 
 def test_cpu_tensors_stay_on_torch() -> None:

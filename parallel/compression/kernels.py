@@ -6,7 +6,9 @@ Here each is one kernel that reads its input once and writes its output once:
 
 - ``int8_encode``: per block of ``block`` values the absmax, the float32 scale
   ``max(absmax / 127, tiny)`` and ``round_half_even(x / scale)`` clamped to +-127, written
-  into ``Int8Codec``'s payload (all scales, then all values);
+  into ``Int8Codec``'s payload (all scales, then all values). NaN and inf as torch: a block holding a
+  NaN gets a NaN scale, one holding an inf (and no NaN) an inf scale, either decodes all NaN, and the
+  values that are NaN (x / a NaN or inf scale) are byte 0;
 - ``int8_decode``: ``into = q * scale`` or, with ``add``, ``into += q * scale``;
 - ``cast``: a float32 chunk to fp16/bf16 and back, ``into += payload`` with ``add``.
 
@@ -72,10 +74,15 @@ def _define(triton, tl) -> dict[str, object]:
         offsets = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         inside = offsets < n
         x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0), tiny)
+        # absmax on the bits with the sign cleared: NaN > inf > every finite value, as integers too, so a NaN
+        # anywhere makes the block's scale NaN as torch.amax does (a float max drops NaN, on the GPU and here)
+        magnitudes = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        absmax = tl.max(magnitudes, axis=1).to(tl.float32, bitcast=True)
+        scale = tl.maximum(tl.math.div_rn(absmax, 127.0), tiny, propagate_nan=tl.PropagateNan.ALL)
         tl.store(scales_ptr + rows, scale, mask=rows < n_blocks)
         v = tl.math.div_rn(x, scale[:, None])
-        v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+        # NaN (x over a NaN or an inf scale) is byte 0, as torch's cast makes it: the clamp would make it -127
+        v = tl.where(v == v, tl.minimum(tl.maximum(v, -127.0), 127.0), 0.0)
         q = (v + 12582912.0) - 12582912.0
         tl.store(values_ptr + offsets, q.to(tl.int8), mask=inside)
 
