@@ -19,6 +19,13 @@ signals only those processes (a recycled PID has another start time). In start o
    10.77.1.254). Each node runs in its own UTS and mount namespace, with its own hostname,
    its own /etc/hosts and a private /tmp (PMIx directories collide otherwise).
 
+Every node declares ``--gpus`` GPUs (4 by default) as the generic resource ``gpu``, backed by stand-in
+device files ``STATE/dev/gpu0`` ... (gres.conf's ``File=``): character devices of a major number no
+driver owns. slurmd only stats them (no cgroup enforces them), but refuses a plain file ("is not a valid
+character or block device") and then sets no ``CUDA_VISIBLE_DEVICES``. With them, ``srun
+--gpus-per-task``, ``--gpus-per-node`` and ``--gpu-bind`` give each task its ``CUDA_VISIBLE_DEVICES``,
+``SLURM_STEP_GPUS`` and ``SLURMD_TRES_BIND`` as on a GPU node.
+
 ``start`` returns when ``sinfo`` shows every node idle. It is idempotent: on a running
 cluster it says so and does nothing; after a stop it starts a fresh cluster in the same
 directory (logs of the previous run are overwritten). ``stop`` cancels the jobs, stops the
@@ -37,6 +44,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import string
 import subprocess
 import sys
@@ -53,13 +61,17 @@ DEFAULT_STATE = Path("/tmp/hpc-slurm")
 CHECKOUT = Path(__file__).resolve().parents[2]
 CLUSTER_NAME = "hpc"
 CPUS_PER_NODE = 8
+GPUS_PER_NODE = 4  # stand-ins: see the module docs
+# Character devices of a major number Linux leaves to local, experimental use (no driver: opening one
+# fails with ENXIO); slurmd refuses a gres.conf File= that is a plain file.
+STAND_IN_GPU_MAJOR = 240
 CRED_EXPIRE_S = 5
 NODE_PREFIX = "hpcnode"
 NODE_SUBNET = "10.77.1"
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 # Subdirectories start wipes; the munge key and the database files (slow to make) are kept.
-OWNED = ("etc", "run", "log", "munge", "ctld", "spool", "nodes")
+OWNED = ("etc", "run", "log", "munge", "ctld", "spool", "nodes", "dev")
 
 # The command each daemon needs, and the Debian package that brings it.
 COMMANDS = {
@@ -116,6 +128,8 @@ AccountingStoragePort=$dbd_port
 AccountingStoragePass=$munge_socket
 JobCompType=jobcomp/none
 MailProg=/bin/true
+# GPUs as generic resources, backed by the stand-in files of gres.conf.
+GresTypes=gpu
 $node_lines
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
@@ -168,6 +182,14 @@ class Layout:
     @property
     def slurm_conf(self) -> Path:
         return self.state / "etc" / "slurm.conf"
+
+    @property
+    def gres_conf(self) -> Path:
+        return self.state / "etc" / "gres.conf"
+
+    def gpu_file(self, index: int) -> Path:
+        """The stand-in device file of GPU ``index`` (every node shares them: see the module docs)."""
+        return self.state / "dev" / f"gpu{index}"
 
     @property
     def munge_socket(self) -> Path:
@@ -303,7 +325,7 @@ class Starter:
 def _prepare_dirs(layout: Layout) -> None:
     for sub in OWNED:
         shutil.rmtree(layout.state / sub, ignore_errors=True)
-    for sub in ("etc", "run", "log", "munge", "ctld", "spool"):
+    for sub in ("etc", "run", "log", "munge", "ctld", "spool", "dev"):
         (layout.state / sub).mkdir(parents=True)
     layout.state.chmod(0o755)
     (layout.state / "munge").chmod(0o755)  # munged wants its socket's directory searchable by all
@@ -390,37 +412,52 @@ def _nodes_idle(env: dict[str, str], count: int) -> bool:
     return proc.returncode == 0 and len(states) == count and all(s == "idle" for s in states)
 
 
-def start(state: Path = DEFAULT_STATE, nodes: int = 1, rate: str | None = None) -> bool:
-    """Start the cluster and wait until every node is idle; False when it was already running."""
+def start(state: Path = DEFAULT_STATE, nodes: int = 1, rate: str | None = None, gpus: int = GPUS_PER_NODE) -> bool:
+    """Start the cluster (``gpus`` stand-in GPUs per node) and wait until every node is idle; False when it
+    was already running."""
     reason = unavailable()
     if reason:
         raise ClusterError(reason)
     if nodes not in (1, 2):
         raise ClusterError(f"--nodes must be 1 or 2, got {nodes}")
+    if gpus < 0:
+        raise ClusterError(f"--gpus must be 0 or more, got {gpus}")
     layout = Layout(state.resolve())
     record = read_record(layout.state)
     if record is not None:
         if all(d.alive() for d in daemons(record)):
-            if (record["nodes"], record["rate"]) != (nodes, rate):
-                raise ClusterError(f"a cluster with {record['nodes']} node(s), rate {record['rate']}, is running; "
-                                   "stop it first", state=layout.state)
+            running = (record["nodes"], record["rate"], record.get("gpus", 0))
+            if running != (nodes, rate, gpus):
+                raise ClusterError(f"a cluster with {running[0]} node(s), rate {running[1]}, {running[2]} GPU(s) "
+                                   "per node is running; stop it first", state=layout.state)
             return False
         stop(layout.state)
     _check_reachable(layout.state)
     layout.state.mkdir(parents=True, exist_ok=True)
     _prepare_dirs(layout)
-    record = {"nodes": nodes, "node_names": [], "rate": rate, "netns": None, "daemons": []}
+    record = {"nodes": nodes, "node_names": [], "rate": rate, "gpus": gpus, "netns": None, "daemons": []}
     write_json(layout.record, record)
     starter = Starter(layout, record)
     try:
-        _start_all(starter, nodes, rate)
+        _start_all(starter, nodes, rate, gpus)
     except BaseException:
         stop(layout.state)
         raise
     return True
 
 
-def _start_all(starter: Starter, nodes: int, rate: str | None) -> None:
+def _write_gres(layout: Layout, gpus: int) -> str:
+    """gres.conf and the stand-in device files; returns the ``Gres=`` of every node's line (empty: no GPUs)."""
+    files = [layout.gpu_file(i) for i in range(gpus)]
+    for index, path in enumerate(files):
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(STAND_IN_GPU_MAJOR, index))
+    lines = [f"Name=gpu File={path}" for path in files]
+    layout.gres_conf.write_text("# Written by `python -m slurm.testbed.cluster start`: stand-in GPUs.\n"
+                                + "".join(f"{line}\n" for line in lines))
+    return f" Gres=gpu:{gpus}" if gpus else ""
+
+
+def _start_all(starter: Starter, nodes: int, rate: str | None, gpus: int) -> None:
     layout = starter.layout
     ports = {name: _free_port() for name in ("db_port", "dbd_port", "ctld_port", "slurmd_port")}
     controller = socket.gethostname().split(".")[0]
@@ -430,7 +467,8 @@ def _start_all(starter: Starter, nodes: int, rate: str | None) -> None:
         addresses = {controller: "127.0.0.1"}
     else:
         addresses = {name: testbed.address(i) for i, name in enumerate(testbed.names)}
-    node_lines = "\n".join(f"NodeName={name} NodeAddr={addr} CPUs={CPUS_PER_NODE} State=UNKNOWN"
+    gres = _write_gres(layout, gpus)
+    node_lines = "\n".join(f"NodeName={name} NodeAddr={addr} CPUs={CPUS_PER_NODE}{gres} State=UNKNOWN"
                            for name, addr in addresses.items())
     starter.record["node_names"] = list(addresses)
     values = {**ports, "state": layout.state, "cluster": CLUSTER_NAME, "ctld_host": controller,
@@ -533,6 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("start", parents=[common], help="start the cluster (no-op when running)")
     up.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="1: this host; 2: two namespace nodes")
     up.add_argument("--rate", help="2 nodes: tc rate of each node's link, e.g. 1gbit (default: unlimited)")
+    up.add_argument("--gpus", type=int, default=GPUS_PER_NODE,
+                    help="stand-in GPUs per node, generic resource gpu (default %(default)s; 0: none)")
     commands.add_parser("stop", parents=[common], help="stop every daemon started (no-op when stopped)")
     commands.add_parser("status", parents=[common], help="daemons and sinfo; exit status 3 when not running")
     commands.add_parser("env", parents=[common], help="print the exports clients need: eval $(... env)")
@@ -546,7 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.rate and args.nodes == 1:
             parser.error("--rate needs --nodes 2 (a single node has no links)")
         began = time.monotonic()
-        if start(args.state, args.nodes, args.rate):
+        if start(args.state, args.nodes, args.rate, args.gpus):
             print(f"started a {args.nodes}-node cluster in {args.state} ({time.monotonic() - began:.1f} s); "
                   f"use it with: eval $(python -m slurm.testbed.cluster env --state {args.state})")
         else:
