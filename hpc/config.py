@@ -271,6 +271,8 @@ class SlurmConfig:
     nodes: int = _field(1, "nodes (sbatch --nodes)", min=1)
     ntasks_per_node: int = _field(0, "ranks per node; 0: one per GPU asked for (gpus_per_node), else 1", min=0)
     gpus_per_node: int = _field(0, "GPUs per node; 0: none asked for", min=0)
+    gpus_per_task: int = _field(0, "GPUs per rank, each rank bound to its own (srun --gpus-per-task); 0: none "
+                                   "asked for", min=0)
     cpus_per_task: int = _field(1, "CPUs per rank", min=1)
     mem: str = _field(
         "", "memory per node; empty: the partition's default",

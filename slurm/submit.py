@@ -141,7 +141,8 @@ def executor_parameters(slurm: SlurmConfig, name: str, array_parallelism: int | 
         # Ours, not submitit's USR2; requeue: also after a node failure.
         "additional_parameters": {"signal": f"{WARNING_SIGNAL}@{slurm.signal_delay_s}", "requeue": True},
     }
-    optional = {"gpus_per_node": slurm.gpus_per_node or None, "mem": slurm.mem, "partition": slurm.partition,
+    optional = {"gpus_per_node": slurm.gpus_per_node or None, "gpus_per_task": slurm.gpus_per_task or None,
+                "mem": slurm.mem, "partition": slurm.partition,
                 "account": slurm.account, "qos": slurm.qos, "constraint": slurm.constraint}
     params.update({key: value for key, value in optional.items() if value})
     setup = quote_setup(slurm.setup)
@@ -160,7 +161,8 @@ def check_resources(slurm: SlurmConfig, environ: Mapping[str, str] | None = None
     so ``--nodes 3`` on two nodes is that, not a batch that does not divide by 3 ranks."""
     argv = ["sbatch", "--test-only", f"--nodes={slurm.nodes}", f"--ntasks-per-node={slurm.tasks_per_node}",
             f"--cpus-per-task={slurm.cpus_per_task}", f"--time={time_minutes(slurm.time)}"]
-    optional = {"gpus-per-node": slurm.gpus_per_node or "", "mem": slurm.mem, "partition": slurm.partition,
+    optional = {"gpus-per-node": slurm.gpus_per_node or "", "gpus-per-task": slurm.gpus_per_task or "",
+                "mem": slurm.mem, "partition": slurm.partition,
                 "account": slurm.account, "qos": slurm.qos, "constraint": slurm.constraint}
     argv += [f"--{option}={value}" for option, value in optional.items() if value]
     try:

@@ -101,6 +101,7 @@ FULL = {
         "nodes": 2,
         "ntasks_per_node": 4,
         "gpus_per_node": 4,
+        "gpus_per_task": 1,
         "cpus_per_task": 8,
         "mem": "64G",
         "partition": "gpu",

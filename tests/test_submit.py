@@ -142,6 +142,16 @@ def test_a_node_runs_a_rank_per_gpu_asked_for_unless_told_otherwise(slurm, tasks
     assert executor_parameters(config, "job")["ntasks_per_node"] == tasks
 
 
+def test_gpus_per_task_is_asked_for_only_when_set() -> None:
+    """``hpc submit --gpus-per-task 1``: sbatch's ``--gpus-per-task``, which srun's tasks inherit as their binding
+    (each task sees only its own GPU: tests/test_gpu_binding.py)."""
+    from hpc.config import spec_from_dict
+
+    bound = spec_from_dict({"slurm": {"gpus_per_task": 1, "ntasks_per_node": 4}}).slurm
+    assert executor_parameters(bound, "job")["gpus_per_task"] == 1 and bound.tasks_per_node == 4
+    assert "gpus_per_task" not in executor_parameters(spec_from_dict({}).slurm, "job")
+
+
 def test_a_batch_script_is_one_process_not_rank_0_of_the_allocation() -> None:
     # What sbatch --ntasks=2 gives the script itself (captured from the local cluster): no step id.
     batch = {"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",

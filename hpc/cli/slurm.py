@@ -27,6 +27,7 @@ RESOURCES = (
     ("nodes", int, "nodes"),
     ("ntasks_per_node", int, "ranks per node"),
     ("gpus_per_node", int, "GPUs per node"),
+    ("gpus_per_task", int, "GPUs per rank, each rank bound to its own"),
     ("cpus_per_task", int, "CPUs per rank"),
     ("mem", str, "memory per node, e.g. 64G"),
     ("partition", str, "partition"),
