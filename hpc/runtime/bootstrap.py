@@ -16,11 +16,13 @@ join fails within seconds with a message naming itself and the address.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import json
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -155,21 +157,142 @@ def select_backend(requested: str, device: str = "auto") -> str:
     return requested
 
 
-def rank_device(info: RankInfo, backend: str, device: str = "auto") -> torch.device:
-    """This rank's device, made current: GPU ``local_rank`` modulo the visible GPUs. NCCL refuses two ranks
-    on one GPU ("Duplicate GPU detected" deep inside the first collective): one line here instead."""
+# Where a rank's GPUs come from, named when ranks would share one: what CUDA reads, and what srun set and why.
+GPU_VARIABLES = ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURMD_TRES_BIND", "SLURM_GPUS_PER_TASK",
+                 "SLURM_GPU_BIND")
+GPU_VIEW_KEY = "hpc/gpus/{node}/{local}"  # in the rendezvous store: each rank's visible GPUs
+
+
+def visible_gpus(environ: Mapping[str, str], device_count: int) -> tuple[str, ...]:
+    """The GPUs this process sees, named so that ranks of one node can compare them: CUDA_VISIBLE_DEVICES'
+    entries (what srun's ``--gpus-per-task``, ``--gpu-bind`` and ``--gpus-per-node`` set per task, or a
+    wrapper script), in CUDA's order, the first ``device_count`` of them (CUDA stops at an invalid entry);
+    with it unset, the node's GPUs ``0`` to ``device_count - 1``."""
+    entries = [e.strip() for e in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if e.strip()]
+    if "CUDA_VISIBLE_DEVICES" in environ and len(entries) >= device_count:
+        return tuple(entries[:device_count])
+    return tuple(str(index) for index in range(device_count))
+
+
+def assign_gpus(views: Sequence[Sequence[str]]) -> list[int | None]:
+    """One GPU per local rank where there is one: for each rank (``views[local_rank]`` its visible GPUs, as
+    :func:`visible_gpus` names them), the CUDA ordinal it computes on, or None where every GPU it sees is
+    another rank's. Ranks first take the first free GPU they see, in local-rank order (8 ranks that all see
+    8 GPUs: rank r on ``cuda:r``; ranks that each see one GPU: ``cuda:0``); a rank left without one then
+    takes one over from a rank that can move (an augmenting path), so a GPU is shared only where no
+    assignment avoids it. Every rank of a node computes the same answer from the same views."""
+    owner: dict[str, int] = {}
+    for rank, view in enumerate(views):
+        free = next((gpu for gpu in view if gpu not in owner), None)
+        if free is not None:
+            owner[free] = rank
+
+    def take_over(rank: int, seen: set[str]) -> bool:
+        for gpu in views[rank]:
+            if gpu not in seen:
+                seen.add(gpu)
+                if gpu not in owner or take_over(owner[gpu], seen):
+                    owner[gpu] = rank
+                    return True
+        return False
+
+    for rank in range(len(views)):
+        if rank not in owner.values():
+            take_over(rank, set())
+    held = {rank: gpu for gpu, rank in owner.items()}
+    return [list(views[rank]).index(held[rank]) if rank in held else None for rank in range(len(views))]
+
+
+def _sharers(views: Sequence[Sequence[str]], assigned: Sequence[int | None]) -> tuple[list[int], list[str]]:
+    """The local ranks left without a GPU of their own, with every rank they compete with, and the GPUs
+    all of these see (fewer GPUs than ranks: Hall's condition fails there)."""
+    ranks = {rank for rank, index in enumerate(assigned) if index is None}
+    while True:
+        gpus = {gpu for rank in ranks for gpu in views[rank]}
+        grown = ranks | {rank for rank, index in enumerate(assigned) if index is not None
+                         and views[rank][index] in gpus}
+        if grown == ranks:
+            return sorted(ranks), sorted(gpus, key=lambda g: (len(g), g))
+        ranks = grown
+
+
+def _gpu_origin(environ: Mapping[str, str], device_count: int) -> str:
+    named = [f"{name}={environ[name]}" for name in GPU_VARIABLES if name in environ]
+    return ", ".join(named) if named else f"CUDA_VISIBLE_DEVICES unset: all {device_count} GPU(s) of the node"
+
+
+def gpu_index(info: RankInfo, views: Sequence[Sequence[str]], backend: str,
+              environ: Mapping[str, str] | None = None) -> int:
+    """The CUDA ordinal of local rank ``info.local_rank``, given what every local rank of its node sees
+    (``views``, see :func:`assign_gpus`): one rank per GPU however Slurm bound them. NCCL refuses two ranks
+    on one GPU ("Duplicate GPU detected" deep inside the first collective): one line here instead, naming
+    the ranks, the GPUs and the variables they came from. Gloo (host staging) may share a GPU: ranks that
+    see the same GPUs take turns over them."""
+    environ = {} if environ is None else environ
+    own = views[info.local_rank]
+    if not own:
+        raise LaunchEnvError(f"no GPU is visible to this rank ({_gpu_origin(environ, 0)})", rank=info.rank)
+    assigned = assign_gpus(views)
+    index = assigned[info.local_rank]
+    if "nccl" not in backend:
+        turn = sum(tuple(view) == tuple(own) for view in views[: info.local_rank])
+        return turn % len(own) if index is None else index
+    if None not in assigned:
+        return index
+    ranks, gpus = _sharers(views, assigned)
+    raise LaunchEnvError(
+        f"parallel.backend='nccl' puts {len(ranks)} ranks (local ranks {', '.join(map(str, ranks))}) on the "
+        f"{len(gpus)} GPU(s) {', '.join(gpus)} of this node (this rank: {_gpu_origin(environ, len(own))}), and "
+        "NCCL needs a GPU per rank: start at most one rank per GPU (srun --gpus-per-task=1, or --gpus-per-node "
+        "equal to --ntasks-per-node), or set parallel.backend='gloo' to share GPUs",
+        rank=info.rank)
+
+
+def exchange_gpu_views(store, info: RankInfo, own: Sequence[str]) -> list[tuple[str, ...]]:
+    """Every local rank's visible GPUs, through the rendezvous store (each rank sets its own, then reads its
+    node's): what one process cannot know alone (srun's per-task binding, a wrapper's CUDA_VISIBLE_DEVICES)."""
+    store.set(GPU_VIEW_KEY.format(node=info.node_rank, local=info.local_rank), json.dumps(list(own)))
+    keys = [GPU_VIEW_KEY.format(node=info.node_rank, local=local) for local in range(info.local_size)]
+    return [tuple(json.loads(store.get(key))) for key in keys]
+
+
+def rank_device(info: RankInfo, backend: str, device: str = "auto", environ: Mapping[str, str] | None = None,
+                views: Sequence[Sequence[str]] | None = None) -> torch.device:
+    """This rank's device, made current: see :func:`gpu_index`. ``views`` (every local rank's visible GPUs)
+    defaults to what this rank sees, shared by all its node's ranks (a launcher that binds nothing)."""
     import torch
 
     if select_device(device) == "cpu":
         return torch.device("cpu")
-    gpus = torch.cuda.device_count()
-    if "nccl" in backend and info.local_size > gpus:
-        raise LaunchEnvError(
-            f"parallel.backend='nccl' puts {info.local_size} ranks on the {gpus} GPU(s) of this node, and NCCL "
-            "needs a GPU per rank: start at most one rank per GPU, or set parallel.backend='gloo' to share GPUs",
-            rank=info.rank)
-    torch.cuda.set_device(info.local_rank % gpus)
+    environ = os.environ if environ is None else environ
+    if views is None:
+        views = [visible_gpus(environ, torch.cuda.device_count())] * info.local_size
+    torch.cuda.set_device(gpu_index(info, views, backend, environ))
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def _joining(info: RankInfo, endpoint: Rendezvous, init_timeout_s: float) -> Iterator[None]:
+    """A store or process group that fails to form is one line naming this rank and the endpoint."""
+    try:
+        yield
+    except (RuntimeError, OSError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RendezvousError(
+            f"rank {info.rank} of {info.world_size} could not join the rendezvous at {endpoint} "
+            f"(chosen from {endpoint.source}) within {init_timeout_s:g} s: {first_line}",
+            launcher=info.launcher.value,
+            job_id=info.job_id,
+        ) from exc
+
+
+def _local_gpu_views(store, info: RankInfo, environ: Mapping[str, str], device: str) -> list | None:
+    """Every local rank's visible GPUs where ranks compute on GPUs and share a node; else None."""
+    import torch
+
+    if info.local_size == 1 or select_device(device) != "cuda":
+        return None
+    return exchange_gpu_views(store, info, visible_gpus(environ, torch.cuda.device_count()))
 
 
 def init(
@@ -181,8 +304,9 @@ def init(
 ) -> World:
     """Create the default process group for this rank and return its view of the world.
 
-    A rank killed by a fatal signal prints every thread's Python stack first (see
-    ``dump_stacks_on_fatal_signals``)."""
+    Ranks on GPUs first tell their node's other ranks, through the rendezvous store, which GPUs they
+    see, and take one each (``gpu_index``). A rank killed by a fatal signal prints every thread's Python
+    stack first (see ``dump_stacks_on_fatal_signals``)."""
     import torch.distributed as dist
 
     dump_stacks_on_fatal_signals()
@@ -194,8 +318,7 @@ def init(
     if endpoint is None:
         info, endpoint = _mpi_rendezvous(info)
     backend = select_backend(backend, device)
-    where = rank_device(info, backend, device)
-    try:
+    with _joining(info, endpoint, init_timeout_s):
         store = dist.TCPStore(
             endpoint.addr,
             endpoint.port,
@@ -204,6 +327,9 @@ def init(
             timeout=datetime.timedelta(seconds=init_timeout_s),
             wait_for_workers=True,
         )
+        views = _local_gpu_views(store, info, environ, device)
+    where = rank_device(info, backend, device, environ, views)
+    with _joining(info, endpoint, init_timeout_s):
         dist.init_process_group(
             backend,
             store=store,
@@ -212,16 +338,8 @@ def init(
             timeout=datetime.timedelta(seconds=timeout_s),
             # NCCL: every communicator created with its group, by every rank at once (not at a first
             # point-to-point message that only two ranks of the group take part in)
-            **({"device_id": where} if "nccl" in backend else {}),
+            **({"device_id": where} if "nccl" in backend and where.type == "cuda" else {}),
         )
-    except (RuntimeError, OSError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RendezvousError(
-            f"rank {info.rank} of {info.world_size} could not join the rendezvous at {endpoint} "
-            f"(chosen from {endpoint.source}) within {init_timeout_s:g} s: {first_line}",
-            launcher=info.launcher.value,
-            job_id=info.job_id,
-        ) from exc
     return World(info=info, backend=backend, device=where, rendezvous=endpoint)
 
 
