@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -16,6 +17,14 @@ RANKS_DIR = "ranks"  # every rank's totals, ranks/rank-XXXXX.json, written when 
 TIMELINE_FILE = "timeline.json"  # the Chrome trace of every rank, with train.timeline
 RESULT_FILE = "result.json"  # the final measures, written by hpc-rank; sweeps rank tasks by them
 FAILURES_DIR = "failures"  # failures/rank-XXXXX.json (and .traceback) from each rank that failed: hpc/runtime/abort.py
+STALL_EXIT = 76  # a rank the stall inspector aborted (hpc/observe/stall.py) exits with it
+# What usually sends the signals that kill a rank without a Python exception.
+SIGNAL_CAUSES = {"SIGKILL": "often the out-of-memory killer",
+                 "SIGSEGV": "a crash in native code: a CUDA kernel, an extension, a library",
+                 "SIGBUS": "a bad memory access: often a full /dev/shm or a truncated memory-mapped file",
+                 "SIGABRT": "native code called abort(): a failed assertion or an uncaught C++ exception",
+                 "SIGILL": "an instruction this CPU lacks: a binary built for another machine",
+                 "SIGFPE": "an arithmetic fault in native code"}
 
 
 def write_json(path: Path, value: Any) -> None:
@@ -60,16 +69,48 @@ def read_result(run_path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def write_failure(run_path: Path, rank: int, record: dict, traceback_text: str) -> Path:
-    """A failing rank's record and its traceback beside it, each whole or absent; no fsync: the process is about to
-    exit, not the machine (what it wrote survives it), and its peers are being torn down meanwhile."""
+def write_failure(run_path: Path, rank: int, record: dict, traceback_text: str | None) -> Path:
+    """A failing rank's record and its traceback beside it (None: no traceback, a launcher's record of a rank that
+    died without one), each whole or absent; no fsync: the process is about to exit, not the machine (what it wrote
+    survives it), and its peers are being torn down meanwhile."""
     directory = run_path / FAILURES_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"rank-{rank:05d}.json"
-    traceback_path = path.with_suffix(".traceback")
-    _replace_text(traceback_path, traceback_text)
-    _replace_text(path, json.dumps({**record, "rank": rank, "traceback": str(traceback_path)}))
+    traceback_path = path.with_suffix(".traceback") if traceback_text is not None else None
+    if traceback_path is not None:
+        _replace_text(traceback_path, traceback_text)
+    _replace_text(path, json.dumps({**record, "rank": rank, "traceback": traceback_path and str(traceback_path)}))
     return path
+
+
+def death_record(rank: int, host: str | None, returncode: int, launcher: str, **where: object) -> dict:
+    """What a launcher (ours, mpirun, srun) knows of a rank that ended without recording why: where it ran and how it
+    ended (``returncode`` as Popen gives it: below zero, killed by that signal); ``where``: job_id, world_size, time."""
+    return {"host": host, "exit": returncode, "launcher": launcher, "peer_lost": False, "step": None, **where,
+            "rank": rank}
+
+
+def describe_exit(returncode: int) -> str:
+    """``was killed by SIGKILL (signal 9: often the out-of-memory killer)``, ``exited with code 3``: how a process
+    ended, from its status as Popen gives it (below zero: killed by that signal)."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+        cause = SIGNAL_CAUSES.get(name)
+        return f"was killed by {name} (signal {-returncode}{f': {cause}' if cause else ''})"
+    if returncode == STALL_EXIT:
+        return f"exited with code {returncode} (aborted by the stall inspector: see its report above)"
+    return f"exited with code {returncode}"
+
+
+def describe_death(rank: int, host: str | None, returncode: int, recorded: bool = True) -> str:
+    """``rank 2 (host vm) was killed by SIGKILL (signal 9: often the out-of-memory killer)``: one rank's end as its
+    launcher saw it, the same words under every launcher; ``recorded=False``: it left no record of why."""
+    where = f" (host {host})" if host else ""
+    silent = " without recording why" if not recorded and returncode > 0 and returncode != STALL_EXIT else ""
+    return f"rank {rank}{where} {describe_exit(returncode)}{silent}"
 
 
 def _replace_text(path: Path, text: str) -> None:
@@ -98,10 +139,14 @@ class FailureSummary(NamedTuple):
     text: str  # one line: who failed and why
     rank: int  # the rank whose log to read first
     traceback: str | None  # its traceback file, when it left a record
+    died: bool = False  # text is a launcher's account of a rank that died without a record (death_record)
 
 
 def describe_failure(record: dict) -> str:
-    """``rank 1 (host vm, step 5) failed: RuntimeError: deliberate failure``."""
+    """``rank 1 (host vm, step 5) failed: RuntimeError: deliberate failure``, or for a launcher's record of a death
+    (death_record): ``rank 2 (host vm) was killed by SIGKILL (signal 9: often the out-of-memory killer)``."""
+    if isinstance(record.get("exit"), int):
+        return describe_death(record["rank"], record.get("host"), record["exit"], recorded=False)
     where = [f"host {record['host']}"] if record.get("host") else []
     where += [f"step {record['step']}"] if record.get("step") else []
     places = f" ({', '.join(where)})" if where else ""
@@ -116,7 +161,8 @@ def summarize_failures(records: list[dict]) -> FailureSummary | None:
     own = [record for record in records if not record.get("peer_lost")]
     if own:
         first = min(own, key=lambda r: (r.get("time", 0.0), r["rank"]))
-        return FailureSummary(describe_failure(first), first["rank"], first.get("traceback"))
+        died = isinstance(first.get("exit"), int)
+        return FailureSummary(describe_failure(first), first["rank"], first.get("traceback"), died)
     lost = sorted(record["rank"] for record in records)
     size = max([record.get("world_size") or 0 for record in records] + [lost[-1] + 1])
     silent = sorted(set(range(size)) - set(lost))

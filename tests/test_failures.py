@@ -1,6 +1,8 @@
 """Which rank failed, and why: each failing rank's record in the run directory (hpc/runtime/abort.py, hpc/rundir.py),
 the first own-cause failure chosen from them, and how ``hpc status``, ``hpc logs``, ``hpc sweep status`` and
-``hpc run`` lead with it. Fast: no torch and no cluster here; tests/test_submit.py runs a failing job on Slurm."""
+``hpc run`` lead with it; a rank that died without a record (a signal, ``os._exit``) as its launcher tells it (our
+wait status, mpirun's exit report, srun's task lines). Fast: no torch and no cluster here; tests/test_submit.py and
+tests/test_slurm_failures.py run failing jobs on Slurm and under hpc run."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.rundir import read_failures, summarize_failures, write_failure
+from hpc.rundir import death_record, describe_death, read_failures, summarize_failures, write_failure
 from hpc.runtime.abort import is_peer_lost
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,3 +148,76 @@ def test_sweep_status_names_each_failed_tasks_first_failing_rank(tmp_path: Path)
     write_failure(Path(tasks[2]["run_path"]), 0, _record(0, 1.0, False, job_id="40_2"), "")
     assert failure_lines({"job_id": "40", "tasks": tasks}, ["COMPLETED", "COMPLETED", "FAILED"]) == [
         "task 2 (job 40_2): rank 0 (host vm, step 5) failed: ValueError: bad on 0 -- see: hpc logs 40_2 --rank 0"]
+
+
+KILLED = "was killed by SIGKILL (signal 9: often the out-of-memory killer)"
+
+
+def test_a_rank_that_died_without_a_record_leads_as_its_launcher_tells_it() -> None:
+    killed = death_record(2, "vm", -9, "mpirun", job_id="12", world_size=4, time=1.5)
+    records = [_record(0, 2.0, True), _record(1, 1.0, True), killed, _record(3, 2.1, True)]
+    assert summarize_failures(records) == (f"rank 2 (host vm) {KILLED}", 2, None, True)
+    exited = death_record(2, "vm", 3, "local", job_id="12", world_size=4, time=1.5)
+    assert summarize_failures([exited]).text == "rank 2 (host vm) exited with code 3 without recording why"
+    raised_first = summarize_failures([_record(1, 1.0, False), killed])  # its own failure, before the death
+    assert raised_first.text == "rank 1 (host vm, step 5) failed: ValueError: bad on 1" and not raised_first.died
+    assert describe_death(0, None, -11) == ("rank 0 was killed by SIGSEGV (signal 11: a crash in native code: a CUDA "
+                                            "kernel, an extension, a library)")
+    stalled = describe_death(1, "vm", 76, recorded=False)
+    assert stalled.endswith("exited with code 76 (aborted by the stall inspector: see its report above)")
+
+
+def test_the_launcher_records_a_death_only_for_a_rank_that_left_no_record(tmp_path: Path) -> None:
+    from hpc.runtime.launch import RankDied, named_failure, record_death
+
+    write_failure(tmp_path, 1, _record(1, 1.0, False, job_id="local-1"), "Traceback ...")
+    raised = RankDied(1, "vm", 1, at=2.0, aftermath="; stopped the other 3 ranks")
+    record_death(tmp_path, raised, "local", "local-1", 4, since=0.0)  # rank 1 recorded why: kept as it is
+    assert str(named_failure(raised, tmp_path, "local-1", 0.0)).startswith(
+        "rank 1 (host vm, step 5) failed: ValueError: bad on 1 (traceback: ")
+    killed = RankDied(2, "vm", -9, at=3.0, aftermath="; stopped the other 3 ranks")
+    record_death(tmp_path / "run", killed, "local", "local-2", 4, since=0.0)
+    [record] = read_failures(tmp_path / "run", "local-2")
+    assert {k: record[k] for k in ("rank", "host", "exit", "launcher", "world_size", "time", "traceback")} == {
+        "rank": 2, "host": "vm", "exit": -9, "launcher": "local", "world_size": 4, "time": 3.0, "traceback": None}
+    named = named_failure(killed, tmp_path / "run", "local-2", 0.0)
+    assert (str(named), named.exit_code) == (f"rank 2 (host vm) {KILLED}; stopped the other 3 ranks", 137)
+    assert [path.name for path in (tmp_path / "run" / "failures").iterdir()] == ["rank-00002.json"]
+
+
+# What Open MPI 4.1 printed when rank 2 of 4 was SIGKILLed, and when it called os._exit(3) (rank 1 saw it and
+# called MPI_Abort); Open MPI 5's prterun names processes [prterun-vm-1234@1,2].
+MPIRUN_KILLED = ["-" * 74, "mpirun noticed that process rank 2 with PID 0 on node vm exited on signal 9 (Killed).",
+                 "-" * 74]
+MPIRUN_EXITED = ["MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD", "with errorcode 1.", "-" * 74,
+                 "mpirun detected that one or more processes exited with non-zero status, thus causing",
+                 "the job to be terminated. The first process to do so was:", "", "  Process name: [[16356,1],2]",
+                 "  Exit code:    3", "-" * 74]
+
+
+@pytest.mark.parametrize(("lines", "death"), [
+    (MPIRUN_KILLED, (2, "vm", -9)),
+    (MPIRUN_EXITED, (2, "b", 3)),
+    (["prterun noticed that process rank 3 with PID 4711 on node n7 exited on signal 11 (Segmentation fault)."],
+     (3, "n7", -11)),
+    (["prterun detected that one or more processes exited with non-zero status", "Process name: [prterun-vm-1@1,1]",
+      "Exit code: 4"], (1, "a", 4)),
+    (["MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD", "Exit code: 1"], None),
+])
+def test_mpiruns_exit_report_names_the_first_rank_that_died(lines: list[str], death: tuple | None) -> None:
+    from hpc.runtime.launch import MpirunReport, mpirun_host
+
+    report = MpirunReport(lambda rank: mpirun_host(rank, [("a", 2), ("b", 2)]))
+    for line in [*lines, *MPIRUN_KILLED[1:2]] if death else lines:  # a later report does not replace the first
+        report.read(line + "\n")
+    assert (report.first and (report.first.rank, report.first.host, report.first.returncode)) == death
+
+
+def test_mpirun_places_ranks_on_the_hosts_slots_in_order() -> None:
+    import socket
+
+    from hpc.runtime.launch import mpirun_host
+
+    assert [mpirun_host(rank, [("a", 2), ("b", 1)]) for rank in range(4)] == ["a", "a", "b", None]
+    assert mpirun_host(3) == os.environ.get("SLURMD_NODENAME", socket.gethostname())
+

@@ -1,12 +1,15 @@
 """A job whose rank 1 raises at step 5, on the local Slurm (2 and 4 ranks) and under ``hpc run`` (local ranks and
 mpirun): ``hpc status``, ``hpc logs`` and ``hpc run`` name rank 1 and its error first, not the other ranks'
-"Connection closed by peer" (issue 28). The records behind them are tested fast in tests/test_failures.py."""
+"Connection closed by peer" (issue 28). A job whose rank 2 of 4 dies without an exception (SIGKILL, as from the
+out-of-memory killer, or ``os._exit(3)``) at step 2: the same commands name rank 2, its host and its signal or exit
+code, as its launcher saw them (issue 39). The records behind them are tested fast in tests/test_failures.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -55,10 +58,45 @@ time = "10"
 """
 
 
+# A user's model entry whose rank die_rank dies at step die_step without a Python exception.
+DYING_MODEL = '''
+import os
+
+import torch.distributed as dist
+
+from jobs.models import mlp
+
+
+def build(die_rank=2, die_step=2, how="kill"):
+    model = mlp(hidden_sizes=[32])
+    calls = []
+
+    def die_there(module, inputs):
+        if module.training:
+            calls.append(1)
+            if dist.get_rank() == die_rank and len(calls) == die_step:
+                if how == "kill":
+                    os.kill(os.getpid(), 9)  # as the out-of-memory killer does
+                os._exit(3)
+
+    model.register_forward_pre_hook(die_there)
+    return model
+'''
+DEATHS = {"kill": "was killed by SIGKILL (signal 9: often the out-of-memory killer)",
+          "exit": "exited with code 3 without recording why"}
+
+
 def _write_job(directory: Path) -> Path:
     (directory / "failing_model.py").write_text(FAILING_MODEL)
     spec = directory / "failing.toml"
     spec.write_text(SPEC)
+    return spec
+
+
+def _write_dying_job(directory: Path) -> Path:
+    (directory / "dying_model.py").write_text(DYING_MODEL)
+    spec = directory / "dying.toml"
+    spec.write_text(SPEC.replace("failing_model:build", "dying_model:build").replace('"failing"', '"dying"'))
     return spec
 
 
@@ -104,3 +142,20 @@ def test_hpc_run_names_the_rank_that_raised_and_its_traceback(tmp_path: Path, la
     traceback = tmp_path / "runs" / "failing" / "failures" / "rank-00001.traceback"
     assert re.fullmatch(rf"hpc: error: rank 1 \(host \S+, step 5\) failed: {CAUSE} \(traceback: {traceback}\); .*",
                         error), done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", list(DEATHS))
+@pytest.mark.parametrize("launcher", ["local", pytest.param("mpirun", marks=needs_mpi)])
+def test_hpc_run_names_the_rank_that_died_without_an_exception(tmp_path: Path, launcher: str, how: str) -> None:
+    spec = _write_dying_job(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "hpc.cli.main", "run", "-n", "4", "--launcher", launcher, str(spec),
+                           "--set", f"job.run_dir={tmp_path / 'runs'}", "--set", f"model.args.how={how}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == (137 if how == "kill" else 3), done.stderr
+    stopped = "; stopped the other 3 ranks" if launcher == "local" else ""
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    assert done.stderr.splitlines()[-1] == f"hpc: error: rank 2 (host {host}) {DEATHS[how]}{stopped}", done.stderr
+    record = _records(tmp_path / "runs" / "dying")[2]  # the launcher's record, for hpc sweep status and later readers
+    assert (record["exit"], record["launcher"], record["host"]) == ((-9 if how == "kill" else 3), launcher, host)

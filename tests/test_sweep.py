@@ -188,8 +188,8 @@ def test_local_executor_runs_every_config_and_marks_the_failed_one(tmp_path: Pat
     assert done.returncode == 1, done.stderr  # a failed task makes the sweep fail
     cause = "failed: CheckpointError: checkpoint.resume=/no/such/checkpoint: no complete checkpoint there"
     traceback = runs / "one-fails" / "task-001" / "failures" / "rank-00000.traceback"
-    assert re.search(rf"task 1 failed: rank 0 \(host \S+\) {cause} \(traceback: {traceback}\); rank 0 exited with "
-                     "code 1\n", done.stderr), done.stderr
+    assert re.search(rf"task 1 failed: rank 0 \(host \S+\) {cause} \(traceback: {traceback}\); rank 0 \(host \S+\) "
+                     "exited with code 1\n", done.stderr), done.stderr
     manifest = read_manifest(runs / "one-fails")
     assert [(t.get("state"), t["params"]["checkpoint.resume"]) for t in manifest["tasks"]] == [
         ("COMPLETED", "auto"), ("FAILED", "/no/such/checkpoint")]

@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-STALL_EXIT = 76  # a stalled rank's exit status (PREEMPTED_EXIT is 75)
+from hpc.rundir import STALL_EXIT  # a stalled rank's exit status (PREEMPTED_EXIT is 75); hpc status reads it too
+
 KEY_PREFIX = "hpc/stall/rank-"
 SILENT_AFTER_INTERVALS = 5  # a peer whose entry is older than this many intervals is presumed dead or frozen
 STORE_TIMEOUT_S = 5.0  # a frozen store host must not hold a report (and the abort) for long

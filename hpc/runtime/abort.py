@@ -81,7 +81,7 @@ def record_failure(run_path: Path, exc: BaseException) -> None:
 
     try:
         rank, world_size, job_id = _where()
-        record = {"job_id": job_id, "world_size": world_size, "host": _host(), "step": failed_step(exc),
+        record = {"job_id": job_id, "world_size": world_size, "host": this_host(), "step": failed_step(exc),
                   "type": type(exc).__name__, "message": first_line(exc), "peer_lost": is_peer_lost(exc),
                   "time": time.time(), "pid": os.getpid(), "restart": os.environ.get("SLURM_RESTART_COUNT")}
         write_failure(run_path, rank, record, "".join(traceback.format_exception(exc)))
@@ -101,7 +101,8 @@ def _where() -> tuple[int, int | None, str | None]:
     return info.rank, info.world_size, info.job_id
 
 
-def _host() -> str:
+def this_host() -> str:
+    """This node's name as Slurm calls it (SLURMD_NODENAME), else the hostname."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 

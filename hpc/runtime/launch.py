@@ -9,6 +9,11 @@ rank and anything it started are stopped together.
 Under mpirun, Open MPI already aborts the job when a rank dies; we build the
 command line (root, oversubscription, binding, environment with -x) and turn its
 ``--tag-output`` prefixes into the same ``[rank]`` prefixes as the local launcher.
+
+A rank that dies without a Python exception (a signal: the out-of-memory killer, a
+segfault in a CUDA kernel; or ``os._exit``) records nothing itself: the launcher that saw
+it die (our wait status, mpirun's exit report) records it in the run's failures directory
+(hpc/rundir.py ``death_record``), so ``hpc run`` and every later reader lead with it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from hpc.errors import ConfigError, RankFailedError
-from hpc.observe.stall import STALL_EXIT
+from hpc.rundir import death_record, describe_death, describe_exit, read_failures, summarize_failures, write_failure
+from hpc.runtime.abort import this_host
 from hpc.runtime.env import Launcher, detect_rank_info
 
 STOP_GRACE_S = 5.0
@@ -40,7 +46,11 @@ FORWARDED_PREFIXES = ("HPC_", "NCCL_", "GLOO_", "TORCH_", "CUDA_", "OMP_", "MKL_
 FORWARDED_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "MASTER_ADDR", "MASTER_PORT")
 # Open MPI 4.1 sometimes repeats the tag just before the newline, so every tag is removed.
 MPI_TAG = re.compile(rb"\[\d+,(\d+)\]<(?:stdout|stderr)>:")
-MPI_RANK_DIED = re.compile(r"rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
+# Open MPI's (4 and 5) exit reports: a rank killed by a signal, and the first rank to exit non-zero.
+MPI_RANK_DIED = re.compile(r"rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
+MPI_NONZERO = re.compile(r"exited with non-zero status")
+MPI_PROCESS = re.compile(r"Process name:\s*\[\S*,(\d+)\]\s*$")
+MPI_EXIT_CODE = re.compile(r"Exit code:\s*(\d+)")
 
 
 @dataclass(frozen=True)
@@ -88,16 +98,18 @@ def rank_threads(environ: Mapping[str, str], affinity: Collection[int] | None = 
     return threads_per_rank(info.local_size, cpus)
 
 
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    if returncode == STALL_EXIT:
-        return f"exited with code {returncode} (aborted by the stall inspector: see its report above)"
-    return f"exited with code {returncode}"
+def exit_status(returncode: int) -> int:
+    """What a shell reports for a process that ended with Popen's ``returncode``: 128 + the signal when killed."""
+    return returncode if returncode > 0 else 128 - returncode
+
+
+class RankDied(RankFailedError):
+    """The first rank to end badly, as its launcher saw it: where it ran and how it ended (``returncode`` as Popen
+    gives it: below zero, killed by that signal), ``at`` when; ``aftermath`` what the launcher did then."""
+
+    def __init__(self, rank: int, host: str | None, returncode: int, at: float, aftermath: str = "") -> None:
+        super().__init__(f"{describe_death(rank, host, returncode)}{aftermath}", exit_code=exit_status(returncode))
+        self.rank, self.host, self.returncode, self.at, self.aftermath = rank, host, returncode, at, aftermath
 
 
 def local_commands(
@@ -252,23 +264,59 @@ def run_local(commands: Sequence[RankCommand]) -> None:
         for _ in procs:
             index, code = exits.get()
             if code != 0:
-                failure = (commands[index].rank, code)
+                failure = (commands[index].rank, code, time.time())
                 break
     finally:
         stop_process_groups(procs)
     if failure is not None:
-        rank, code = failure
+        rank, code, at = failure
         others = len(commands) - 1
         stopped = f"; stopped the other {others} rank{'s' * (others != 1)}" if others else ""
-        raise RankFailedError(f"rank {rank} {describe_exit(code)}{stopped}", exit_code=code if code > 0 else 128 - code)
+        raise RankDied(rank, this_host(), code, at, stopped)
 
 
-def run_mpirun(command: Sequence[str], env: Mapping[str, str] | None = None) -> None:
-    deaths: list[str] = []
+class MpirunReport:
+    """The first rank that mpirun reports dead: ``mpirun noticed that process rank 2 with PID N on node vm exited on
+    signal 9 (Killed).``, or the block under ``mpirun detected that one or more processes exited with non-zero
+    status`` (``Process name: [[16356,1],2]`` then ``Exit code: 3``), whose host is where the mapping put the rank."""
+
+    def __init__(self, host_of: Callable[[int], str | None]) -> None:
+        self.host_of = host_of
+        self.first: RankDied | None = None
+        self._nonzero = False
+        self._rank: int | None = None
+
+    def read(self, line: str) -> None:
+        if self.first is not None:
+            return
+        if match := MPI_RANK_DIED.search(line):
+            self.first = RankDied(int(match[1]), match[2], -int(match[3]), time.time())
+        elif MPI_NONZERO.search(line):
+            self._nonzero = True
+        elif self._nonzero and (match := MPI_PROCESS.search(line)):
+            self._rank = int(match[1])
+        elif self._rank is not None and (match := MPI_EXIT_CODE.search(line)):
+            self.first = RankDied(self._rank, self.host_of(self._rank), int(match[1]), time.time())
+
+
+def mpirun_host(rank: int, hosts: Sequence[tuple[str, int]] = ()) -> str | None:
+    """Where ``mpirun --map-by slot`` starts ``rank``: this host without --hosts, else the hosts' slots filled in
+    order; None past their slots (oversubscribed: Open MPI's own placement)."""
+    if not hosts:
+        return this_host()
+    for name, slots in hosts:
+        if rank < slots:
+            return name
+        rank -= slots
+    return None
+
+
+def run_mpirun(command: Sequence[str], env: Mapping[str, str] | None = None,
+               hosts: Sequence[tuple[str, int]] = ()) -> None:
+    report = MpirunReport(lambda rank: mpirun_host(rank, hosts))
 
     def relabel(line: bytes) -> bytes:
-        if match := MPI_RANK_DIED.search(line.decode(errors="replace")):
-            deaths.append(f"rank {match[1]} {describe_exit(-int(match[2]))}")
+        report.read(line.decode(errors="replace"))
         tagged = MPI_TAG.search(line)
         return b"[%s] %s" % (tagged[1], MPI_TAG.sub(b"", line)) if tagged else line
 
@@ -279,8 +327,7 @@ def run_mpirun(command: Sequence[str], env: Mapping[str, str] | None = None) -> 
     finally:
         stop_process_groups([proc])
     if code != 0:
-        what = deaths[0] if deaths else f"mpirun {describe_exit(code)}"
-        raise RankFailedError(what, exit_code=code if code > 0 else 128 - code)
+        raise report.first or RankFailedError(f"mpirun {describe_exit(code)}", exit_code=exit_status(code))
 
 
 def new_job_id() -> str:
@@ -314,20 +361,36 @@ def launch_ranks(n: int, argv, launcher: str, hosts, bind_to: str | None, progre
     try:
         if launcher == "mpirun":  # the ranks' HPC_JOB_ID labels their failure records; -x forwards HPC_*
             environ = {**os.environ, "HPC_JOB_ID": job_id}
-            run_mpirun(mpirun_command(n, argv, environ, hosts, bind_to, progress, is_root=os.geteuid() == 0), environ)
+            command = mpirun_command(n, argv, environ, hosts, bind_to, progress, is_root=os.geteuid() == 0)
+            run_mpirun(command, environ, hosts)
         else:
             run_local(local_commands(n, argv, os.environ, free_port(), job_id, progress))
     except RankFailedError as exc:
+        if isinstance(exc, RankDied) and run_path is not None:
+            record_death(run_path, exc, launcher, job_id, n, started)
         raise named_failure(exc, run_path, job_id, started) from None
 
 
-def named_failure(exc: RankFailedError, run_path: Path | None, job_id: str, since: float) -> RankFailedError:
-    """``exc`` led by the first rank of job ``job_id`` that failed for a reason of its own, as recorded."""
-    from hpc.rundir import read_failures, summarize_failures
+def record_death(run_path: Path, death: RankDied, launcher: str, job_id: str, world_size: int, since: float) -> None:
+    """The launcher's record of ``death`` in the run directory, unless that rank recorded why it failed itself."""
+    if any(record["rank"] == death.rank for record in read_failures(run_path, job_id, since)):
+        return
+    record = death_record(death.rank, death.host, death.returncode, launcher, job_id=job_id, world_size=world_size,
+                          time=death.at)
+    try:
+        write_failure(run_path, death.rank, record, None)
+    except OSError as error:  # the error still names the rank; only later readers miss it
+        print(f"hpc: could not record rank {death.rank}'s end in {run_path}: {error}", file=sys.stderr, flush=True)
 
+
+def named_failure(exc: RankFailedError, run_path: Path | None, job_id: str, since: float) -> RankFailedError:
+    """``exc`` led by the first rank of job ``job_id`` that failed for a reason of its own, as recorded; a rank that
+    died without a record of its own is the launcher's account alone (``rank 2 (host vm) was killed by ...``)."""
     summary = summarize_failures(read_failures(run_path, job_id, since)) if run_path is not None else None
     if summary is None:
         return exc
+    if summary.died and isinstance(exc, RankDied):
+        return RankFailedError(f"{summary.text}{exc.aftermath}", exit_code=exc.exit_code)
     where = f" (traceback: {summary.traceback})" if summary.traceback else ""
     return RankFailedError(f"{summary.text}{where}; {exc}", exit_code=exc.exit_code)
 
