@@ -10,7 +10,12 @@ array ranges such as ``12_[3-5%2]`` included.
 Run directories hold what the ranks write: ``metrics.jsonl`` (one line per step, rank 0),
 ``result.json`` (the final measures, written by ``hpc-rank`` when training ends) and
 ``failures/`` (why each failing rank failed, hpc/runtime/abort.py): ``hpc status`` and
-``hpc logs`` lead with the first rank that failed for a reason of its own.
+``hpc logs`` lead with the first rank that failed for a reason of its own. A rank killed by a
+signal (the out-of-memory killer, a segfault in a CUDA kernel) or ending in ``os._exit`` records
+nothing; srun says which task ended so and how (``srun: error: vm: task 2: Killed``, in the
+batch script's output, which is rank 0's log), and when no rank recorded a failure of its own that
+line leads: ``rank 2 (host vm) was killed by SIGKILL (signal 9: often the out-of-memory killer)``.
+sacct cannot say it: a step's ExitCode is one task's (srun's choice), not the task that died first.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import codecs
 import dataclasses
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -28,12 +35,18 @@ from pathlib import Path
 from typing import TextIO
 
 from hpc.errors import HpcError
-from hpc.rundir import last_metrics, read_failures, summarize_failures, write_json
+from hpc.rundir import death_record, last_metrics, read_failures, summarize_failures, write_json
 
 SACCT_FIELDS = ("JobID", "JobName", "State", "Elapsed", "NodeList", "ExitCode")
 DONE_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
                          "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
 FAILED_STATES = DONE_STATES - {"COMPLETED"}
+# srun's report of tasks that ended badly: "srun: error: vm: task 2: Killed", "... tasks 0-1,3: Exited with exit code 1"
+SRUN_TASKS_ENDED = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+?)(?: \(core dumped\))?\s*$", re.M)
+SRUN_TASK_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+SRUN_EXITED = re.compile(r"Exited with exit code (\d+)")
+ATTEMPT_START = "Starting with JobEnvironment("  # submitit's first line in each task's log (rank 0's: the batch log)
+LOG_TAIL_BYTES = 1 << 18  # srun's lines come last in the batch log
 
 
 class JobLookupError(HpcError):
@@ -142,19 +155,62 @@ def status_rows(records: Sequence[JobRecord], states: Mapping[str, Mapping[str, 
 STATUS_HEADER = ("JOB", "NAME", "STATE", "ELAPSED", "NODES", "STEP", "LOSS")
 
 
-def failure_line(job_id: str, run_path: Path, label: str | None = None) -> str | None:
+def failure_line(job_id: str, run_path: Path, label: str | None = None,
+                 log_dir: str | Path | None = None) -> str | None:
     """``job 12: rank 1 (host vm, step 5) failed: RuntimeError: ... -- see: hpc logs 12 --rank 1`` (``label`` in
-    place of ``job 12``), or None when no rank of the job recorded a failure."""
-    summary = summarize_failures(read_failures(run_path, job_id))
+    place of ``job 12``), or None when no rank of the job recorded a failure and srun (its lines in the logs in
+    ``log_dir``) reported no task that ended without one."""
+    records = read_failures(run_path, job_id)
+    if log_dir is not None and all(record.get("peer_lost") for record in records):
+        death = srun_death(_batch_log_tail(Path(log_dir), job_id), {record["rank"] for record in records}, job_id)
+        records += [death] if death else []
+    summary = summarize_failures(records)
     if summary is None:
         return None
     return f"{label or f'job {job_id}'}: {summary.text} -- see: hpc logs {job_id} --rank {summary.rank}"
 
 
 def failure_lines(records: Sequence[JobRecord], only: str | None = None) -> list[str]:
-    """One line per job or array task (or just ``only``) whose ranks recorded a failure."""
+    """One line per job or array task (or just ``only``) whose ranks recorded a failure, or that srun saw die."""
     ids = [(record, job_id) for record in records for job_id in record.task_ids() if only in (None, job_id)]
-    return [line for record, job_id in ids if (line := failure_line(job_id, record.run_path(job_id)))]
+    return [line for record, job_id in ids
+            if (line := failure_line(job_id, record.run_path(job_id), log_dir=record.log_dir))]
+
+
+def srun_death(log: str, recorded: Iterable[int], job_id: str) -> dict | None:
+    """The death record (hpc/rundir.py) of the task that srun's lines in ``log`` say ended badly and that left no
+    record of its own (not in ``recorded``): signals by strsignal's words, exits by their code. Tasks srun names
+    alone come before those it names together (ranks it killed itself once the first died), then srun's order."""
+    words = {text: number for number in signal.Signals if (text := signal.strsignal(number))}
+    found, recorded = [], set(recorded)
+    for index, (host, tasks, status) in enumerate(match.groups() for match in SRUN_TASKS_ENDED.finditer(log)):
+        exited = SRUN_EXITED.fullmatch(status)
+        returncode = int(exited[1]) if exited else -words[status] if status in words else None
+        ranks = [rank for rank in _task_ranks(tasks) if rank not in recorded]
+        if returncode is not None and ranks:
+            found.append(((len(ranks) > 1, index, ranks[0]), death_record(ranks[0], host, returncode, "srun",
+                                                                         job_id=job_id)))
+    return min(found, key=lambda pair: pair[0])[1] if found else None
+
+
+def _task_ranks(tasks: str) -> list[int]:
+    """srun's task list ``0-1,3`` as ranks."""
+    spans = SRUN_TASK_RANGE.findall(tasks)
+    return [rank for first, last in spans for rank in range(int(first), int(last or first) + 1)]
+
+
+def _batch_log_tail(log_dir: Path, job_id: str) -> str:
+    """The end of the batch script's output (srun's own lines; rank 0's log too), from the job's latest start."""
+    from slurm.submit import log_path
+
+    try:
+        with log_path(log_dir, job_id, 0).open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - LOG_TAIL_BYTES))
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return text[max(0, text.rfind(ATTEMPT_START)):]
 
 
 def follow(path: Path, finished: Callable[[], bool], out: TextIO = sys.stdout, poll_s: float = 0.5) -> None:

@@ -57,7 +57,7 @@ from hpc.config import (
 )
 from hpc.errors import ConfigError
 from hpc.rundir import RESULT_FILE, last_metrics, read_failures, read_result, summarize_failures, write_json
-from slurm.job_registry import FAILED_STATES, failure_line
+from slurm.job_registry import FAILED_STATES, JobLookupError, Registry, failure_line
 
 MANIFEST = "sweep.json"
 DISTRIBUTIONS = ("uniform", "log_uniform")
@@ -340,18 +340,28 @@ def failure_lines(manifest: Mapping[str, Any], states: Sequence[str]) -> list[st
     """For each failed task, the first rank that failed for a reason of its own (hpc/runtime/abort.py) and where to
     read more: ``hpc logs`` of its array task, or the traceback a local task's rank left in its run directory."""
     job_id, lines = manifest["job_id"], []
+    log_dir = _log_dir(job_id) if job_id else None
     for task, state in zip(manifest["tasks"], states, strict=True):
         if state not in FAILED_STATES:
             continue
         index, run_path = task["index"], Path(task["run_path"])
         if job_id:
-            line = failure_line(f"{job_id}_{index}", run_path, f"task {index} (job {job_id}_{index})")
+            line = failure_line(f"{job_id}_{index}", run_path, f"task {index} (job {job_id}_{index})", log_dir)
         elif summary := summarize_failures(read_failures(run_path)):
             line = f"task {index}: {summary.text}" + (f" -- see: {summary.traceback}" if summary.traceback else "")
         else:
             line = f"task {index}: {task['error']}" if task.get("error") else None
         lines += [line] if line else []
     return lines
+
+
+def _log_dir(job_id: str) -> str | None:
+    """Where the job array's logs are (srun's lines name the tasks that died without a record), as the registry of
+    the machine that submitted it says; None elsewhere."""
+    try:
+        return Registry.default().get(job_id).log_dir
+    except (JobLookupError, OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 def table(manifest: Mapping[str, Any], states: Sequence[str], ranked: bool) -> tuple[list[str], list[list[str]]]:

@@ -221,3 +221,48 @@ def test_mpirun_places_ranks_on_the_hosts_slots_in_order() -> None:
     assert [mpirun_host(rank, [("a", 2), ("b", 1)]) for rank in range(4)] == ["a", "a", "b", None]
     assert mpirun_host(3) == os.environ.get("SLURMD_NODENAME", socket.gethostname())
 
+
+ATTEMPT = ("submitit INFO (2026-11-27 20:40:04,822) - Starting with JobEnvironment(job_id=12, hostname=vm, "
+           "local_rank=0(4), node=0(2), global_rank=0(4))\n")
+# rank 0's log, which is also the batch script's output: srun's lines of a requeued job's two starts
+SRUN_LOG = (f"{ATTEMPT}srun: error: vm: task 1: Segmentation fault (core dumped)\n{ATTEMPT}"
+            f"hpc-rank: rank 0: error: {GLOO_CLOSED}\nsrun: error: vm: tasks 0-1,3: Exited with exit code 1\n"
+            "srun: launch/slurm: _step_signal: Terminating StepId=12.0\nsrun: error: node2: task 2: Killed\n"
+            "srun: Force Terminated StepId=12.0\n")
+
+
+def test_srun_names_the_task_that_died_without_a_record() -> None:
+    from slurm.job_registry import srun_death
+
+    assert srun_death(SRUN_LOG, [0, 1, 3], "12") == death_record(2, "node2", -9, "srun", job_id="12")
+    assert srun_death(SRUN_LOG, [], "12")["rank"] == 1  # alone on its line: srun's killing of the rest comes after
+    assert srun_death(SRUN_LOG, [0, 1, 2, 3], "12") is None and srun_death("", [], "12") is None
+    together = "srun: error: vm: tasks 0,2: Killed\nsrun: error: vm: task 3: Exited with exit code 3\n"
+    assert srun_death(together, [], "12") == death_record(3, "vm", 3, "srun", job_id="12")
+    assert srun_death("srun: error: vm: task 5: Segmentation fault (core dumped)\n", [], "12")["exit"] == -11
+
+
+def test_status_logs_and_sweep_status_name_the_task_srun_saw_killed(tmp_path: Path, monkeypatch) -> None:
+    from slurm import sweep
+    from slurm.job_registry import JobRecord, Registry, failure_lines
+
+    run, home = tmp_path / "run", tmp_path / "home"
+    Registry(home / "jobs").add(JobRecord("12", "dying", 4, str(run / "slurm"), (str(run),)))
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "12_0_log.out").write_text(SRUN_LOG)
+    for rank in (0, 1, 3):
+        write_failure(run, rank, _record(rank, 2.0 + rank, True), "")
+    lead = f"job 12: rank 2 (host node2) {KILLED} -- see: hpc logs 12 --rank 2"
+    env = {**os.environ, "HPC_HOME": str(home)}
+    shown = _hpc(env, "logs", "12")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines()[0] == lead and shown.stdout.splitlines()[-1] == lead
+    assert failure_lines(Registry.default(env).recent()) == [lead]
+    monkeypatch.setenv("HPC_HOME", str(home))
+    Registry.default().add(JobRecord("40", "sweep", 4, str(run / "slurm"), (str(run),), array=True))
+    (run / "slurm" / "40_0_0_log.out").write_text(SRUN_LOG.replace("job_id=12", "job_id=40_0"))
+    for rank in (0, 1, 3):
+        write_failure(run, rank, _record(rank, 2.0 + rank, True, job_id="40_0"), "")
+    tasks = [{"index": 0, "run_path": str(run)}]
+    assert sweep.failure_lines({"job_id": "40", "tasks": tasks}, ["FAILED"]) == [
+        f"task 0 (job 40_0): rank 2 (host node2) {KILLED} -- see: hpc logs 40_0 --rank 2"]

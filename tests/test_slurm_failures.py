@@ -145,6 +145,26 @@ def test_hpc_run_names_the_rank_that_raised_and_its_traceback(tmp_path: Path, la
 
 
 @pytest.mark.slow
+def test_status_and_logs_of_a_slurm_job_name_the_rank_that_died_without_an_exception(slurm_cluster) -> None:
+    state, node = slurm_cluster.state, slurm_cluster.nodes[0]
+    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1", "HPC_HOME": str(state / "hpc-home-deaths")}
+    spec, runs = _write_dying_job(state), state / "death-runs"
+    jobs = {how: _submitted(_hpc(env, "submit", str(spec), "--ntasks-per-node", "4", "--set", f"job.run_dir={runs}",
+                                 "--set", f"job.name=dying-{how}", "--set", f"model.args.how={how}", cwd=state))
+            for how in DEATHS}
+    for how, job in jobs.items():
+        assert _wait_done(env, job) == {job: "FAILED"}
+        lead = f"job {job}: rank 2 (host {node}) {DEATHS[how]} -- see: hpc logs {job} --rank 2"
+        status = _hpc(env, "status", job)
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.splitlines()[0] == lead, status.stdout
+        logs = _hpc(env, "logs", job)
+        assert logs.returncode == 0 and logs.stdout.splitlines()[0] == lead, logs.stdout
+        assert logs.stdout.splitlines()[-1] == lead, logs.stdout
+        assert 2 not in _records(runs / f"dying-{how}")  # srun's account, read from its lines in rank 0's log
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("how", list(DEATHS))
 @pytest.mark.parametrize("launcher", ["local", pytest.param("mpirun", marks=needs_mpi)])
 def test_hpc_run_names_the_rank_that_died_without_an_exception(tmp_path: Path, launcher: str, how: str) -> None:

@@ -194,13 +194,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if not 0 <= rank < record.ranks:
         raise ConfigError(f"--rank {rank}: job {job_id} has ranks 0 to {record.ranks - 1}")
     path = submit.log_path(Path(record.log_dir), job_id, rank)
-    failure = None if args.rank is not None else job_registry.failure_line(job_id, run_path)
+    failure = None if args.rank is not None else job_registry.failure_line(job_id, run_path, log_dir=record.log_dir)
     if failure:  # first, and again after the log (whose end is where a reader looks)
         print(failure, flush=True)
     if args.follow:
         job_registry.follow(
             path, lambda: job_registry.sacct_states([job_id]).get(job_id, {}).get("State") in job_registry.DONE_STATES)
-        failure = None if args.rank is not None else job_registry.failure_line(job_id, run_path)
+        failure = None if args.rank is not None else job_registry.failure_line(job_id, run_path, log_dir=record.log_dir)
     elif path.exists():
         sys.stdout.write(path.read_text(errors="replace"))
     else:
