@@ -32,10 +32,12 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _rank_main(fn: Callable, rank: int, n: int, port: int, args: tuple, results: Any, device: str = "cpu") -> None:
+def _rank_main(fn: Callable, rank: int, n: int, port: int, args: tuple, results: Any, device: str = "cpu",
+               backend: str = "gloo") -> None:
     import torch
 
     from hpc.runtime import bootstrap
+    from tests import nccl_rules
 
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -44,23 +46,28 @@ def _rank_main(fn: Callable, rank: int, n: int, port: int, args: tuple, results:
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     }
     os.environ.update(environ)  # as a launcher would: code that reads the environment sees this rank
+    if backend == nccl_rules.BACKEND:
+        nccl_rules.register()
     try:
-        world = bootstrap.init("gloo", init_timeout_s=30, timeout_s=60, environ=environ, device=device)
+        world = bootstrap.init(backend, init_timeout_s=30, timeout_s=60, environ=environ, device=device)
         try:
             results.put((rank, True, fn(world, *args)))
         finally:
+            nccl_rules.leave()
             bootstrap.shutdown()
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(n: int, fn: Callable, *args: Any, timeout: float = 120.0, device: str = "cpu") -> list[Any]:
+def run_ranks(n: int, fn: Callable, *args: Any, timeout: float = 120.0, device: str = "cpu",
+              backend: str = "gloo") -> list[Any]:
     """``fn(world, *args)`` on ranks 0..n-1; returns each rank's result in rank order. ``device="cuda"``: the
-    ranks share the GPU (``world.device``), over Gloo."""
+    ranks share the GPU (``world.device``), over Gloo. ``backend``: tests/nccl_rules.py's ``BACKEND`` runs them
+    under NCCL's rules."""
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, n, port, args, results, device), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, n, port, args, results, device, backend), daemon=True)
              for r in range(n)]
     for proc in procs:
         proc.start()
