@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -67,6 +68,26 @@ def last_metrics(run_path: Path) -> dict | None:
 def read_result(run_path: Path) -> dict | None:
     path = run_path / RESULT_FILE
     return json.loads(path.read_text()) if path.exists() else None
+
+
+FLIGHT_RECORDER_PREFIX = "nccl-flight-recorder-rank-"  # failures/<prefix><rank>: NCCL's dump on a timeout
+
+
+def enable_flight_recorder(run_path: Path, environ: MutableMapping[str, str]) -> None:
+    """NCCL's flight recorder on (each process group's last collectives: sequence numbers, states, sizes) and
+    dumped into ``failures/`` when a collective times out, which torch's ``fr_trace`` reads to say who never
+    entered what; a variable the user set wins. Before the process group exists: NCCL reads them then (the
+    names of torch 2.11 and of later releases)."""
+    environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    environ.setdefault("TORCH_FR_BUFFER_SIZE", environ["TORCH_NCCL_TRACE_BUFFER_SIZE"])
+    environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if "TORCH_FR_DUMP_TEMP_FILE" not in environ and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in environ:
+        try:
+            (run_path / FAILURES_DIR).mkdir(parents=True, exist_ok=True)
+        except OSError:  # the run directory's own check names it; the dump then goes where torch puts it
+            return
+        prefix = str(run_path / FAILURES_DIR / FLIGHT_RECORDER_PREFIX)
+        environ["TORCH_FR_DUMP_TEMP_FILE"] = environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = prefix
 
 
 def write_failure(run_path: Path, rank: int, record: dict, traceback_text: str | None) -> Path:

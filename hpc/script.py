@@ -97,8 +97,11 @@ def session(
     try:
         if "OMP_NUM_THREADS" not in environ:
             torch.set_num_threads(rank_threads(environ))
-        world = bootstrap.init(backend, init_timeout_s, timeout_s, environ)
+        from hpc.rundir import enable_flight_recorder
+
         run_path = run_path_for(environ, sys.argv[0])
+        enable_flight_recorder(run_path, environ)
+        world = bootstrap.init(backend, init_timeout_s, timeout_s, environ)
         try:
             run_path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -183,6 +183,12 @@ def test_the_launcher_records_a_death_only_for_a_rank_that_left_no_record(tmp_pa
     named = named_failure(killed, tmp_path / "run", "local-2", 0.0)
     assert (str(named), named.exit_code) == (f"rank 2 (host vm) {KILLED}; stopped the other 3 ranks", 137)
     assert [path.name for path in (tmp_path / "run" / "failures").iterdir()] == ["rank-00002.json"]
+    seen_first = RankDied(1, "vm", 1, at=3.1, aftermath="; stopped the other 3 ranks")  # it saw rank 2 vanish
+    seen_first.also = [RankDied(2, "vm", -9, at=3.1, aftermath="; stopped the other 3 ranks")]
+    write_failure(tmp_path / "race", 1, _record(1, 3.0, True, job_id="local-3"), "lost")
+    died = record_death(tmp_path / "race", seen_first, "local", "local-3", 4, since=0.0)
+    named = named_failure(died, tmp_path / "race", "local-3", 0.0)
+    assert (str(named), named.exit_code) == (f"rank 2 (host vm) {KILLED}; stopped the other 3 ranks", 137)
 
 
 # What Open MPI 4.1 printed when rank 2 of 4 was SIGKILLed, and when it called os._exit(3) (rank 1 saw it and
@@ -266,3 +272,18 @@ def test_status_logs_and_sweep_status_name_the_task_srun_saw_killed(tmp_path: Pa
     tasks = [{"index": 0, "run_path": str(run)}]
     assert sweep.failure_lines({"job_id": "40", "tasks": tasks}, ["FAILED"]) == [
         f"task 0 (job 40_0): rank 2 (host node2) {KILLED} -- see: hpc logs 40_0 --rank 2"]
+
+
+def test_nccls_flight_recorder_is_on_and_dumps_into_the_failures_directory_unless_the_user_chose(tmp_path) -> None:
+    from hpc.rundir import FAILURES_DIR, FLIGHT_RECORDER_PREFIX, enable_flight_recorder
+
+    environ: dict[str, str] = {}
+    enable_flight_recorder(tmp_path, environ)
+    assert environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / FAILURES_DIR / FLIGHT_RECORDER_PREFIX)
+    assert (tmp_path / FAILURES_DIR).is_dir()
+    chosen = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr-"}
+    enable_flight_recorder(tmp_path / "other", chosen)
+    assert chosen["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0" and chosen["TORCH_FR_DUMP_TEMP_FILE"] == "/scratch/fr-"
+    assert not (tmp_path / "other").exists()

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from hpc.rundir import METRICS_FILE, RESULT_FILE
+from hpc.rundir import METRICS_FILE, RESULT_FILE, enable_flight_recorder
 from hpc.runtime.abort import FailureSite, run_as_rank
 
 # The evaluation measures the summary shows (all of them go to result.json): a generalization figure per model.
@@ -79,6 +79,7 @@ def train_rank(spec_path: str, overrides: Sequence[str], watcher, site: FailureS
 
     spec = load_spec(spec_path, overrides)
     make_run_dir(spec.run_path)
+    enable_flight_recorder(spec.run_path, os.environ)
     if site is not None:
         site.run_path = spec.run_path
     if "OMP_NUM_THREADS" not in os.environ:  # else torch follows it: the user's, or what our launchers set
