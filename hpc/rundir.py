@@ -70,7 +70,7 @@ def read_result(run_path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-FLIGHT_RECORDER_PREFIX = "nccl-flight-recorder-rank-"  # failures/<prefix><rank>: NCCL's dump on a timeout
+FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"  # failures/<prefix><rank>: NCCL's dump on a timeout
 
 
 def enable_flight_recorder(run_path: Path, environ: MutableMapping[str, str]) -> None:
