@@ -189,6 +189,9 @@ def test_the_launcher_records_a_death_only_for_a_rank_that_left_no_record(tmp_pa
     died = record_death(tmp_path / "race", seen_first, "local", "local-3", 4, since=0.0)
     named = named_failure(died, tmp_path / "race", "local-3", 0.0)
     assert (str(named), named.exit_code) == (f"rank 2 (host vm) {KILLED}; stopped the other 3 ranks", 137)
+    raised.also = [RankDied(3, "vm", -9, at=3.1)]  # rank 1 raised: what else ended is not recorded
+    assert record_death(tmp_path, raised, "local", "local-1", 4, since=0.0) is None
+    assert [r["rank"] for r in read_failures(tmp_path, "local-1")] == [1]
 
 
 # What Open MPI 4.1 printed when rank 2 of 4 was SIGKILLed, and when it called os._exit(3) (rank 1 saw it and
@@ -214,9 +217,11 @@ def test_mpiruns_exit_report_names_the_first_rank_that_died(lines: list[str], de
     from hpc.runtime.launch import MpirunReport, mpirun_host
 
     report = MpirunReport(lambda rank: mpirun_host(rank, [("a", 2), ("b", 2)]))
-    for line in [*lines, *MPIRUN_KILLED[1:2]] if death else lines:  # a later report does not replace the first
+    for line in [*lines, *MPIRUN_KILLED[1:2]] if death else lines:  # a later report comes after the first
         report.read(line + "\n")
-    assert (report.first and (report.first.rank, report.first.host, report.first.returncode)) == death
+    first = report.first
+    assert (first and (first.rank, first.host, first.returncode)) == death
+    assert not death or [(also.rank, also.returncode) for also in first.also] == [(2, -9)]
 
 
 def test_mpirun_places_ranks_on_the_hosts_slots_in_order() -> None:

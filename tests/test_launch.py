@@ -110,6 +110,23 @@ def test_describe_exit() -> None:
     assert "stall inspector" in launch.describe_exit(76)
 
 
+def test_ranks_that_ended_by_themselves_while_being_stopped_come_with_the_first_failure(monkeypatch) -> None:
+    """A killed rank's sockets close before the kernel has torn the whole process down, so a peer that saw it vanish
+    can exit first: the launcher also names the ranks that ended by themselves while it stopped them (any status
+    but its own SIGTERM, or SIGKILL after the grace period)."""
+    code = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN) if sys.argv[1] != 'term' "
+            "else None; time.sleep(float(sys.argv[2])); os.kill(os.getpid(), 9) if sys.argv[1] == 'kill' else None; "
+            "time.sleep(60) if sys.argv[1] == 'stuck' else os._exit(int(sys.argv[3]))")
+    ranks = [("exit", "0.2", "1"), ("kill", "1", "0"), ("term", "60", "0"), ("stuck", "0", "0"), ("exit", "1", "3")]
+    commands = [launch.RankCommand(rank, (sys.executable, "-c", code, *args), {}) for rank, args in enumerate(ranks)]
+    stop = launch.stop_process_groups
+    monkeypatch.setattr(launch, "stop_process_groups", lambda procs: stop(procs, grace_s=2.0))
+    with pytest.raises(launch.RankDied) as raised:
+        launch.run_local(commands)
+    assert (raised.value.rank, raised.value.returncode) == (0, 1)
+    assert [(also.rank, also.returncode) for also in raised.value.also] == [(1, -9), (4, 3)]
+
+
 def test_pump_prefixes_lines_and_carriage_returns(tmp_path) -> None:
     read_fd, write_fd = os.pipe()
     os.write(write_fd, b"a\nbar 1\rbar 2\rtail")

@@ -110,6 +110,7 @@ class RankDied(RankFailedError):
     def __init__(self, rank: int, host: str | None, returncode: int, at: float, aftermath: str = "") -> None:
         super().__init__(f"{describe_death(rank, host, returncode)}{aftermath}", exit_code=exit_status(returncode))
         self.rank, self.host, self.returncode, self.at, self.aftermath = rank, host, returncode, at, aftermath
+        self.also: list[RankDied] = []  # other ranks that had ended badly when the launcher saw this one
 
 
 def local_commands(
@@ -223,11 +224,14 @@ def _start(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
     )
 
 
-def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM every process group still alive, SIGKILL what is left after the grace period."""
+def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> set[int]:
+    """SIGTERM every process group still alive, SIGKILL what is left after the grace period; returns the indices of
+    the processes it had to SIGKILL."""
+    killed: set[int] = set()
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for proc in procs:
+        for index, proc in enumerate(procs):
             if proc.poll() is None:
+                killed |= {index} if sig == signal.SIGKILL else set()
                 try:
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:
@@ -241,6 +245,7 @@ def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float = STOP
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    return killed
 
 
 def _watch(procs: Sequence[subprocess.Popen], relabels: Sequence[Callable[[bytes], bytes]]) -> queue.Queue:
@@ -255,48 +260,68 @@ def _watch(procs: Sequence[subprocess.Popen], relabels: Sequence[Callable[[bytes
 
 
 def run_local(commands: Sequence[RankCommand]) -> None:
-    """Run every rank to completion; on the first failure stop the rest and raise naming it."""
+    """Run every rank to completion; on the first failure stop the rest and raise naming it, with the other ranks
+    that ended by themselves meanwhile (``also``): the first exit seen may be a peer's that saw a rank die whose own
+    end the kernel had not finished (a large process killed by a signal is torn down for a while after its sockets
+    close)."""
     width = len(str(len(commands) - 1))
     procs = [_start(c.argv, c.env) for c in commands]
     exits = _watch(procs, [rank_prefixer(c.rank, width) for c in commands])
-    failure = None
+    failure, killed = None, set()
     try:
         for _ in procs:
             index, code = exits.get()
             if code != 0:
-                failure = (commands[index].rank, code, time.time())
+                failure = (index, code, time.time())
                 break
     finally:
-        stop_process_groups(procs)
+        killed = stop_process_groups(procs)
     if failure is not None:
-        rank, code, at = failure
+        index, code, at = failure
         others = len(commands) - 1
         stopped = f"; stopped the other {others} rank{'s' * (others != 1)}" if others else ""
-        raise RankDied(rank, this_host(), code, at, stopped)
+        first = RankDied(commands[index].rank, this_host(), code, at, stopped)
+        first.also = [RankDied(commands[i].rank, this_host(), proc.returncode, at, stopped)
+                      for i, proc in enumerate(procs) if i != index and _ended_itself(proc.returncode, i in killed)]
+        raise first
+
+
+def _ended_itself(returncode: int, killed: bool) -> bool:
+    """Whether a rank we stopped (SIGTERM, whose default action it keeps; SIGKILL when ``killed``) had ended badly by
+    itself: any other status than ours."""
+    return returncode not in (0, -signal.SIGTERM) and not (killed and returncode == -signal.SIGKILL)
 
 
 class MpirunReport:
-    """The first rank that mpirun reports dead: ``mpirun noticed that process rank 2 with PID N on node vm exited on
-    signal 9 (Killed).``, or the block under ``mpirun detected that one or more processes exited with non-zero
-    status`` (``Process name: [[16356,1],2]`` then ``Exit code: 3``), whose host is where the mapping put the rank."""
+    """The ranks that mpirun reports dead, first first: ``mpirun noticed that process rank 2 with PID N on node vm
+    exited on signal 9 (Killed).``, or the block under ``mpirun detected that one or more processes exited with
+    non-zero status`` (``Process name: [[16356,1],2]`` then ``Exit code: 3``), whose host is where the mapping put
+    the rank."""
 
     def __init__(self, host_of: Callable[[int], str | None]) -> None:
         self.host_of = host_of
-        self.first: RankDied | None = None
+        self.deaths: list[RankDied] = []
         self._nonzero = False
         self._rank: int | None = None
 
+    @property
+    def first(self) -> RankDied | None:
+        """The first death reported, the later ones as its ``also``."""
+        if not self.deaths:
+            return None
+        self.deaths[0].also = self.deaths[1:]
+        return self.deaths[0]
+
     def read(self, line: str) -> None:
-        if self.first is not None:
-            return
         if match := MPI_RANK_DIED.search(line):
-            self.first = RankDied(int(match[1]), match[2], -int(match[3]), time.time())
+            self.deaths.append(RankDied(int(match[1]), match[2], -int(match[3]), time.time()))
         elif MPI_NONZERO.search(line):
             self._nonzero = True
         elif self._nonzero and (match := MPI_PROCESS.search(line)):
             self._rank = int(match[1])
         elif self._rank is not None and (match := MPI_EXIT_CODE.search(line)):
-            self.first = RankDied(self._rank, self.host_of(self._rank), int(match[1]), time.time())
+            self.deaths.append(RankDied(self._rank, self.host_of(self._rank), int(match[1]), time.time()))
+            self._nonzero, self._rank = False, None
 
 
 def mpirun_host(rank: int, hosts: Sequence[tuple[str, int]] = ()) -> str | None:
@@ -366,21 +391,29 @@ def launch_ranks(n: int, argv, launcher: str, hosts, bind_to: str | None, progre
         else:
             run_local(local_commands(n, argv, os.environ, free_port(), job_id, progress))
     except RankFailedError as exc:
-        if isinstance(exc, RankDied) and run_path is not None:
-            record_death(run_path, exc, launcher, job_id, n, started)
-        raise named_failure(exc, run_path, job_id, started) from None
+        died = record_death(run_path, exc, launcher, job_id, n, started) if isinstance(exc, RankDied) else None
+        raise named_failure(died or exc, run_path, job_id, started) from None
 
 
-def record_death(run_path: Path, death: RankDied, launcher: str, job_id: str, world_size: int, since: float) -> None:
-    """The launcher's record of ``death`` in the run directory, unless that rank recorded why it failed itself."""
-    if any(record["rank"] == death.rank for record in read_failures(run_path, job_id, since)):
-        return
-    record = death_record(death.rank, death.host, death.returncode, launcher, job_id=job_id, world_size=world_size,
-                          time=death.at)
+def record_death(run_path: Path | None, death: RankDied, launcher: str, job_id: str, world_size: int,
+                 since: float) -> RankDied | None:
+    """The launcher's record, in the run directory, of ``death`` when that rank left no record of why it failed; when
+    it only saw a peer vanish, of the first of ``death.also`` that left none: that one, or None."""
+    if run_path is None:
+        return None
+    records = {record["rank"]: record for record in read_failures(run_path, job_id, since)}
+    chain = (death, *death.also) if records.get(death.rank, {}).get("peer_lost") else (death,)
+    silent = [ended for ended in chain if ended.rank not in records]
+    if not silent:
+        return None
+    first = silent[0]
+    record = death_record(first.rank, first.host, first.returncode, launcher, job_id=job_id, world_size=world_size,
+                          time=first.at)
     try:
-        write_failure(run_path, death.rank, record, None)
+        write_failure(run_path, first.rank, record, None)
     except OSError as error:  # the error still names the rank; only later readers miss it
-        print(f"hpc: could not record rank {death.rank}'s end in {run_path}: {error}", file=sys.stderr, flush=True)
+        print(f"hpc: could not record rank {first.rank}'s end in {run_path}: {error}", file=sys.stderr, flush=True)
+    return first
 
 
 def named_failure(exc: RankFailedError, run_path: Path | None, job_id: str, since: float) -> RankFailedError:
