@@ -47,5 +47,11 @@ class RankFailedError(HpcError):
         self.exit_code = exit_code
 
 
+class CollectiveStalled(HpcError):
+    """A rank waited past the stall inspector's abort threshold, or its backend's timeout, in a collective; the
+    message is the inspector's report: the channel (``tp group [0, 1]``), the operation and its number on it,
+    and the ranks that never entered it (hpc/observe/stall.py)."""
+
+
 class DeviceOutOfMemoryError(HpcError):
     """A rank ran out of GPU memory; the message says how much was held and what to try."""

@@ -19,6 +19,7 @@ TIMELINE_FILE = "timeline.json"  # the Chrome trace of every rank, with train.ti
 RESULT_FILE = "result.json"  # the final measures, written by hpc-rank; sweeps rank tasks by them
 FAILURES_DIR = "failures"  # failures/rank-XXXXX.json (and .traceback) from each rank that failed: hpc/runtime/abort.py
 STALL_EXIT = 76  # a rank the stall inspector aborted (hpc/observe/stall.py) exits with it
+STALLED = "CollectiveStalled"  # a failure record's type when it is the stall inspector's report (hpc/errors.py)
 # What usually sends the signals that kill a rank without a Python exception.
 SIGNAL_CAUSES = {"SIGKILL": "often the out-of-memory killer",
                  "SIGSEGV": "a crash in native code: a CUDA kernel, an extension, a library",
@@ -165,9 +166,13 @@ class FailureSummary(NamedTuple):
 
 def describe_failure(record: dict) -> str:
     """``rank 1 (host vm, step 5) failed: RuntimeError: deliberate failure``, or for a launcher's record of a death
-    (death_record): ``rank 2 (host vm) was killed by SIGKILL (signal 9: often the out-of-memory killer)``."""
+    (death_record): ``rank 2 (host vm) was killed by SIGKILL (signal 9: often the out-of-memory killer)``, or the
+    stall inspector's report: ``rank 0 (vm) has waited 8 s in all-reduce (#14 on channel tp group [0, 1]) at step
+    2; not arrived: rank 1 (vm, step 2, in forward for 9 s)...``."""
     if isinstance(record.get("exit"), int):
         return describe_death(record["rank"], record.get("host"), record["exit"], recorded=False)
+    if record.get("type") == STALLED:  # the stall inspector's report names the rank, its host and step itself
+        return str(record.get("message", ""))
     where = [f"host {record['host']}"] if record.get("host") else []
     where += [f"step {record['step']}"] if record.get("step") else []
     places = f" ({', '.join(where)})" if where else ""
