@@ -13,6 +13,7 @@ every layout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Collection, Mapping, Sequence
 
@@ -23,6 +24,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from hpc.errors import LayoutError
+from hpc.observe.probe import group_collective
 from jobs.moe import moe_layers
 from jobs.protocol import check_pipeline, plan_targets
 from parallel.ep import ExpertGroups
@@ -46,7 +48,8 @@ def _tp_layer(module: nn.Module, style: str, group: ProcessGroup) -> nn.Module:
 def _sum_over_tp(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """A whole weight used on each rank's share of the heads: its gradient is the sum of the shares'."""
     grad = grad.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(grad, group=group)
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else group_collective(group, "gradient all-reduce"):
+        dist.all_reduce(grad, group=group)  # counted by the stall inspector on the TP group's channel
     return grad
 
 

@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -115,14 +116,23 @@ def forward_backward(
     return stats.loss_sum, stats
 
 
-def build_probe(cfg: TrainConfig, world: World) -> Probe:
-    """The run's timeline and stall inspector, as ``train.timeline`` and the world size ask."""
+def build_probe(cfg: TrainConfig, world: World, run_path: Path | None = None) -> Probe:
+    """The run's timeline and stall inspector, as ``train.timeline`` and the world size ask; a stall abort is
+    recorded in ``run_path``'s failures."""
     timeline = Timeline(world.rank) if cfg.timeline else None
     stall = None
     if world.size > 1:
         stall = StallWatch.connect(world.rendezvous.addr, world.rendezvous.port, world.rank,
-                                   cfg.stall_warn_s, cfg.stall_abort_s)
+                                   cfg.stall_warn_s, cfg.stall_abort_s, run_path)
     return Probe(timeline, stall)
+
+
+def watch_groups(probe: Probe, mesh: Mesh, workload: Workload) -> None:
+    """The groups whose collectives code holding no probe reports (TP layers and loss, EP all-to-alls), on
+    channels named by axis and ranks (``tp group [0, 1]``), for the run's stall inspector."""
+    probe.watch_group("tp", mesh.group("tp"), mesh.members["tp"])
+    if workload.expert_groups is not None:
+        probe.watch_group("ep", workload.expert_groups.ep_group, workload.expert_groups.ep_members)
 
 
 def train(
@@ -133,8 +143,8 @@ def train(
     Raises Preempted after a checkpoint when ``preemption`` caught a signal on any rank (hpc/runtime/preemption.py).
     """
     check_job_layout(spec, mesh.shape)
-    probe = build_probe(spec.train, world)
-    with probe.stall or contextlib.nullcontext():
+    probe = build_probe(spec.train, world, spec.run_path)
+    with probe:  # the stall inspector's thread, and the groups it watches, for this run only
         return _train(spec, world, mesh, progress_mode, preemption, probe)
 
 
@@ -147,12 +157,13 @@ def _train(
         if world.rank == 0:
             print("\n".join(report.lines()), flush=True)
     workload = Workload(spec, mesh)
+    watch_groups(probe, mesh, workload)
     freeze(workload.model, spec.train.freeze, mesh)
     optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, probe, exclude=workload.expert_params)
     steps = StepRunner(spec, workload, mesh, probe, optimizer)
     checkpoints = TrainingCheckpoints(spec, dist.group.WORLD, mesh, workload.model, steps.optimizer)
     start_step = checkpoints.resume()
-    records = RunRecords(spec, world, workload, progress_mode, start_step, checkpoints.resumed_loss)
+    records = RunRecords(spec, world, workload, progress_mode, start_step, checkpoints.resumed_loss, probe)
     if probe.timeline is not None:
         dist.barrier()  # time zero, the same instant on every rank
         probe.timeline.start()
@@ -325,7 +336,9 @@ class StepRunner:
             self.prefetched = self.batch(step + 1)
         with probe.collective("loss all-reduce", "world", self.everyone):
             loss_sum = sum_over_replicas([loss], self.mesh)
-        moe = self.workload.moe_totals()
+        with (probe.collective("MoE totals all-reduce", "world", self.everyone) if self.workload.moe_names
+              else contextlib.nullcontext()):
+            moe = self.workload.moe_totals()
         numbers = torch.cat([loss_sum, grad_norm.to(loss_sum).view(1), *(() if moe is None else (moe,))])
         host, ready = queued_copy_to_host(numbers)  # the step's one read, after its work, on the host's schedule
         return StepReport(step, lr, host, ready, self.mesh.size("dp"), optimizer.stats, pipeline,
@@ -365,8 +378,9 @@ class RunRecords:
     """What a run reports: the progress line, rank 0's metrics.jsonl, every rank's time totals."""
 
     def __init__(self, spec: JobSpec, world: World, workload: Workload, progress_mode: str, start_step: int,
-                 loss: float | None = None) -> None:
+                 loss: float | None = None, probe: Probe | None = None) -> None:
         self.spec, self.world, self.unit, self.start_step = spec, world, workload.unit, start_step
+        self.probe = probe or Probe()  # where the host's wait for the device is registered (see settle)
         is_reporter = world.rank == 0
         self.progress = Progress(spec.train.steps, spec.train.log_every, progress_mode if is_reporter else "off",
                                  self.unit, start_step=start_step)
@@ -401,7 +415,8 @@ class RunRecords:
         if self.held is None:
             return
         report, self.held = self.held, None
-        outcome = report.outcome()
+        with self.probe.device(report.step + 1) if report.ready is not None else contextlib.nullcontext():
+            outcome = report.outcome()  # a GPU that hangs in a collective is named by what each rank issued
         now = time.perf_counter()
         if report.ready is not None and self.last_ready is not None:
             step_time = self.last_ready.elapsed_time(report.ready) / 1e3

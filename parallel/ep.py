@@ -12,7 +12,9 @@ The exchange is torch's ``all_to_all_single`` (one collective, Gloo or NCCL), or
 ``parallel.transport = "mpi"``, point-to-point messages through mpi4py (``parallel.ring``'s
 transport): on shared memory MPI moves a small message in microseconds inside the
 receiver's wait, where a Gloo collective costs about a millisecond of socket round trips,
-so a router's small exchanges stop being latency-bound (``hpc bench alltoall``).
+so a router's small exchanges stop being latency-bound (``hpc bench alltoall``). Each exchange is
+counted by the run's stall inspector on the EP group's channel (``ep group [0, 1]``,
+``hpc.observe.probe.group_collective``), so a rank that never enters one is named.
 
 Gradients: a rank's experts saw the tokens of its whole EP group, so their gradients
 are summed over the ranks holding a replica of the same experts (one per EP group, dp/ep
@@ -26,6 +28,7 @@ group hold the same stage and run the same schedule, so their all-to-alls match.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 from collections.abc import Sequence
@@ -37,6 +40,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from hpc.errors import LayoutError
+from hpc.observe.probe import group_collective
 from hpc.runtime.mesh import Mesh, expert_group_ranks
 from hpc.runtime.placement import host_numbers_to
 from parallel.ring import PointToPoint, Transport, make_transport
@@ -109,10 +113,17 @@ def build_expert_groups(mesh: Mesh, ep: int, transport: str = "torch") -> Expert
 def _all_to_all_single(out: torch.Tensor, x: torch.Tensor, recv: list[int], send: list[int], group: ProcessGroup,
                        transport: Transport | None) -> None:
     """``send[d]`` leading-dim slices of ``x`` to rank d, ``recv[s]`` from rank s into ``out``, in rank order:
-    torch's collective, or one send and one receive per peer through ``transport``."""
-    if transport is None:
-        dist.all_to_all_single(out, x, recv, send, group=group)
-        return
+    torch's collective, or one send and one receive per peer through ``transport``; counted by the stall
+    inspector (not while Dynamo traces: a context manager there would break the graph)."""
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else group_collective(group, "all-to-all"):
+        if transport is None:
+            dist.all_to_all_single(out, x, recv, send, group=group)
+        else:
+            _point_to_point(out, x, recv, send, group, transport)
+
+
+def _point_to_point(out: torch.Tensor, x: torch.Tensor, recv: list[int], send: list[int], group: ProcessGroup,
+                    transport: Transport) -> None:
     me = dist.get_rank(group)
     outgoing, incoming = x.split(send), out.split(recv)
     incoming[me].copy_(outgoing[me])

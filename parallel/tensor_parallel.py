@@ -11,7 +11,10 @@ into a block's graph as they are; torch 2.11's Dynamo rewrote an in-place ``all_
 traced backward into zeros, and TP under ``train.compile`` then trained only its last layers. Gloo's
 gather into one tensor (what the functional all-gather runs) crashes on CUDA tensors (pytorch#152645), so
 ranks sharing a GPU over Gloo gather by a sum (``_all_gather``).
-The TP process group is always an argument.
+The TP process group is always an argument. Each collective is counted by the run's stall inspector on
+the group's channel (``tp group [0, 1]``: ``hpc.observe.probe.group_collective``, which the training loop
+registers the group with), so a rank that never enters one is named; inside a compiled block it is not
+(Dynamo traces the collectives into the graph, and counting there would break it).
 
 Every layer is built from the full single-device module (``from_full``) by taking
 this rank's slice, so the same seed gives the same weights under every layout.
@@ -22,6 +25,7 @@ of rows at a time in float32).
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpc.errors import LayoutError
+from hpc.observe.probe import group_collective
 from hpc.runtime.placement import carries_cuda
 
 if TYPE_CHECKING:
@@ -53,7 +58,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce(grad, ctx.group, "backward all-reduce"), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -65,7 +70,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        return _all_reduce(x, group)
+        return _all_reduce(x, group, "forward all-reduce")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -91,16 +96,30 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.chunk(size, dim=-1)[rank].contiguous(), None
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _counted(group: ProcessGroup | None, name: str) -> contextlib.AbstractContextManager[None]:
+    """Collective ``name`` on ``group`` counted by the run's stall inspector; not while Dynamo traces a compiled
+    block (``is_compiling`` is a constant to it: the graph keeps only the collective)."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return group_collective(group, name)
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup, name: str = "all-reduce") -> torch.Tensor:
     """The sum over ``group``, a new tensor (autograd may share ``x`` with other nodes)."""
+    with _counted(group, name):
+        return _sum(x, group)
+
+
+def _sum(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
 def _all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """The ranks' ``x`` stacked along dimension 0, a new tensor."""
-    if x.is_cuda and not carries_cuda(group):
-        return _all_gather_by_sum(x, group)
-    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))
+    with _counted(group, "all-gather"):
+        if x.is_cuda and not carries_cuda(group):
+            return _all_gather_by_sum(x, group)
+        return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))
 
 
 def _all_gather_by_sum(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -109,7 +128,7 @@ def _all_gather_by_sum(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     memory and crashes the rank (pytorch#152645)."""
     slots = x.new_zeros((dist.get_world_size(group), *x.shape))
     slots[dist.get_rank(group)] = x
-    return _all_reduce(slots, group).flatten(0, 1)
+    return _sum(slots, group).flatten(0, 1)
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -228,7 +247,8 @@ class _CrossEntropy(torch.autograd.Function):
         for rows in chunks:
             row_max[rows] = flat[rows].amax(dim=-1)  # exact in float32 whatever the logits' dtype
         if group is not None:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            with _counted(group, "loss max all-reduce"):
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         sums = torch.empty(2, len(flat), dtype=torch.float32, device=flat.device)  # exponentials, target logit
         for rows in chunks:
             shifted = flat[rows].float() - row_max[rows].unsqueeze(-1)
@@ -236,7 +256,8 @@ class _CrossEntropy(torch.autograd.Function):
             sums[0, rows] = shifted.exp_().sum(dim=-1)
         sums[1].masked_fill_(outside, 0.0)
         if group is not None:
-            dist.all_reduce(sums, group=group)
+            with _counted(group, "loss sums all-reduce"):
+                dist.all_reduce(sums, group=group)
         sum_exp, target_logit = sums
         ignored = flat_targets == ignore_index
         ctx.save_for_backward(logits, local_targets, outside, ignored, row_max, sum_exp)
@@ -291,7 +312,8 @@ def full_state_dict(model: nn.Module, group: ProcessGroup) -> dict[str, torch.Te
     for key, value in model.state_dict().items():
         if key in split_dims:
             parts = [torch.empty_like(value) for _ in range(size)]
-            dist.all_gather(parts, value.contiguous(), group=group)
+            with _counted(group, "state all-gather"):
+                dist.all_gather(parts, value.contiguous(), group=group)
             state[key] = torch.cat(parts, dim=split_dims[key])
         else:
             state[key] = value.detach().clone()

@@ -269,3 +269,177 @@ def test_stall_report_survives_a_dead_store() -> None:
     assert "rank 0 (no report" in recorder.aborted[0] and "rank 2 (no report" in recorder.aborted[0]
     assert "[store:" in recorder.aborted[0]
     assert time.monotonic() - started < 5  # one failed query per report, not one timeout per peer
+
+
+def _wait_for(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+class _Group:  # a process group's stand-in: what the registry keys (weakly) by
+    pass
+
+
+def test_a_wait_for_the_device_names_who_never_issued_a_groups_last_collective() -> None:
+    """On a GPU the hosts only queue collectives and then wait for the step's event: rank 1 skipped one TP
+    all-reduce, so both wait for the device, and both reports name the all-reduce rank 1 never issued."""
+    from hpc.observe.probe import Probe, group_collective
+
+    recorder = _Recorder()
+    watch, peer, _server = _watches(recorder, warn_s=0.3, abort_s=0.9)
+    groups = {0: _Group(), 1: _Group()}  # stand-ins for each rank's handle on the TP group
+    tp = Probe(stall=watch), Probe(stall=peer)
+    with tp[0], tp[1]:
+        for rank, probe in enumerate(tp):
+            probe.set_step(2)
+            probe.watch_group("tp", groups[rank], [0, 1])
+            for _ in range(3 - rank):  # queued: each returns at once
+                with group_collective(groups[rank], "forward all-reduce"):
+                    pass
+            with probe.collective("loss all-reduce", "world", [0, 1]):
+                pass
+        with tp[0].device(2), tp[1].device(2):
+            _wait_for(lambda: len(recorder.aborted) == 2)
+    assert len(recorder.aborted) == 2, recorder.lines
+    late = "not arrived in forward all-reduce (#3 on channel tp group [0, 1]): rank 1 ("
+    mine, theirs = sorted(recorder.aborted)
+    assert re.match(r"rank 0 \(.*\) has waited \d+ s for the device \(step 2\) at step 2; ", mine), mine
+    assert late in mine, mine
+    assert re.search(r"rank 1 \([^)]*step 2, in starting for \d+ s, waiting for the device \(step 2\)\)", mine), mine
+    issued = "forward all-reduce (#3 on channel tp group [0, 1]), loss all-reduce (#1 on channel world)"
+    assert f"last issued: {issued}" in mine
+    assert theirs.startswith("rank 1 (") and late + "this rank)" in theirs, theirs
+    assert group_collective(groups[0], "forward all-reduce").__class__.__name__ == "nullcontext"  # closed: forgotten
+
+
+def test_a_device_merely_slow_is_reported_but_not_aborted() -> None:
+    """Every rank issued as much on every channel: a long step, or a collective every rank entered, which the
+    backend's own timeout ends; the inspector warns and leaves the job running."""
+    recorder = _Recorder()
+    watch, peer, _server = _watches(recorder, warn_s=0.2, abort_s=0.4)
+    with watch, peer:
+        for stall in (watch, peer):
+            with stall.waiting("loss all-reduce", "world", [0, 1]):
+                pass
+        with watch.device(3), peer.device(3):
+            _wait_for(lambda: len(recorder.lines) >= 8, seconds=5)
+    assert not recorder.aborted, recorder.aborted
+    assert all("every peer issued as many operations on every channel" in line for line in recorder.lines)
+    assert all(line.startswith("hpc: stall: rank ") for line in recorder.lines), recorder.lines
+
+
+def test_the_hosts_wait_for_a_steps_cuda_event_is_a_wait_on_the_device() -> None:
+    """``RunRecords.settle`` reads a GPU step's numbers behind its CUDA event: a hung device is reported."""
+    import torch
+
+    from hpc.observe.probe import Probe
+    from jobs.train import RunRecords, StepReport
+
+    recorder = _Recorder()
+    watch, peer, _server = _watches(recorder, warn_s=0.2, abort_s=30)
+    reported = re.compile(r"^hpc: stall: rank 0 \(.*\) has waited \d+ s for the device \(step 5\) at step 0; ")
+
+    class HungEvent:  # a CUDA event behind work that does not finish until the inspector has reported it
+        def synchronize(self) -> None:
+            _wait_for(lambda: any(reported.match(line) for line in recorder.lines))
+
+    records = RunRecords.__new__(RunRecords)
+    records.probe, records.last_ready, records.clock, done = Probe(stall=watch), None, time.perf_counter(), []
+    records.step_done = lambda *args: done.append(args)
+    records.held = StepReport(4, 0.1, torch.tensor([2.0, 1.0]), HungEvent(), 1, None, None, lambda _: {})
+    with watch, peer:
+        records.settle()
+    assert any(reported.match(line) for line in recorder.lines), recorder.lines
+    assert done and done[0][0] == 4
+
+
+SKIPPER = '''\
+"""The built-in GPT, but rank 1 never enters one TP all-reduce at step 2: it sleeps in its place, alive."""
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+import jobs.train
+import parallel.tensor_parallel as tp
+from jobs.gpt import gpt
+
+_run, _all_reduce = jobs.train.StepRunner.run, tp._all_reduce
+now = {"step": -1, "skipped": False}
+
+
+def _run_step(self, step):
+    now["step"] = step
+    return _run(self, step)
+
+
+def _skipping(x, group, *name):
+    if now["step"] == 1 and not now["skipped"] and dist.get_rank() == 1:
+        now["skipped"] = True
+        Path("skipped_at").write_text(repr(time.time()))
+        time.sleep(600)
+    return _all_reduce(x, group, *name)
+
+
+def build(**args):
+    jobs.train.StepRunner.run, tp._all_reduce = _run_step, _skipping
+    return gpt(**args)
+'''
+
+
+@pytest.mark.parametrize(("timeout_s", "stall_abort_s"), [(6, 60), (60, 5)], ids=["backend-timeout", "stall-abort"])
+def test_a_rank_that_skips_a_tp_all_reduce_is_named_by_hpc_run_status_and_logs(
+        tmp_path: Path, timeout_s: int, stall_abort_s: int) -> None:
+    """hpc run -n 2 of a TP=2 GPT whose rank 1 never enters step 2's first TP all-reduce (#13 on the TP group: a
+    step issues 12, 5 forward, 2 in the loss, 5 backward): within the first of the backend's timeout and the stall
+    abort + 10 s the job ends, and its first line, and hpc status's and hpc logs', names the group, the
+    operation, its number and rank 1."""
+    import os
+    import sys
+
+    from hpc.rundir import read_failures, write_failure
+    from slurm.job_registry import JobRecord, Registry, failure_lines
+
+    (tmp_path / "skipper.py").write_text(SKIPPER)
+    (tmp_path / "job.toml").write_text(textwrap.dedent(f"""\
+        [job]
+        name = "skipped"
+        run_dir = "{tmp_path}"
+        [model]
+        entry = "skipper:build"
+        seq_len = 16
+        args = {{ vocab_size = 256, seq_len = 16, d_model = 32, n_heads = 2, n_layers = 2 }}
+        [data]
+        name = "licenses"
+        batch_size = 8
+        [train]
+        steps = 4
+        stall_warn_s = 2
+        stall_abort_s = {stall_abort_s}
+        [parallel]
+        tp = 2
+        timeout_s = {timeout_s}
+    """))
+    done = subprocess.run([sys.executable, "-m", "hpc.cli.main", "run", "-n", "2", "--launcher", "local", "job.toml"],
+                          capture_output=True, text=True, timeout=200, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    ended = time.time()
+    assert done.returncode != 0 and (tmp_path / "skipped_at").exists(), done.stdout + done.stderr
+    assert ended - float((tmp_path / "skipped_at").read_text()) < min(timeout_s, stall_abort_s) + 10
+    first = next(line for line in done.stderr.splitlines() if line.startswith("hpc: error:"))
+    named = "in forward all-reduce (#13 on channel tp group [0, 1]) at step 2; not arrived: rank 1 ("
+    assert first.startswith("hpc: error: rank 0 (") and named in first, first
+    [record] = [record for record in read_failures(tmp_path / "skipped") if not record.get("peer_lost")]
+    record["job_id"] = "12"  # as a Slurm job's ranks label it: hpc status and hpc logs read the same record
+    write_failure(tmp_path / "run12", 0, record, None)
+    runs = (str(tmp_path / "run12"),)
+    Registry(tmp_path / "home" / "jobs").add(JobRecord("12", "skipped", 2, str(tmp_path / "logs"), runs))
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "12_0_log.out").write_text(done.stderr)
+    env = {**os.environ, "HPC_HOME": str(tmp_path / "home")}
+    logs = subprocess.run([sys.executable, "-m", "hpc.cli.main", "logs", "12"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    lead = f"job 12: {record['message']} -- see: hpc logs 12 --rank 0"
+    assert logs.stdout.splitlines()[0] == lead and failure_lines(Registry.default(env).recent()) == [lead]
+    assert lead.startswith("job 12: rank 0 (") and named in lead
