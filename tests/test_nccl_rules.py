@@ -2,8 +2,9 @@
 
 First the harness itself: each rule it enforces fails a program that breaks it (a program Gloo runs without
 complaint), naming what every rank waits for. Then the GPT, the MoE GPT and the transformers Llama train
-under it (DP, TP, PP with every schedule, ZeRO 0-3, EP, codecs, save and resume): no hang, no message
-matched to the wrong receive, no two ranks entering different collectives, and the same training as one process.
+under it (DP, TP, PP with every schedule, ZeRO 0-3, EP, every codec, freeze and the masked loss, save and
+resume): no hang, no message matched to the wrong receive, no two ranks entering different collectives, and
+the same training as one process.
 """
 
 from __future__ import annotations
@@ -213,7 +214,8 @@ FOUR = [
     _case("dp2-tp2-zero3", (2, 2, 1), zero=3, bucket_mb=SMALL_BUCKETS),
     _case("dp2-pp2-zero1", (2, 1, 2), zero=1, microbatches=2),
 ]
-CODECS = [_case(f"dp2-{codec}", (2, 1, 1), compression=codec) for codec in ("fp16", "bf16", "int8", "topk")]
+CODECS = [_case(f"dp2-{codec}", (2, 1, 1), compression=codec)
+          for codec in ("fp16", "bf16", "int8", "topk", "powersgd")]
 
 
 @pytest.fixture(scope="module")
@@ -260,24 +262,27 @@ def test_every_four_rank_layout_trains_under_nccls_rules_like_one_process(single
     _check_matches(single_process, tmp_path, [(name,) for name, *_ in FOUR], trained)
 
 
-def _train_deeper(world, run_dir: str, cases):
-    """``_train_gpt`` on an 8-layer GPT: 4 stages of 2 chunks each."""
+def _train_deeper(world, run_dir: str, cases, layers: int):
+    """``_train_gpt`` on a GPT of ``layers`` blocks (4 stages of 2 chunks, or 2 of 3)."""
     from jobs.train import train
 
     results = []
     for name, layout, parallel, options, checkpoint in cases:
         mesh = build_mesh(MeshShape(*layout), world.rank, timeout_s=60)
-        spec = _gpt_spec(run_dir, name, layout, parallel, options, checkpoint, {"n_layers": 8})
+        spec = _gpt_spec(run_dir, name, layout, parallel, options, checkpoint, {"n_layers": layers})
         results.append(pieces_as_numpy(train(spec, world, mesh)[1], mesh))
     return results
 
 
-def test_interleaved_on_four_stages_with_more_microbatches_than_stages_trains_like_one_process(tmp_path) -> None:
+@pytest.mark.parametrize(("stages", "virtual", "layers"), [(4, 2, 8), (2, 3, 6)], ids=["p4-v2", "p2-v3"])
+def test_interleaved_with_more_microbatches_than_stages_trains_like_one_process(tmp_path, stages, virtual,
+                                                                              layers) -> None:
     """Issue 39's hazard 1: m = 2p deadlocked every rank on a cluster (the batch of 8 sequences allows m <= 8)."""
-    cases = [_case(f"pp4-interleaved-m{m}", (1, 1, 4), schedule="interleaved", microbatches=m, virtual_stages=2)
-             for m in (4, 8)]
-    ref = assemble(run_ranks(1, _train_deeper, str(tmp_path), [_case("single", (1, 1, 1))], timeout=120)[0])
-    trained = _under_rules(4, _train_deeper, str(tmp_path), cases, timeout=600)
+    cases = [_case(f"pp{stages}-v{virtual}-m{m}", (1, 1, stages), schedule="interleaved", microbatches=m,
+                   virtual_stages=virtual) for m in sorted({stages, 2 * stages, 4 * stages}) if m <= 8]
+    ref = assemble(run_ranks(1, _train_deeper, str(tmp_path), [_case("single", (1, 1, 1))], layers,
+                             timeout=120)[0])
+    trained = _under_rules(stages, _train_deeper, str(tmp_path), cases, layers, timeout=600)
     for number, (name, *_) in enumerate(cases):
         assert _losses_from(tmp_path / name) == pytest.approx(_losses_from(tmp_path / "single"), rel=LOSS_RTOL)
         params = assemble([per_rank[number] for per_rank in trained])
@@ -292,6 +297,22 @@ def test_eight_rank_layouts_train_under_nccls_rules_like_one_process(single_proc
              _case("dp2-tp2-pp2-zero2", (2, 2, 2), zero=2, microbatches=2)]
     trained = _under_rules(8, _train_gpt, str(tmp_path), cases, timeout=900)
     _check_matches(single_process, tmp_path, [(name,) for name, *_ in cases], trained)
+
+
+def test_a_fine_tune_with_the_masked_loss_and_frozen_embeddings_trains_under_nccls_rules(tmp_path) -> None:
+    """Targets marked -100 and ``train.freeze``: the global mean over counted targets, the embedding untouched,
+    under DP x TP and TP x PP as one process."""
+    from tests.test_finetune import _losses
+    from tests.test_finetune import _train as train_finetune
+
+    frozen = {"train": {"freeze": ["embedding.*"]}}
+    cases = [("dp2-tp2", (2, 2, 1), 1, frozen), ("tp2-pp2", (1, 2, 2), 2, frozen)]
+    ref = assemble(run_ranks(1, train_finetune, str(tmp_path), [("single", (1, 1, 1), 1, frozen)], timeout=120)[0])
+    trained = _under_rules(4, train_finetune, str(tmp_path), cases, timeout=600)
+    for number, (name, *_) in enumerate(cases):
+        assert _losses(tmp_path, name) == pytest.approx(_losses(tmp_path, "single"), rel=LOSS_RTOL), name
+        params = assemble([per_rank[number] for per_rank in trained])
+        assert_trained_close(params, ref, optimizer="adam", lr=LR, steps=4, name=name)
 
 
 # --- the MoE GPT and the transformers Llama --------------------------------------------------------
