@@ -67,11 +67,24 @@ def interpreter_fuses_fma() -> bool:
     return out[0].item() == 2.0**-46
 
 
+def cpu_addcmul_fuses() -> bool:
+    """Whether ATen's ``addcmul_`` (the torch path's int8 add) rounds once on this CPU, as its vectorized FMA does
+    (AVX2, AVX-512), or twice (``ATEN_CPU_CAPABILITY=default``, a CPU without FMA): the same probe as above."""
+    a, c = torch.full((64,), 1.0 + 2.0**-23), torch.full((64,), -(1.0 + 2.0**-22))
+    return bool((c.addcmul_(a, a) == 2.0**-46).all())
+
+
+def fused_adds_agree() -> bool:
+    """Whether the kernel's fused add and the torch path's may be compared bit for bit here: both round once."""
+    return interpreter_fuses_fma() and cpu_addcmul_fuses()
+
+
 def check_kernels_on_cpu() -> None:
     """The kernels, called directly on CPU tensors (under the interpreter), against the torch path. int8's add
-    only where the interpreter's ``fma`` rounds as the GPU's does (``pytest -m cuda`` checks it on a GPU)."""
+    only where the interpreter's ``fma`` and this CPU's ``addcmul_`` both round once, as the GPU does
+    (``pytest -m cuda`` checks it on a GPU)."""
     codec, into_seed = Int8Codec(), 99
-    fused = interpreter_fuses_fma()
+    fused = fused_adds_agree()
     for n in SIZES:
         x = _gradient(n, n)
         expected = codec.encode(x)
@@ -226,9 +239,9 @@ def _differences(got: list[tuple[str, torch.Tensor]], expected: list[tuple[str, 
 
 def check_special_values_on_cpu() -> dict[str, str]:
     """Every codec x pattern x error feedback under the interpreter against the torch path: case -> '' or the
-    first difference. int8's fused add only by where it holds NaN and inf if the interpreter's ``fma`` rounds
-    twice (Triton 3.6's)."""
-    results, fused = {}, interpreter_fuses_fma()
+    first difference. int8's fused add only by where it holds NaN and inf if the interpreter's ``fma`` or this
+    CPU's ``addcmul_`` rounds twice (Triton 3.6's; ``ATEN_CPU_CAPABILITY=default``)."""
+    results, fused = {}, fused_adds_agree()
     for name in ("int8", "fp16", "bf16"):
         codec = _codec(name)
         loose = ("added",) if name == "int8" and not fused else ()
