@@ -13,7 +13,6 @@ every layout.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Collection, Mapping, Sequence
 
@@ -48,7 +47,7 @@ def _tp_layer(module: nn.Module, style: str, group: ProcessGroup) -> nn.Module:
 def _sum_over_tp(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """A whole weight used on each rank's share of the heads: its gradient is the sum of the shares'."""
     grad = grad.clone(memory_format=torch.contiguous_format)
-    with contextlib.nullcontext() if torch.compiler.is_compiling() else group_collective(group, "gradient all-reduce"):
+    with group_collective(group, "gradient all-reduce"):
         dist.all_reduce(grad, group=group)  # counted by the stall inspector on the TP group's channel
     return grad
 

@@ -28,7 +28,6 @@ group hold the same stage and run the same schedule, so their all-to-alls match.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import math
 from collections.abc import Sequence
@@ -114,8 +113,8 @@ def _all_to_all_single(out: torch.Tensor, x: torch.Tensor, recv: list[int], send
                        transport: Transport | None) -> None:
     """``send[d]`` leading-dim slices of ``x`` to rank d, ``recv[s]`` from rank s into ``out``, in rank order:
     torch's collective, or one send and one receive per peer through ``transport``; counted by the stall
-    inspector (not while Dynamo traces: a context manager there would break the graph)."""
-    with contextlib.nullcontext() if torch.compiler.is_compiling() else group_collective(group, "all-to-all"):
+    inspector."""
+    with group_collective(group, "all-to-all"):
         if transport is None:
             dist.all_to_all_single(out, x, recv, send, group=group)
         else:

@@ -25,7 +25,6 @@ of rows at a time in float32).
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -96,17 +95,9 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.chunk(size, dim=-1)[rank].contiguous(), None
 
 
-def _counted(group: ProcessGroup | None, name: str) -> contextlib.AbstractContextManager[None]:
-    """Collective ``name`` on ``group`` counted by the run's stall inspector; not while Dynamo traces a compiled
-    block (``is_compiling`` is a constant to it: the graph keeps only the collective)."""
-    if torch.compiler.is_compiling():
-        return contextlib.nullcontext()
-    return group_collective(group, name)
-
-
 def _all_reduce(x: torch.Tensor, group: ProcessGroup, name: str = "all-reduce") -> torch.Tensor:
     """The sum over ``group``, a new tensor (autograd may share ``x`` with other nodes)."""
-    with _counted(group, name):
+    with group_collective(group, name):
         return _sum(x, group)
 
 
@@ -116,7 +107,7 @@ def _sum(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def _all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """The ranks' ``x`` stacked along dimension 0, a new tensor."""
-    with _counted(group, "all-gather"):
+    with group_collective(group, "all-gather"):
         if x.is_cuda and not carries_cuda(group):
             return _all_gather_by_sum(x, group)
         return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))
@@ -247,7 +238,7 @@ class _CrossEntropy(torch.autograd.Function):
         for rows in chunks:
             row_max[rows] = flat[rows].amax(dim=-1)  # exact in float32 whatever the logits' dtype
         if group is not None:
-            with _counted(group, "loss max all-reduce"):
+            with group_collective(group, "loss max all-reduce"):
                 dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         sums = torch.empty(2, len(flat), dtype=torch.float32, device=flat.device)  # exponentials, target logit
         for rows in chunks:
@@ -256,7 +247,7 @@ class _CrossEntropy(torch.autograd.Function):
             sums[0, rows] = shifted.exp_().sum(dim=-1)
         sums[1].masked_fill_(outside, 0.0)
         if group is not None:
-            with _counted(group, "loss sums all-reduce"):
+            with group_collective(group, "loss sums all-reduce"):
                 dist.all_reduce(sums, group=group)
         sum_exp, target_logit = sums
         ignored = flat_targets == ignore_index
@@ -312,7 +303,7 @@ def full_state_dict(model: nn.Module, group: ProcessGroup) -> dict[str, torch.Te
     for key, value in model.state_dict().items():
         if key in split_dims:
             parts = [torch.empty_like(value) for _ in range(size)]
-            with _counted(group, "state all-gather"):
+            with group_collective(group, "state all-gather"):
                 dist.all_gather(parts, value.contiguous(), group=group)
             state[key] = torch.cat(parts, dim=split_dims[key])
         else:

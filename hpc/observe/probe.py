@@ -50,7 +50,12 @@ def group_channel(axis: str, ranks: Sequence[int]) -> str:
 
 def group_collective(group: Any, name: str) -> contextlib.AbstractContextManager[None]:
     """Around collective ``name`` on ``group`` (a ProcessGroup, or None): counted on the group's channel when
-    the run registered it (``Probe.watch_group``), nothing otherwise."""
+    the run registered it (``Probe.watch_group``), nothing otherwise, nor while Dynamo traces a compiled block
+    (``is_compiling`` is a constant to it: the graph keeps only the collective, unbroken)."""
+    import torch  # loaded by whoever holds a process group
+
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
     watch = _WATCHED.get(group) if group is not None and _WATCHED else None
     return watch.op(name) if watch is not None else contextlib.nullcontext()
 
