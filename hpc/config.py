@@ -101,14 +101,15 @@ class ModelConfig:
         _NO_TABLE, "module-name patterns ('*' for one name) to a TP style (colwise, rowwise, vocab, replicate, ...), "
                    "over the model's own tp_plan")
     kind: Literal["mlp", "gpt"] = _field("mlp", "without entry: mlp, the digits classifier, or gpt, the byte-level "
-                                                "GPT (jobs/gpt.py)")
+                                                "GPT (jobs/models/gpt.py)")
     hidden_sizes: tuple[int, ...] = _field((128, 128), "mlp: the width of each hidden layer", min=1)
     dropout: float = _field(0.0, "dropout probability after each hidden layer or block", min=0, max_excl=1)
     n_layers: int = _field(4, "gpt: transformer blocks (cut into pipeline stages)", min=1)
     n_heads: int = _field(4, "gpt: attention heads (split over tensor-parallel ranks)", min=1)
     d_model: int = _field(128, "gpt: width of the residual stream", min=1)
     seq_len: int = _field(64, "gpt: tokens (bytes) per sample", min=1)
-    moe_experts: int = _field(0, "gpt: experts of each mixture-of-experts feed-forward (jobs/moe.py); 0 = dense", min=0)
+    moe_experts: int = _field(0, "gpt: experts of each mixture-of-experts feed-forward (jobs/models/moe.py); "
+                                 "0 = dense", min=0)
     moe_top_k: int = _field(1, "gpt: experts each token is sent to (1: Switch, 2: GShard)", min=1, max=2)
     moe_every: int = _field(1, "gpt: every moe_every-th block (the moe_every-th, 2*moe_every-th, ...) is MoE", min=1)
     moe_capacity_factor: float = _field(
@@ -122,7 +123,8 @@ class ModelConfig:
         if self.d_model % self.n_heads:
             return "d_model", f"divisible by n_heads={self.n_heads}"
         if self.moe_experts and (self.entry or self.kind != "gpt"):
-            return "moe_experts", ("0 with model.entry (your model builds its own jobs.moe.MoE layers)" if self.entry
+            return "moe_experts", ("0 with model.entry (your model builds its own jobs.models.moe.MoE layers)"
+                                   if self.entry
                                    else f"0 for model.kind={self.kind!r} (only the gpt has MoE blocks)")
         if self.moe_experts and self.moe_top_k > self.moe_experts:
             return "moe_top_k", f"at most moe_experts={self.moe_experts}"
@@ -495,11 +497,26 @@ def show_path(path: str | os.PathLike[str]) -> str:
     return show_text(os.fspath(path), 1024)
 
 
+# The built-in entries' names before jobs/ became data/, models/, train/ and bench/: specs keep them.
+MOVED_ENTRIES = {
+    "jobs.hf:causal_lm": "jobs.models.hf:causal_lm",
+    "jobs.gpt:gpt": "jobs.models.gpt:gpt",
+    "jobs.models:mlp": "jobs.models.mlp:mlp",
+    "jobs.tokens:tokens": "jobs.data.tokens:tokens",
+    "jobs.datasets:digits": "jobs.data.datasets:digits",
+    "jobs.datasets:licenses": "jobs.data.datasets:licenses",
+}
+
+
 def spec_from_dict(
     data: Mapping[str, Any], source: str = "<spec>", overrides: Sequence[str] = ()
 ) -> JobSpec:
     """Build and validate a spec from parsed TOML, after applying ``key=value`` overrides."""
     merged = apply_overrides(data, overrides)
+    for section in ("model", "data"):  # a spec (or a checkpoint's) written before jobs/ was split
+        table = merged.get(section)
+        if isinstance(table, dict) and isinstance(table.get("entry"), str):
+            table["entry"] = MOVED_ENTRIES.get(table["entry"], table["entry"])
     try:
         spec = _build(JobSpec, merged, "")
     except _Invalid as err:

@@ -6,7 +6,7 @@ gradients only it holds: its TP shards, and the tensors replicated over the TP g
 over the groups whose ranks hold different parts of the model, TP and PP; DP replicas
 hold identical gradients once reduced, so they are left out, except under ZeRO stage 2,
 where each DP replica holds only its own parameters' gradients: the caller then counts
-those and passes the DP group too (``jobs/train.py``). Every rank then scales by
+those and passes the DP group too (``jobs/train/loop.py``). Every rank then scales by
 the same factor. The local arithmetic is torch's own (``get_total_norm``,
 ``clip_grads_with_norm_``), so a single process clips exactly as ``clip_grad_norm_``.
 

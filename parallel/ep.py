@@ -20,7 +20,7 @@ Gradients: a rank's experts saw the tokens of its whole EP group, so their gradi
 are summed over the ranks holding a replica of the same experts (one per EP group, dp/ep
 of them) and divided by dp: exactly the single process's gradient of the global mean
 loss. Dense parameters (routers included) are averaged over the whole DP group by the
-distributed optimizer as ever (``jobs/train.py`` leaves the experts out of it). Under
+distributed optimizer as ever (``jobs/train/loop.py`` leaves the experts out of it). Under
 TP every TP rank runs the same whole experts on the same tokens (the MoE input is
 full-width), in its own EP group, so nothing is split; under PP the ranks of an EP
 group hold the same stage and run the same schedule, so their all-to-alls match.
@@ -42,7 +42,7 @@ from hpc.errors import LayoutError
 from hpc.observe.probe import group_collective
 from hpc.runtime.mesh import Mesh, expert_group_ranks
 from hpc.runtime.placement import host_numbers_to
-from parallel.ring import PointToPoint, Transport, make_transport
+from parallel.transport import PointToPoint, Transport, make_transport
 
 PADDED_LIMIT = 1 << 20  # bytes a rank sends at most in a one-round padded exchange (latency-bound below this)
 # The tag of EP's point-to-point messages: EP peers are DP peers, whose ring (tag 0) may run at the same time

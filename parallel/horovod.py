@@ -69,7 +69,7 @@ from parallel.horovod_coordinator import (  # noqa: F401  (Horovod's API, re-exp
     synchronize,
 )
 from parallel.optimizer import DistributedOptimizerMixin, distributed_optimizer
-from parallel.ring import TorchTransport
+from parallel.transport import TorchTransport
 
 
 def add_process_set(ranks) -> ProcessSet:

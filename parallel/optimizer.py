@@ -42,7 +42,7 @@ from hpc.observe.stopwatch import Stopwatch
 from hpc.runtime.placement import CommStream, use_device
 from parallel.compression.base import Reducer
 from parallel.compression.registry import make_reducer
-from parallel.ring import Transport
+from parallel.transport import Transport
 from parallel.zero import ShardedParameters, ZeroShards
 
 DEFAULT_BUCKET_BYTES = 25 << 20

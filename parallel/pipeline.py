@@ -37,8 +37,9 @@ from torch.distributed import ProcessGroup
 from hpc.errors import LayoutError
 from hpc.observe.probe import Probe
 from hpc.observe.stopwatch import Stopwatch
-from parallel.ring import Pending, PointToPoint, TorchTransport, Transport
+from hpc.runtime.placement import Pending
 from parallel.schedule import Action, Message, stage_bounds, ticks
+from parallel.transport import PointToPoint, TorchTransport, Transport
 
 
 @dataclass(frozen=True)

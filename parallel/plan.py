@@ -21,7 +21,7 @@ with its source, in docs/PLANNER.md; the names below follow it:
 - data parallelism: a ring all-reduce of the stage's gradients (ZeRO-3: 1.5 times that volume, Rajbhandari et
   al. SC20), times the codec's wire ratio; with overlap it hides behind the last microbatch's backward, bucket
   by bucket: the last bucket is ready only when backward ends, so its share is never hidden (one bucket: none is).
-- mixture of experts (jobs/moe.py, parallel/ep.py): E experts in every moe_every-th layer's MLP, top_k of them
+- mixture of experts (jobs/models/moe.py, parallel/ep.py): E experts in every moe_every-th layer's MLP, top_k of them
   per token (Fedus et al. 2022; Lepikhin et al. 2021): top_k - 1 more MLPs of compute per token and a router;
   each rank holds E/ep experts; four all-to-alls per MoE layer and microbatch, of top_k copies of its tokens,
   (k-1) alpha + (k-1)/k n / beta each; expert gradients reduced over the dp/ep replicas.
@@ -63,7 +63,7 @@ class Transformer:
     heads: int
     seq_len: int
     vocab: int
-    experts: int = 0  # a mixture of experts in every moe_every-th layer's MLP (jobs/moe.py); 0: dense
+    experts: int = 0  # a mixture of experts in every moe_every-th layer's MLP (jobs/models/moe.py); 0: dense
     top_k: int = 1  # experts per token
     moe_every: int = 1
     kv_heads: int = 0  # grouped-query attention: the heads of K and V (0: as many as Q's)

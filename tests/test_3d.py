@@ -1,6 +1,6 @@
 """The GPT under DP x TP x PP must train exactly like one process on the whole batch.
 
-Every layout runs the real training loop (``jobs.train.train``) for 10 steps of Adam
+Every layout runs the real training loop (``jobs.train.loop.train``) for 10 steps of Adam
 with gradient clipping active, fp32 and no compression, from the same seed. Losses
 and gradient norms are read back from rank 0's metrics file; each rank returns its
 parameters as pieces of the single-device tensors (what a checkpoint would write),
@@ -45,7 +45,7 @@ def gpt_spec(run_dir: str, name: str, layout, schedule: str = "1f1b", microbatch
 
 def pieces_as_numpy(model, mesh) -> list[tuple[str, tuple, tuple, np.ndarray]]:
     """This rank's parameters as (name, global shape, offsets, values): torch tensors cannot outlive a rank."""
-    from jobs.checkpointing import model_pieces
+    from jobs.train.checkpointing import model_pieces
 
     return [(p.name, p.global_shape, p.offsets, p.tensor.cpu().numpy().copy())
             for p in model_pieces(model, mesh.index("tp"), mesh.size("tp"))]
@@ -66,7 +66,7 @@ def assemble(per_rank) -> dict[str, np.ndarray]:
 def _train_cases(world, run_dir: str, cases, train_options=None):
     import torch
 
-    from jobs.train import train
+    from jobs.train.loop import train
 
     results = []
     for name, layout, schedule, microbatches, virtual in cases:
@@ -97,7 +97,7 @@ def single_process(tmp_path_factory):
 
 
 def _initial_weights() -> dict[str, np.ndarray]:
-    from jobs.gpt import build_gpt
+    from jobs.models.gpt import build_gpt
 
     model = build_gpt(spec_from_dict({"model": TINY_GPT}).model, seed=5)
     return {f"model/{name}": value.detach().numpy() for name, value in model.state_dict().items()}
@@ -178,7 +178,7 @@ def test_compiled_blocks_train_like_one_process_under_tp_pp_recompute_zero3_and_
 
 
 def test_the_learning_rate_scales_with_the_global_batch() -> None:
-    from jobs.train import base_learning_rate
+    from jobs.train.loop import base_learning_rate
 
     train = spec_from_dict({"train": {"lr": 0.1, "lr_reference_batch": 32}}).train
     assert base_learning_rate(train, 128) == pytest.approx(0.4)
@@ -188,11 +188,11 @@ def test_the_learning_rate_scales_with_the_global_batch() -> None:
 
 def _clip_once(world, layout, max_norm: float):
     """One step's gradients under ``layout`` (dp = 1), clipped; returns the norm and the clipped gradients."""
-    from jobs.layout import uses_pipeline
-    from jobs.train import clip_gradients, forward_backward
-    from jobs.workloads import Workload
-    from parallel.ring import TorchTransport
+    from jobs.train.layout import uses_pipeline
+    from jobs.train.loop import clip_gradients, forward_backward
+    from jobs.train.workloads import Workload
     from parallel.schedule import build_schedule
+    from parallel.transport import TorchTransport
 
     spec = gpt_spec("unused", "clip", layout, "1f1b", microbatches=2)
     mesh = build_mesh(MeshShape(*layout), world.rank)
@@ -210,8 +210,8 @@ def _clip_once(world, layout, max_norm: float):
 def test_clipping_across_tp_and_pp_equals_torch_on_the_single_device_model() -> None:
     import torch
 
-    from jobs.datasets import byte_windows, load_licenses, window_starts
-    from jobs.gpt import build_gpt, lm_loss
+    from jobs.data.datasets import byte_windows, load_licenses, window_starts
+    from jobs.models.gpt import build_gpt, lm_loss
 
     results = run_ranks(4, _clip_once, (1, 2, 2), 0.1, timeout=120)
     spec = gpt_spec("unused", "clip", (1, 1, 1))
@@ -257,7 +257,7 @@ def test_a_layout_that_does_not_fit_is_one_error_line_before_launch(capsys, exam
 
 def test_the_gpt_example_passes_the_checks_and_runs_3d_on_four_ranks(capsys) -> None:
     from hpc.cli.main import main
-    from jobs.layout import check_layout
+    from jobs.train.layout import check_layout
 
     spec = load_spec(GPT_EXAMPLE)
     shape = check_layout(spec, 4)
@@ -270,7 +270,7 @@ def test_the_gpt_summary_reports_tokens_per_second_and_the_held_out_loss() -> No
     from types import SimpleNamespace
 
     from hpc.cli.rank import summary_line
-    from jobs.train import TrainResult
+    from jobs.train.loop import TrainResult
 
     result = TrainResult(steps=120, final_loss=2.5157, evaluation={"held_out_loss": 2.7032}, throughput=6121.4,
                          unit="tokens", wall_s=40.1)
@@ -321,7 +321,7 @@ def _compiled_graphs(world, run_dir: str) -> list[tuple[int, int]]:
     import torch
     from torch._dynamo.utils import counters
 
-    from jobs.train import train
+    from jobs.train.loop import train
 
     made = []
     for zero in (0, 3):

@@ -40,7 +40,7 @@ def _spec(run_dir: str, name: str, layout, steps: int, resume: str, every_steps:
 
 def _split_and_whole(world, run_dir: str, cases):
     """Per layout: 10 steps, then 10 more resumed from the step-10 checkpoint; and 20 uninterrupted steps."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     for label, layout, parallel in cases:
         mesh = build_mesh(MeshShape(*layout), world.rank)
@@ -92,11 +92,11 @@ def test_ten_steps_save_ten_more_equals_twenty_uninterrupted(tmp_path, cases) ->
 
 def _restored_state(world, step_dir: str, layout):
     """Everything a rank holds after restoring ``step_dir`` under ``layout``, as pieces of the global tensors."""
-    from jobs.checkpointing import restore, state_pieces
-    from jobs.optim import build_optimizer
-    from jobs.workloads import Workload
+    from jobs.train.checkpointing import restore, state_pieces
+    from jobs.train.optim import build_optimizer
+    from jobs.train.workloads import Workload
     from parallel.optimizer import distributed_optimizer
-    from parallel.ring import make_transport
+    from parallel.transport import make_transport
 
     spec = _spec("unused", "restored", layout, 20, step_dir)
     mesh = build_mesh(MeshShape(*layout), world.rank)
@@ -113,7 +113,7 @@ def _restored_state(world, step_dir: str, layout):
 def _resume_under(world, run_dir: str, layouts):
     """The original run's step-10 checkpoint under each layout: restored (to compare with what was
     saved) and trained to step 20 (to continue the original's losses)."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     step_dir = f"{run_dir}/original/checkpoints/step-00000010"
     restored = {}
@@ -127,7 +127,7 @@ def _resume_under(world, run_dir: str, layouts):
 
 def _save_under_2_2_1_then_resume(world, run_dir: str, layouts):
     """The original run: 20 steps under (2, 2, 1), saving at 10 and 20."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     train(_spec(run_dir, "original", (2, 2, 1), 20, "never"), world, build_mesh(MeshShape(2, 2, 1), world.rank))
     return _resume_under(world, run_dir, layouts)

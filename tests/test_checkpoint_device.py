@@ -208,7 +208,7 @@ def _split_and_whole_on_the_gpu(world, base, save_at: int, total: int) -> None:
     """tests/test_checkpoint_training.py's split and whole runs, on the ranks' shared GPU."""
     from hpc.config import spec_from_dict
     from hpc.runtime.mesh import build_mesh, resolve_layout
-    from jobs.train import train
+    from jobs.train.loop import train
 
     assert world.device.type == "cuda"
     mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank, world.device)
@@ -224,9 +224,9 @@ def test_a_gpu_training_run_resumes_exactly_and_its_checkpoint_loads_on_the_cpu(
     """On the GPU: int8 residuals (restored onto the GPU) and dropout (the GPU's RNG) carry across the resume."""
     from hpc.checkpoint import open_checkpoint, read_tensor
     from hpc.config import spec_from_dict
-    from jobs.checkpointing import restore
-    from jobs.optim import build_optimizer
-    from jobs.protocol import build_model
+    from jobs.models.protocol import build_model
+    from jobs.train.checkpointing import restore
+    from jobs.train.optim import build_optimizer
     from tests.test_checkpoint_training import _assert_resumed_equals_uninterrupted, _base
 
     base = _base(tmp_path, {"compression": "int8"}, async_save=True)

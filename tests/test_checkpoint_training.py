@@ -33,7 +33,7 @@ def _base(tmp_path: Path, parallel: dict, async_save: bool, train: dict | None =
 
 def _split_and_whole(world, base, save_at: int, total: int):
     """``save_at`` steps then the rest resumed from that checkpoint, and ``total`` uninterrupted steps."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank)
     for name, steps, resume in (("split", save_at, "auto"), ("split", total, "auto"), ("whole", total, "never")):
@@ -161,9 +161,9 @@ def _check_it_loads(step_dir: Path, spec_path: Path) -> None:
 
     from hpc.checkpoint import open_checkpoint, read_tensor, verify_checkpoint
     from hpc.config import load_spec
-    from jobs.checkpointing import restore
-    from jobs.optim import build_optimizer
-    from jobs.protocol import build_model
+    from jobs.models.protocol import build_model
+    from jobs.train.checkpointing import restore
+    from jobs.train.optim import build_optimizer
 
     assert verify_checkpoint(step_dir).ok
     spec = load_spec(spec_path)

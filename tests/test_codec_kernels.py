@@ -361,7 +361,7 @@ def one_rank():
 
 @pytest.mark.cuda
 def test_cuda_powersgd_equals_cpu_without_host_sync(one_rank) -> None:
-    from parallel.ring import TorchTransport
+    from parallel.transport import TorchTransport
 
     transport = TorchTransport()
     grads = [torch.randn(256, 128, generator=torch.Generator().manual_seed(i)) for i in range(2)]

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hpc.config import (
+    MOVED_ENTRIES,
     JobSpec,
     SweepConfig,
     apply_overrides,
@@ -556,3 +557,16 @@ def test_sweep_samples_are_capped() -> None:
     assert SweepConfig(samples=1000).samples == 1000
     field = {f.name: f for f in dataclasses.fields(SweepConfig)}["samples"]
     assert field.metadata["max"] == 1000
+
+
+@pytest.mark.parametrize("section, old", [("model", "jobs.hf:causal_lm"), ("model", "jobs.gpt:gpt"),
+                                          ("model", "jobs.models:mlp"), ("data", "jobs.tokens:tokens"),
+                                          ("data", "jobs.datasets:licenses")])
+def test_entries_named_before_jobs_was_split_still_load(section, old) -> None:
+    """Specs and checkpoints written before jobs/ became data/, models/, train/ keep their entry names."""
+    from hpc.entry import load_entry
+
+    spec = spec_from_dict({section: {"entry": old}})
+    new = getattr(spec, section).entry
+    assert new == MOVED_ENTRIES[old] and new != old
+    assert callable(load_entry(new, f"{section}.entry"))

@@ -49,7 +49,7 @@ def _spec(run_dir: str, name: str, layout, model=None, compile: bool = False, **
 def _train_cases(world, run_dir: str, cases):
     """Each case in turn on these ranks: (name, layout, device, model, parallel options). Returns, per case,
     whether every parameter ended on the mesh's device, and the rank's peak device memory."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     done = []
     for name, layout, device, model, parallel in cases:

@@ -5,13 +5,13 @@ import pytest
 
 from hpc.config import spec_from_dict
 from hpc.runtime.mesh import build_mesh, resolve_layout
-from jobs.datasets import dp_shard, global_batch_indices
+from jobs.data.datasets import dp_shard, global_batch_indices
 from tests.numerics import LOSS_RTOL, assert_trained_close
 from tests.ranks import run_ranks
 
 
 def _train(world, spec_data):
-    from jobs.train import train
+    from jobs.train.loop import train
 
     spec = spec_from_dict(spec_data)
     mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank)
@@ -41,7 +41,7 @@ def test_four_ranks_match_one_process_on_the_concatenated_batch(tmp_path, optimi
 def _train_zero_steps_reference(spec_data):
     import torch
 
-    from jobs.protocol import build_model
+    from jobs.models.protocol import build_model
 
     spec = spec_from_dict(spec_data)
     with torch.no_grad():
@@ -74,7 +74,7 @@ CODEC_SETTINGS = {
 
 
 def _demo_with_each_codec(world, base):
-    from jobs.train import train
+    from jobs.train.loop import train
 
     mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank)
     losses = {}

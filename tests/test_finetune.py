@@ -50,8 +50,7 @@ class PromptAnswerWindows:
 
 def masked_licenses(seq_len: int = SEQ):
     """A data entry returning masked targets (``data.entry``)."""
-    from jobs.datasets import licenses
-    from jobs.protocol import DataSplits
+    from jobs.data.datasets import DataSplits, licenses
 
     splits = licenses(seq_len)
     return DataSplits(PromptAnswerWindows(splits.train), PromptAnswerWindows(splits.held_out))
@@ -74,7 +73,7 @@ def finetune_spec(run_dir: str, name: str, layout, microbatches: int = 1, masked
 
 def _train(world, run_dir: str, cases):
     """Each case trained; its pieces, and its held-out loss in <run>/held_out.json."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     results = []
     for name, layout, microbatches, sections in cases:
@@ -103,8 +102,8 @@ def _first_batch_losses() -> tuple[float, float]:
     import torch
     import torch.nn.functional as F
 
-    from jobs.gpt import build_gpt
-    from jobs.workloads import fetch
+    from jobs.models.gpt import build_gpt
+    from jobs.train.workloads import fetch
 
     spec = finetune_spec("unused", "by-hand", (1, 1, 1))
     train = masked_licenses().train
@@ -153,7 +152,7 @@ def test_a_microbatch_without_a_counted_target_adds_nothing() -> None:
     import torch
     import torch.nn.functional as F
 
-    from jobs.workloads import token_weighted
+    from jobs.train.workloads import token_weighted
 
     logits = torch.randn(2, 3, 5, requires_grad=True)
     ignored = torch.full((2, 3), -100)
@@ -181,7 +180,7 @@ def _frozen_cases(cases, freeze=FROZEN):
 
 
 def _initial() -> dict[str, np.ndarray]:
-    from jobs.gpt import build_gpt
+    from jobs.models.gpt import build_gpt
 
     model = build_gpt(finetune_spec("unused", "initial", (1, 1, 1)).model, seed=5)
     return {f"model/{name}": value.detach().numpy() for name, value in model.state_dict().items()}
@@ -265,7 +264,7 @@ def test_a_freeze_pattern_that_matches_nothing_is_one_error_on_every_rank(tmp_pa
 
 def _save_source(world, run_dir: str):
     """Run A: trains STEPS steps with embedding.tokens frozen, saving after the last."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     spec = finetune_spec(run_dir, "source", (1, 1, 1), masked=False, checkpoint={"every_steps": STEPS},
                          train={"freeze": ["embedding.tokens.*"]})
@@ -277,9 +276,9 @@ def _start_from(world, run_dir: str, layout, source: str):
     import torch.distributed as dist
 
     from hpc.observe.probe import Probe
-    from jobs.checkpointing import TrainingCheckpoints
-    from jobs.train import build_data_parallel_optimizer
-    from jobs.workloads import Workload
+    from jobs.train.checkpointing import TrainingCheckpoints
+    from jobs.train.loop import build_data_parallel_optimizer
+    from jobs.train.workloads import Workload
 
     spec = finetune_spec(run_dir, "finetune", layout, masked=False, checkpoint={"init_from": source})
     mesh = build_mesh(MeshShape(*layout), world.rank)
@@ -293,7 +292,7 @@ def _start_from(world, run_dir: str, layout, source: str):
 
 
 def _finetune(world, run_dir: str, source: str, steps: int):
-    from jobs.train import train
+    from jobs.train.loop import train
 
     checkpoint = {"init_from": source, "every_steps": 3}
     spec = finetune_spec(run_dir, "finetune", (1, 2, 1), masked=False, checkpoint=checkpoint,
@@ -329,7 +328,7 @@ def test_init_from_takes_the_weights_only_and_starts_at_step_zero(source_checkpo
 
 def test_the_schedule_counts_from_the_finetunes_first_step_and_a_requeue_continues_it(source_checkpoint,
                                                                                      tmp_path) -> None:
-    from jobs.optim import learning_rate
+    from jobs.train.optim import learning_rate
 
     assert run_ranks(2, _finetune, str(tmp_path), str(source_checkpoint), 3, timeout=120) == [0, 0]
     records = _records(tmp_path, "finetune")
@@ -344,7 +343,7 @@ def test_the_schedule_counts_from_the_finetunes_first_step_and_a_requeue_continu
 
 def _init_error(world, run_dir: str, source: str, model):
     from hpc.checkpoint.format import CheckpointError
-    from jobs.train import train
+    from jobs.train.loop import train
 
     spec = finetune_spec(run_dir, "bad", (1, 1, 2), 2, masked=False, checkpoint={"init_from": source}, model=model)
     try:

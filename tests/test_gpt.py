@@ -13,7 +13,7 @@ import torch
 from hpc.config import load_spec, spec_from_dict
 from hpc.errors import ConfigError, LayoutError
 from hpc.runtime.mesh import MeshShape
-from jobs.datasets import (
+from jobs.data.datasets import (
     LICENSES_DIR,
     ByteWindows,
     byte_windows,
@@ -21,9 +21,9 @@ from jobs.datasets import (
     load_licenses,
     window_starts,
 )
-from jobs.gpt import build_gpt, lm_loss
-from jobs.layout import check_job_layout
-from jobs.workloads import fetch
+from jobs.models.gpt import build_gpt, lm_loss
+from jobs.train.layout import check_job_layout
+from jobs.train.workloads import fetch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "gpt.toml"
 TINY = spec_from_dict({"model": {"kind": "gpt", "n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 32}}).model

@@ -1,4 +1,4 @@
-"""A Hugging Face transformers causal LM through ``model.entry = "jobs.hf:causal_lm"``.
+"""A Hugging Face transformers causal LM through ``model.entry = "jobs.models.hf:causal_lm"``.
 
 Without processes: the adapter computes exactly what the transformers model computes
 (forward, loss, the pipeline parts composed), under the Hugging Face parameter names;
@@ -27,7 +27,7 @@ from tests.test_checkpoint_3d import _losses
 
 pytest.importorskip("transformers")
 
-ENTRY = "jobs.hf:causal_lm"
+ENTRY = "jobs.models.hf:causal_lm"
 TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
 # Llama look-alikes the adapter runs unchanged (mistral with a sliding window shorter than the batch)
@@ -49,7 +49,7 @@ def _both(model_type: str = "llama", seed: int = 0, **extra):
     """The adapter and the transformers model built on the same seed (so with the same weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from jobs.hf import causal_lm
+    from jobs.models.hf import causal_lm
 
     args = {**TINY, "model_type": model_type, **extra}
     torch.manual_seed(seed)
@@ -127,7 +127,7 @@ def test_the_rotary_tables_are_made_once_for_every_block_unless_they_change_with
     adapter(_ids(batch=1)[:, :SEQ // 2])  # another length: made anew
     assert len(calls) == (2 if rope is None else 3 * TINY["num_hidden_layers"])
 def test_the_plan_names_real_modules_and_the_tp_checks_name_the_keys() -> None:
-    from jobs.protocol import check_pipeline, check_tp, plan_targets
+    from jobs.models.protocol import check_pipeline, check_tp, plan_targets
 
     adapter, reference = _both()
     plan = adapter.tp_plan
@@ -147,7 +147,7 @@ def test_the_plan_names_real_modules_and_the_tp_checks_name_the_keys() -> None:
 
 
 def test_tied_embeddings_stay_whole_under_tp_and_one_under_pp() -> None:
-    from jobs.parallelize import keep_stages
+    from jobs.train.parallelize import keep_stages
 
     adapter, reference = _both(tie_word_embeddings=True)
     assert adapter.lm_head.weight is adapter.model.embed_tokens.weight
@@ -159,7 +159,7 @@ def test_tied_embeddings_stay_whole_under_tp_and_one_under_pp() -> None:
 
 
 def test_the_model_builds_on_the_meta_device_for_the_pre_launch_check() -> None:
-    from jobs.hf import causal_lm
+    from jobs.models.hf import causal_lm
 
     with torch.device("meta"):
         adapter = causal_lm(**TINY)
@@ -182,7 +182,7 @@ def test_the_model_builds_on_the_meta_device_for_the_pre_launch_check() -> None:
     ],
 )
 def test_bad_model_args_are_one_line_naming_the_key(args, message) -> None:
-    from jobs.hf import causal_lm
+    from jobs.models.hf import causal_lm
 
     small = {key: value for key, value in TINY.items() if key != "model_type"}
     with pytest.raises(ConfigError) as error:
@@ -195,8 +195,8 @@ def _save_adapter(world, step_dir_root: str, spec_data: dict):
     import torch.distributed as dist
 
     from hpc.checkpoint import Checkpointer
-    from jobs.checkpointing import model_pieces
-    from jobs.protocol import build_model
+    from jobs.models.protocol import build_model
+    from jobs.train.checkpointing import model_pieces
 
     spec = spec_from_dict(spec_data)
     model = build_model(spec)
@@ -245,7 +245,7 @@ def _save_gpt(world, root: str):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--format", "hf"], "its model.kind='gpt' is not model.entry='jobs.hf:causal_lm': --format hf exports"),
+        (["--format", "hf"], "its model.kind='gpt' is not model.entry='jobs.models.hf:causal_lm': --format hf exports"),
         (["--format", "hf", "--only", "model/"], "--only applies to --format safetensors and pt"),
         (["--format", "pt"], "--format pt writes a file ending in .pt"),
         ([], "the file name must end in .safetensors or .pt (or give --format hf"),
@@ -286,7 +286,7 @@ def llama_spec(run_dir: str, name: str, layout, schedule: str = "1f1b", microbat
 
 def _train_llama(world, run_dir: str, cases):
     """Each case: (name, layout, llama_spec options); this rank's parameters after it, as pieces."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     results = []
     for name, layout, options in cases:
@@ -338,7 +338,7 @@ def trained(tmp_path_factory):
 
 @pytest.mark.slow
 def test_every_layout_trains_like_one_process(trained) -> None:
-    from jobs.protocol import build_model
+    from jobs.models.protocol import build_model
 
     run_dir, runs = trained
     for reference, options, cases in REFERENCES:
@@ -377,7 +377,7 @@ def test_the_hf_export_of_a_tp_pp_checkpoint_gives_the_trained_models_logits(tra
     from transformers import LlamaForCausalLM
 
     from hpc.cli.main import main
-    from jobs.hf import causal_lm
+    from jobs.models.hf import causal_lm
 
     run_dir, runs = trained
     out = tmp_path / "hf"
@@ -412,7 +412,7 @@ def test_a_layout_the_llama_cannot_take_is_one_line_before_launch(capsys, args, 
 
 def test_the_llama_example_passes_the_checks_as_tp2_pp2(capsys) -> None:
     from hpc.cli.main import main
-    from jobs.layout import check_layout
+    from jobs.train.layout import check_layout
 
     shape = check_layout(load_spec(LLAMA_EXAMPLE), 4)
     assert (shape.dp, shape.tp, shape.pp) == (1, 2, 2)

@@ -6,7 +6,7 @@ aten's ``_local_scalar_dense`` on any device, so the CPU counts them, and the op
 device value (``nonzero``, ``bincount``): during a step of each example model (SGD, whose update reads
 nothing; clipping on), ``StepRunner.run`` must make none. Its report (loss, gradient norm, MoE totals) is
 copied to the host behind the step's work and read by the trainer once the next step is queued
-(``jobs/train.py`` ``StepReport``); until session 15 the step read its loss sum at its end, as a loop's
+(``jobs/train/loop.py`` ``StepReport``); until session 15 the step read its loss sum at its end, as a loop's
 ``loss.item()`` does. One transformers helper asked for the mask with position ids read each layer's
 positions back for packed sequences (16 reads a step of the bench Llama); torch's ``one_hot`` range check
 read the router's choices twice per MoE layer.
@@ -45,8 +45,8 @@ def _step_runner(world, example: str, run_dir: str, layout=(1, 1, 1), device: st
     from hpc.config import load_spec
     from hpc.observe.probe import Probe
     from hpc.runtime.mesh import MeshShape, build_mesh
-    from jobs.train import StepRunner, build_data_parallel_optimizer
-    from jobs.workloads import Workload
+    from jobs.train.loop import StepRunner, build_data_parallel_optimizer
+    from jobs.train.workloads import Workload
 
     dp, tp, pp = layout
     spec = load_spec(REPO / "jobs" / "examples" / example,
@@ -117,7 +117,7 @@ def _gpu_syncs(world, example: str, run_dir: str) -> tuple[list[list[str]], int]
 
     import torch
 
-    from jobs.moe import moe_layers
+    from jobs.models.moe import moe_layers
 
     runner, optimizer = _step_runner(world, example, run_dir, device="cuda")
     torch.cuda.synchronize()
@@ -147,7 +147,7 @@ def test_on_the_gpu_a_step_synchronizes_only_once_per_moe_layer(example, tmp_pat
     if example == "llama.toml":
         pytest.importorskip("transformers")
     ((sites, moe),) = run_ranks(1, _gpu_syncs, example, str(tmp_path), timeout=300, device="cuda")
-    assert [frames[-1] if frames else "the test's" for frames in sites] == ["jobs/moe.py:_dispatch"] * moe + [
+    assert [frames[-1] if frames else "the test's" for frames in sites] == ["jobs/models/moe.py:_dispatch"] * moe + [
         "the test's"], sites
 
 
@@ -183,8 +183,8 @@ def _order_of_work(world, run_dir: str) -> tuple[list, list[dict]]:
     import json
 
     from hpc.runtime.mesh import build_mesh, resolve_layout
-    from jobs.checkpointing import TrainingCheckpoints
-    from jobs.train import StepRunner, train
+    from jobs.train.checkpointing import TrainingCheckpoints
+    from jobs.train.loop import StepRunner, train
 
     log: list = []
     run, save = StepRunner.run, TrainingCheckpoints.save
@@ -227,7 +227,7 @@ def test_the_moe_statistics_are_gathered_on_the_device_with_nothing_copied_from_
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from jobs.moe import MoEStats
+    from jobs.models.moe import MoEStats
 
     class HostOperands(TorchDispatchMode):
         def __init__(self) -> None:
@@ -260,7 +260,7 @@ def _out_of_memory_at_step_3(world, run_dir: str) -> tuple[str, list[int]]:
 
     from hpc.errors import DeviceOutOfMemoryError
     from hpc.runtime.mesh import build_mesh, resolve_layout
-    from jobs.train import StepRunner, train
+    from jobs.train.loop import StepRunner, train
 
     run = StepRunner.run
 

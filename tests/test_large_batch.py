@@ -124,7 +124,7 @@ def _sharded_steps(world, cases):
 
     from parallel.large_batch import LAMB, LARS
     from parallel.optimizer import distributed_optimizer
-    from parallel.ring import TorchTransport
+    from parallel.transport import TorchTransport
 
     mesh = build_mesh(MeshShape(2, 2, 1), world.rank)
     tp, scale = mesh.index("tp"), 0.5 + mesh.index("dp")
@@ -187,7 +187,7 @@ def _spec(run_dir: str, name: str, layout, resume: str = "never"):
 
 
 def _train(world, run_dir: str, names, layout, resume: str = "never"):
-    from jobs.train import train
+    from jobs.train.loop import train
 
     results = []
     for name in names:

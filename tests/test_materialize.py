@@ -1,8 +1,8 @@
-"""Models built on the meta device and materialized shard by shard (``jobs/materialize.py``).
+"""Models built on the meta device and materialized shard by shard (``jobs/models/materialize.py``).
 
 Under each layout every rank builds its ``Workload`` (the model on meta, its share cut, then
 materialized), and each tensor it holds must equal, bit for bit, its slice of the single-device
-model that ``jobs.protocol.build_model`` builds whole on the host with the same seed (buffers,
+model that ``jobs.models.protocol.build_model`` builds whole on the host with the same seed (buffers,
 rotary ``inv_freq`` included), every tensor of that model must be held by some rank, and the global
 generator must end where the host build leaves it (dropout draws on from there). Then the point of
 it: a rank's peak host memory while building is its share plus about one tensor, not the whole model.
@@ -30,8 +30,8 @@ MODELS = {
     "gpt": ({**TINY_GPT, "dropout": 0.1}, "licenses"),
     "gpt-moe": ({**TINY_GPT, "moe_experts": 4, "moe_every": 2}, "licenses"),
     "mlp": ({"kind": "mlp", "hidden_sizes": [128, 64]}, "digits"),
-    "llama": ({"entry": "jobs.hf:causal_lm", "args": TINY_LLAMA, "seq_len": 16}, "licenses"),
-    "llama-tied": ({"entry": "jobs.hf:causal_lm", "args": {**TINY_LLAMA, "tie_word_embeddings": True},
+    "llama": ({"entry": "jobs.models.hf:causal_lm", "args": TINY_LLAMA, "seq_len": 16}, "licenses"),
+    "llama-tied": ({"entry": "jobs.models.hf:causal_lm", "args": {**TINY_LLAMA, "tie_word_embeddings": True},
                     "seq_len": 16}, "licenses"),
 }
 MLP_TP_PLAN = {"0": "colwise", "2": "rowwise"}  # the MLP has no plan of its own: the spec gives one
@@ -53,9 +53,9 @@ def _spec(model: str, layout: tuple[int, int, int], ep: int = 1, seed: int = 5, 
 def _materialized_vs_host(world, cases, device: str = "cpu"):
     """Each case's share, materialized on ``device`` (``cuda``: the rank's GPU), against the host build's slices;
     returns (where it was built, names)."""
-    from jobs.materialize import named_tensors
-    from jobs.protocol import build_model
-    from jobs.workloads import Workload
+    from jobs.models.materialize import named_tensors
+    from jobs.models.protocol import build_model
+    from jobs.train.workloads import Workload
     from parallel.tensor_parallel import tp_split_dims
 
     results = []
@@ -87,8 +87,8 @@ FOUR_RANKS = [("gpt", (1, 2, 2), 1), ("gpt-moe", (2, 1, 2), 2), ("mlp", (2, 2, 1
 
 @pytest.mark.parametrize("cases", [ONE_RANK, TWO_RANKS, FOUR_RANKS], ids=["1-rank", "2-ranks", "4-ranks"])
 def test_every_share_is_the_host_builds_slice(cases) -> None:
-    from jobs.materialize import named_tensors
-    from jobs.protocol import build_model
+    from jobs.models.materialize import named_tensors
+    from jobs.models.protocol import build_model
 
     world_size = math.prod(cases[0][1])
     per_rank = run_ranks(world_size, _materialized_vs_host, cases, timeout=300)
@@ -134,9 +134,9 @@ def _peak_while(build):
 def _build_peaks(world, layout):
     """(where the Workload built, this rank's peak host memory while it builds, its share's bytes, the largest
     tensor's, the whole model's); rank 0 adds the peak of the whole model built on the host as before."""
-    from jobs.materialize import named_tensors
-    from jobs.protocol import build_model
-    from jobs.workloads import Workload
+    from jobs.models.materialize import named_tensors
+    from jobs.models.protocol import build_model
+    from jobs.train.workloads import Workload
 
     def spec(model):
         return spec_from_dict({"job": {"seed": 1}, "model": model, "data": {"name": "licenses", "batch_size": 8},
@@ -180,7 +180,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobs.materialize import run_init
+from jobs.models.materialize import run_init
 
 
 class Net(nn.Sequential):
@@ -218,7 +218,7 @@ def _user_spec(entry: str, defer: str):
 
 
 def test_a_model_that_does_not_defer_its_init_is_built_whole_on_the_host(user_entry) -> None:
-    from jobs.materialize import build_on_meta
+    from jobs.models.materialize import build_on_meta
 
     model, replay = build_on_meta(_user_spec(user_entry, "nothing"))
     assert replay is None and not any(p.is_meta for p in model.parameters())
@@ -229,7 +229,7 @@ def test_a_model_that_does_not_defer_its_init_is_built_whole_on_the_host(user_en
     ("reaching into a child", r"^the init of Net uses a tensor it did not hold"),
 ])
 def test_what_the_record_cannot_reproduce_is_refused_for_the_host_build(user_entry, defer, message) -> None:
-    from jobs.materialize import NotReplayable, build_on_meta
+    from jobs.models.materialize import NotReplayable, build_on_meta
 
     model, replay = build_on_meta(_user_spec(user_entry, defer))
     with pytest.raises(NotReplayable, match=message):
@@ -238,8 +238,8 @@ def test_what_the_record_cannot_reproduce_is_refused_for_the_host_build(user_ent
 
 def test_a_meta_built_transformers_model_still_has_its_forward_checked() -> None:
     from hpc.errors import ConfigError
-    from jobs.hf import causal_lm
-    from jobs.materialize import _recorded
+    from jobs.models.hf import causal_lm
+    from jobs.models.materialize import _recorded
 
     args = {**TINY_LLAMA, "model_type": "granite", "embedding_multiplier": 2.0}
     with pytest.raises(ConfigError, match="GraniteForCausalLM's forward is not embed_tokens"):
@@ -252,9 +252,9 @@ def test_a_meta_built_transformers_model_still_has_its_forward_checked() -> None
 def _fallback(world, directory: str, entry: str):
     import os
 
-    from jobs.materialize import named_tensors
-    from jobs.protocol import build_model
-    from jobs.workloads import Workload
+    from jobs.models.materialize import named_tensors
+    from jobs.models.protocol import build_model
+    from jobs.train.workloads import Workload
 
     os.chdir(directory)  # where the entry's module is, as for a job
     spec = _user_spec(entry, "weights only")

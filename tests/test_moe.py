@@ -25,7 +25,7 @@ import torch
 from hpc.config import spec_from_dict
 from hpc.errors import ConfigError
 from hpc.runtime.mesh import MeshShape, build_mesh, expert_group_ranks
-from jobs.moe import assign_slots, capacity, load_balancing_loss, route
+from jobs.models.moe import assign_slots, capacity, load_balancing_loss, route
 from tests.numerics import assert_trained_close
 from tests.ranks import run_ranks, run_under_mpirun
 from tests.test_3d import assemble, pieces_as_numpy
@@ -57,7 +57,7 @@ def moe_spec(run_dir: str, name: str, layout, capacity_factor: float = NO_DROP, 
 def _train(world, run_dir: str, cases):
     """Each case (name, (dp, tp, pp, ep), capacity factor, steps, checkpoint and train tables) trained; its
     pieces back."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     results = []
     for name, layout, factor, steps, checkpoint, options, parallel in cases:
@@ -71,7 +71,7 @@ def _train(world, run_dir: str, cases):
 def _kept_pieces(model, mesh) -> list[tuple[str, tuple, tuple, np.ndarray]]:
     """Which choices each MoE layer kept in the last training forward, as pieces of the global batch's mask
     (without pipeline microbatches: then the last forward is this replica's whole batch)."""
-    from jobs.moe import moe_layers
+    from jobs.models.moe import moe_layers
 
     if mesh.index("tp") or mesh.size("pp") > 1:
         return []
@@ -86,11 +86,11 @@ def _kept_pieces(model, mesh) -> list[tuple[str, tuple, tuple, np.ndarray]]:
 
 
 def _misroute_one_token(at_call: int):
-    """``jobs.moe.route`` that, at its ``at_call``-th call, sends the first token's first choice to an expert it
+    """``jobs.models.moe.route`` that, at its ``at_call``-th call, sends the first token's first choice to an expert it
     did not choose: what an off-by-one in a dispatch or a wrong split does to one token."""
-    import jobs.moe
+    import jobs.models.moe
 
-    original, calls = jobs.moe.route, [0]
+    original, calls = jobs.models.moe.route, [0]
 
     def route(logits, top_k, slots):
         routing, probs = original(logits, top_k, slots)
@@ -99,16 +99,16 @@ def _misroute_one_token(at_call: int):
             return routing, probs
         expert = routing.expert.clone()
         expert[0, 0, 0] = next(e for e in range(logits.shape[-1]) if e not in expert[0, 0].tolist())
-        return jobs.moe.Routing(expert, routing.gate, assign_slots(expert, logits.shape[-1], slots)), probs
+        return jobs.models.moe.Routing(expert, routing.gate, assign_slots(expert, logits.shape[-1], slots)), probs
     return route
 
 
 def _drop_expert_gradient(at_backward: int):
-    """``jobs.moe.run_experts`` that zeroes the first layer's expert 0's gradients at their ``at_backward``-th
+    """``jobs.models.moe.run_experts`` that zeroes the first layer's expert 0's gradients at their ``at_backward``-th
     backward: what an expert gradient missing from its replicas' reduction does at one step."""
-    import jobs.moe
+    import jobs.models.moe
 
-    original, hooked = jobs.moe.run_experts, []
+    original, hooked = jobs.models.moe.run_experts, []
 
     def run_experts(x, counts, sizes, experts, *args):
         if not hooked:
@@ -129,16 +129,16 @@ PLANTED = {"a token routed to the wrong expert at step 2": ("route", lambda: _mi
 
 def _train_planted(world, run_dir: str) -> list:
     """The single process once per planted bug: its pieces, each run."""
-    import jobs.moe
+    import jobs.models.moe
 
     results = []
     for attribute, patched in PLANTED.values():
-        original = getattr(jobs.moe, attribute)
-        setattr(jobs.moe, attribute, patched())
+        original = getattr(jobs.models.moe, attribute)
+        setattr(jobs.models.moe, attribute, patched())
         try:
             results.append(_train(world, run_dir, [_case(f"planted-{len(results)}", (1, 1, 1, 1))])[0])
         finally:
-            setattr(jobs.moe, attribute, original)
+            setattr(jobs.models.moe, attribute, original)
     return results
 
 
@@ -392,7 +392,7 @@ def _exchange(world, max_rows, transport="torch"):
     import torch.distributed as dist
 
     from parallel.ep import all_to_all
-    from parallel.ring import make_transport
+    from parallel.transport import make_transport
 
     rank, n = dist.get_rank(), dist.get_world_size()
     send = [rank + dest + 1 for dest in range(n)]
@@ -463,7 +463,7 @@ def test_the_report_sums_each_experts_load_over_the_steps() -> None:
 def test_the_moe_example_shards_8_experts_over_4_ranks(capsys) -> None:
     from hpc.cli.main import main
     from hpc.config import load_spec
-    from jobs.layout import check_layout
+    from jobs.train.layout import check_layout
 
     example = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "gpt_moe.toml"
     spec = load_spec(example)
@@ -476,7 +476,7 @@ def tiny_moe():
     """A user's model (``model.entry``) with an MoE layer: the digits as 8 tokens of 8 pixels."""
     from torch import nn
 
-    from jobs.moe import MoE
+    from jobs.models.moe import MoE
 
     class TinyMoE(nn.Module):
         def __init__(self) -> None:
@@ -499,8 +499,7 @@ def digits_one_held_out():
     """The digits with a single held-out image: fewer than the DP ranks, so one rank has none to evaluate."""
     from torch.utils.data import TensorDataset
 
-    from jobs.datasets import digits
-    from jobs.protocol import DataSplits
+    from jobs.data.datasets import DataSplits, digits
 
     splits = digits()
     inputs, targets = splits.held_out.tensors
@@ -508,7 +507,7 @@ def digits_one_held_out():
 
 
 def _train_user_model(world, run_dir: str, ep: int):
-    from jobs.train import train
+    from jobs.train.loop import train
 
     spec = spec_from_dict({
         "job": {"run_dir": run_dir, "name": f"user-ep{ep}", "seed": 3}, "model": {"entry": "tests.test_moe:tiny_moe"},
@@ -539,9 +538,9 @@ def _resume_int8_under_another_ep(world, run_dir: str):
     optimizer), restore into fresh optimizers at ep=2 and at ep=1 (whose buckets hold the experts too): the
     communication state each keeps; then train on at ep=1."""
     from hpc.observe.probe import Probe
-    from jobs.checkpointing import restore
-    from jobs.train import build_data_parallel_optimizer, train
-    from jobs.workloads import Workload
+    from jobs.train.checkpointing import restore
+    from jobs.train.loop import build_data_parallel_optimizer, train
+    from jobs.train.workloads import Workload
 
     mesh = build_mesh(MeshShape(2, 1, 1), world.rank)
     root = Path(run_dir) / "ckpt"
@@ -577,7 +576,7 @@ def test_a_compiled_block_runs_its_moe_dispatch_eagerly_and_never_recompiles() -
     gives up on the block."""
     import torch._dynamo
 
-    from jobs.moe import MoE
+    from jobs.models.moe import MoE
 
     torch._dynamo.reset()
     torch.manual_seed(0)

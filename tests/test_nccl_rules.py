@@ -134,9 +134,9 @@ def test_a_rank_that_skips_a_tp_all_reduce_is_named_as_gone() -> None:
 def _what_zero_issues(world, run_dir: str):
     """Per case, what the DP group carried, and whether the code took its NCCL paths (a transport in lockstep,
     reductions issued on the thread that runs backward)."""
-    from jobs.train import train
+    from jobs.train.loop import train
     from parallel.optimizer import InlineExecutor
-    from parallel.ring import TorchTransport
+    from parallel.transport import TorchTransport
 
     seen, inline, original = [], [], InlineExecutor.submit
     InlineExecutor.submit = lambda self, *args, **kwargs: inline.append(1) or original(self, *args, **kwargs)
@@ -176,7 +176,7 @@ def _gpt_spec(run_dir: str, name: str, layout, parallel: dict, train: dict, chec
 
 def _train_gpt(world, run_dir: str, cases):
     """Each case (name, (dp, tp, pp), parallel, train and checkpoint tables) trained; this rank's pieces."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     results = []
     for name, layout, parallel, options, checkpoint in cases:
@@ -264,7 +264,7 @@ def test_every_four_rank_layout_trains_under_nccls_rules_like_one_process(single
 
 def _train_deeper(world, run_dir: str, cases, layers: int):
     """``_train_gpt`` on a GPT of ``layers`` blocks (4 stages of 2 chunks, or 2 of 3)."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     results = []
     for name, layout, parallel, options, checkpoint in cases:

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _observed_run(world, run_dir: str):
     from hpc.runtime.mesh import build_mesh, resolve_layout
-    from jobs.train import train
+    from jobs.train.loop import train
 
     spec = spec_from_dict({
         "job": {"name": "observed", "run_dir": run_dir},
@@ -197,17 +197,17 @@ def test_stall_when_every_peer_arrived_blames_the_link() -> None:
 STALLED_JOB = """\
 import sys, time
 import torch.distributed as dist
-import jobs.workloads
+import jobs.train.workloads
 from hpc.cli.rank import main
 
-batch = jobs.workloads.Workload.host_batch  # what the training loop draws each step's batch with
+batch = jobs.train.workloads.Workload.host_batch  # what the training loop draws each step's batch with
 
 def late_batch(self, step):  # rank 3 goes missing at step 3, long past every threshold
     if step == 3 and dist.get_rank() == 3:
         time.sleep(600)
     return batch(self, step)
 
-jobs.workloads.Workload.host_batch = late_batch
+jobs.train.workloads.Workload.host_batch = late_batch
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -334,7 +334,7 @@ def test_the_hosts_wait_for_a_steps_cuda_event_is_a_wait_on_the_device() -> None
     import torch
 
     from hpc.observe.probe import Probe
-    from jobs.train import RunRecords, StepReport
+    from jobs.train.loop import RunRecords, StepReport
 
     recorder = _Recorder()
     watch, peer, _server = _watches(recorder, warn_s=0.2, abort_s=30)
@@ -361,11 +361,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import jobs.train
+import jobs.train.loop
 import parallel.tensor_parallel as tp
-from jobs.gpt import gpt
+from jobs.models.gpt import gpt
 
-_run, _all_reduce = jobs.train.StepRunner.run, tp._all_reduce
+_run, _all_reduce = jobs.train.loop.StepRunner.run, tp._all_reduce
 now = {"step": -1, "skipped": False}
 
 
@@ -383,7 +383,7 @@ def _skipping(x, group, *name):
 
 
 def build(**args):
-    jobs.train.StepRunner.run, tp._all_reduce = _run_step, _skipping
+    jobs.train.loop.StepRunner.run, tp._all_reduce = _run_step, _skipping
     return gpt(**args)
 '''
 

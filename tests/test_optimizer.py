@@ -8,7 +8,7 @@ import torch
 
 from parallel.compression.registry import make_reducer
 from parallel.optimizer import distributed_optimizer, make_buckets
-from parallel.ring import TorchTransport
+from parallel.transport import TorchTransport
 from tests.ranks import run_ranks
 
 BATCH, FEATURES = 16, 32

@@ -56,7 +56,7 @@ def _train_case(mesh, schedule: str, m: int, v: int, transport: str = "torch"):
     import torch.distributed as dist
 
     from parallel.pipeline import run_pipeline_step
-    from parallel.ring import make_transport
+    from parallel.transport import make_transport
 
     shape = mesh.shape
     p, stage_rank, replica = shape.pp, mesh.index("pp"), mesh.index("dp")

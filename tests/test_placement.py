@@ -11,9 +11,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand", "randint", "as_tensor",
              "linspace", "eye"}
-TRAINING_PATH = ["hpc/runtime", "hpc/observe/health.py", "parallel", "parallel/compression", "jobs/train.py",
-                 "jobs/workloads.py", "jobs/parallelize.py", "jobs/moe.py", "jobs/gpt.py", "jobs/hf.py",
-                 "jobs/optim.py", "jobs/checkpointing.py", "jobs/materialize.py"]
+TRAINING_PATH = ["hpc/runtime", "hpc/observe/health.py", "parallel", "parallel/compression", "jobs/train/loop.py",
+                 "jobs/train/workloads.py", "jobs/train/parallelize.py", "jobs/models/moe.py", "jobs/models/gpt.py",
+                 "jobs/models/hf.py", "jobs/train/optim.py", "jobs/train/checkpointing.py",
+                 "jobs/models/materialize.py"]
 NOT_TRAINING = {"parallel/plan.py", "parallel/cluster.py"}  # the planner computes with numbers, not tensors
 HOST_BY_DESIGN = {  # (file, the call as written) -> why it belongs on the host
     ("hpc/runtime/placement.py", "torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)"):
@@ -21,10 +22,10 @@ HOST_BY_DESIGN = {  # (file, the call as written) -> why it belongs on the host
     ("hpc/runtime/placement.py", "torch.tensor(values, dtype=dtype)"): "host numbers, staged for the device",
     ("hpc/runtime/preemption.py", "torch.tensor([_PRIORITY[self.received] if self.received is not None else 0])"):
         "a flag agreed over the world's Gloo side, before any device work",
-    ("jobs/workloads.py", "torch.as_tensor(np.asarray(indices, dtype=np.int64))"): "indices into a host data set",
-    ("jobs/train.py", "torch.tensor(counted, dtype=torch.int64)"):
+    ("jobs/train/workloads.py", "torch.as_tensor(np.asarray(indices, dtype=np.int64))"): "indices into a host data set",
+    ("jobs/train/loop.py", "torch.tensor(counted, dtype=torch.int64)"):
         "the count of the host batch's counted targets, agreed over the DP group before forward",
-    ("jobs/hf.py", "torch.arange(CHECK_TOKENS)"): "the build-time check runs on the host-built model",
+    ("jobs/models/hf.py", "torch.arange(CHECK_TOKENS)"): "the build-time check runs on the host-built model",
     ("parallel/ep.py", "torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e]))"):
         "a permutation worked out from a few host numbers, moved to the device once",
     ("parallel/ep.py", "torch.zeros(0, dtype=torch.int64)"): "the same permutation, empty",

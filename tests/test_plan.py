@@ -208,7 +208,8 @@ def test_bad_input_is_one_line(capsys, tmp_path: Path) -> None:
     spec = tmp_path / "mlp.toml"
     spec.write_text('[model]\nkind = "mlp"\n')
     assert main(["plan", str(spec), "--cluster", "a100-superpod", "--gpus", "8"]) == 2
-    assert "hpc plan cannot count model.entry='jobs.models:mlp': it has no pipeline_parts()" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "hpc plan cannot count model.entry='jobs.models.mlp:mlp': it has no pipeline_parts()" in err
     assert main(["plan", "--model", "layers=2,hidden=64", "--batch", "8", "--cluster", "h100-dgx", "--gpus", "2"]) == 2
     assert "--model is missing heads, seq, vocab" in capsys.readouterr().err
 

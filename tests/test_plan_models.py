@@ -1,5 +1,5 @@
 """``hpc plan`` of models other than the built-in GPT (issue 30): transformers causal LMs from their config
-(jobs/model_shape.py), grouped-query attention, gated MLPs, tied heads and sliding windows in parallel/plan.py's
+(jobs/models/shape.py), grouped-query attention, gated MLPs, tied heads and sliding windows in parallel/plan.py's
 arithmetic, ``model.entry`` models counted on the meta device, and ``--model``'s new keys. Every parameter count the
 planner derives is checked against ``sum(p.numel())`` of the real model built on the meta device."""
 
@@ -19,7 +19,8 @@ from parallel.plan import MIXED_ADAM, Layout, Transformer, memory_bytes, microba
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from jobs.model_shape import hf_config, spec_model  # noqa: E402  (needs torch)
+from jobs.models.hf_config import hf_config  # noqa: E402  (needs torch)
+from jobs.models.shape import spec_model  # noqa: E402  (needs torch)
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA = REPO / "jobs" / "examples" / "llama.toml"
@@ -129,7 +130,7 @@ def test_pretrained_configs_are_read_with_the_args_over_them(tmp_path: Path) -> 
     config = hf_config(args)
     assert (config.model_type, config.hidden_size, config.num_hidden_layers) == ("qwen2", 128, 2)
     job = tmp_path / "job.toml"
-    job.write_text(f'[model]\nentry = "jobs.hf:causal_lm"\n[model.args]\npretrained = "{tmp_path}"\n'
+    job.write_text(f'[model]\nentry = "jobs.models.hf:causal_lm"\n[model.args]\npretrained = "{tmp_path}"\n'
                    'num_hidden_layers = 2\n')
     model = spec_model(load_spec(job))
     assert (model.name, model.layers, model.hidden) == ("qwen2", 2, 128) and model.params == real_params(args)
@@ -138,10 +139,10 @@ def test_pretrained_configs_are_read_with_the_args_over_them(tmp_path: Path) -> 
 
 
 def test_an_entry_is_counted_on_the_meta_device(capsys, tmp_path: Path) -> None:
-    from jobs.protocol import build_model
+    from jobs.models.protocol import build_model
 
     job = tmp_path / "job.toml"
-    job.write_text('[model]\nentry = "jobs.gpt:gpt"\n[model.args]\nvocab_size = 256\nseq_len = 64\n'
+    job.write_text('[model]\nentry = "jobs.models.gpt:gpt"\n[model.args]\nvocab_size = 256\nseq_len = 64\n'
                    'd_model = 128\nn_heads = 4\nn_layers = 4\n')
     spec = load_spec(job)
     model = spec_model(spec)
@@ -149,7 +150,7 @@ def test_an_entry_is_counted_on_the_meta_device(capsys, tmp_path: Path) -> None:
     assert (model.layers, model.hidden, model.heads, model.vocab) == (4, 128, 4, 256)
     assert main(["plan", str(job), *H100, "--gpus", "4"]) == 0
     out = capsys.readouterr().out
-    assert "parameter jobs.gpt:gpt (4 layers, hidden 128, 4 heads, counted on the meta device" in out
+    assert "parameter jobs.models.gpt:gpt (4 layers, hidden 128, 4 heads, counted on the meta device" in out
 
 
 HEADLESS = '''
@@ -188,7 +189,7 @@ def test_a_model_the_planner_cannot_count_is_one_line_with_model_as_the_way_out(
         "no attention heads; give --model layers=,hidden=,heads=,seq=,vocab=" in err, err
     spec.write_text('[model]\nkind = "mlp"\n')
     assert main(["plan", str(spec), *H100, "--gpus", "2"]) == 2
-    assert "cannot count model.entry='jobs.models:mlp': it has no pipeline_parts()" in capsys.readouterr().err
+    assert "cannot count model.entry='jobs.models.mlp:mlp': it has no pipeline_parts()" in capsys.readouterr().err
 
 
 def test_model_takes_kv_heads_ffn_gated_and_tied(capsys) -> None:

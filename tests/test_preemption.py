@@ -93,7 +93,7 @@ def test_a_signal_blocked_during_start_up_waits_for_the_handler_and_is_recorded(
 
 def _signal_then_resume(world, base: dict, signals: dict[int, signal.Signals]) -> tuple:
     """Stop at the first step boundary after a signal on some ranks, resume to the end, then run uninterrupted."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank)
     split = spec_from_dict({**base, "job": {**base["job"], "name": "split"}})

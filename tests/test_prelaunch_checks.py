@@ -2,7 +2,7 @@
 exit 2, from ``hpc run --dry-run`` and from ``hpc submit`` (which then submits nothing), never a traceback and
 never a run that trains on garbage.
 
-A family per surface: a token set (``jobs.tokens:tokens``) damaged in its ``meta.json``, its files' sizes, its
+A family per surface: a token set (``jobs.data.tokens:tokens``) damaged in its ``meta.json``, its files' sizes, its
 offsets and its ids; a transformers directory (``model.args.pretrained``) damaged in its ``config.json`` and its
 safetensors headers; ``checkpoint.init_from`` naming what is not this model's checkpoint and a device the
 backend cannot run on; and the odd ones (``hpc plan --layout ''``, an entry that exits, ``hpc ckpt export --to``
@@ -195,7 +195,7 @@ def test_a_damaged_token_set_is_one_line_before_launch(token_spec, tmp_path, no_
     ("data.args.held_out=1.5", "data.args.held_out=1.5 must be a number in [0, 1)"),
     ("data.args.split_seed=-1", "data.args.split_seed=-1 must be an integer >= 0"),
     ("data.args.path=3", "needs data.args.path = the directory hpc data prepare wrote"),
-    ("data.args.nosuch=3", "data.args do not fit jobs.tokens:tokens"),
+    ("data.args.nosuch=3", "data.args do not fit jobs.data.tokens:tokens"),
     ("model.args.vocab_size=100", "more than the model's vocabulary (model.args.vocab_size) of 100"),
 ])
 def test_bad_token_set_arguments_are_one_line_before_launch(token_spec, tmp_path, no_slurm, override,
@@ -207,7 +207,7 @@ def test_bad_token_set_arguments_are_one_line_before_launch(token_spec, tmp_path
 def test_the_entry_opens_a_set_checked_whole(tmp_path) -> None:
     """On a rank too (a set damaged after the pre-launch check): the entry refuses it, never an IndexError."""
     from hpc.errors import ConfigError
-    from jobs.tokens import tokens
+    from jobs.data.tokens import tokens
 
     directory = write_set(tmp_path / "set", _docs())
     assert len(tokens(str(directory), seq_len=8, held_out=0).train) > 0
@@ -311,7 +311,7 @@ def test_a_damaged_pretrained_directory_is_one_line_before_launch(llama, tmp_pat
     damage(directory)
     spec = tmp_path / "job.toml"
     spec.write_text(f'[job]\nname = "pretrained"\nrun_dir = "{tmp_path / "runs"}"\n[model]\n'
-                    f'entry = "jobs.hf:causal_lm"\nseq_len = 16\n[model.args]\npretrained = "{directory}"\n'
+                    f'entry = "jobs.models.hf:causal_lm"\nseq_len = 16\n[model.args]\npretrained = "{directory}"\n'
                     '[data]\nname = "licenses"\nbatch_size = 8\n')
     _run_and_submit(spec, [], message, tmp_path / "runs", no_slurm)
     err = _refused(["run", "--dry-run", "--launcher", "local", str(spec)], message, tmp_path / "runs")
@@ -345,8 +345,8 @@ def _save_model(world, root: str, hidden: list[int] | None) -> None:
 
     from hpc.checkpoint import Checkpointer, Piece
     from hpc.config import load_spec
-    from jobs.checkpointing import model_pieces
-    from jobs.protocol import build_model
+    from jobs.models.protocol import build_model
+    from jobs.train.checkpointing import model_pieces
 
     saver = Checkpointer(root, dist.group.WORLD)
     if hidden is None:
@@ -441,8 +441,8 @@ def test_an_entry_that_exits_is_named(tmp_path, monkeypatch, no_slurm, text) -> 
 
 
 def test_an_entry_that_exits_on_a_rank_is_one_error_not_its_exit_code() -> None:
+    from hpc.entry import call_entry
     from hpc.errors import ConfigError
-    from jobs.protocol import call_entry
 
     def data() -> None:
         raise SystemExit(3)

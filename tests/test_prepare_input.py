@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from hpc.cli.main import main
-from jobs import prepare as prep
-from jobs.tokens import META, TOKENIZER, TokenSet
+from jobs.data import prepare as prep
+from jobs.data.tokens import META, TOKENIZER, TokenSet
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "jobs" / "examples" / "tokenizer.json"
@@ -304,7 +304,7 @@ class _FailingFile:
 
 
 def _reading(fail):
-    """``open`` as jobs.prepare calls it, ``fail(path)`` in place of opening a file to read."""
+    """``open`` as jobs.data.prepare calls it, ``fail(path)`` in place of opening a file to read."""
     def opened(path, mode="r", *args, **kwargs):
         return fail(path) if "r" in mode else open(path, mode, *args, **kwargs)
 

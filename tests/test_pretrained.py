@@ -1,4 +1,5 @@
-"""Pretrained weights: ``[model.args] pretrained = DIR`` for ``jobs.hf:causal_lm`` (``jobs/pretrained.py``).
+"""Pretrained weights: ``[model.args] pretrained = DIR`` for ``jobs.models.hf:causal_lm``
+(``jobs/models/pretrained.py``).
 
 Tiny Llama, Qwen2 and Mistral models with random (perturbed) weights are written by transformers'
 ``save_pretrained``, as one file and sharded with an index, stored in bf16, fp16 and fp32. Without
@@ -33,7 +34,7 @@ from tests.test_3d import CLIP, LR, assemble, pieces_as_numpy
 
 pytest.importorskip("transformers")
 
-ENTRY = "jobs.hf:causal_lm"
+ENTRY = "jobs.models.hf:causal_lm"
 SHAPE = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
 SEQ, STEPS, SHARD = 16, 4, "24KB"  # a shard of 24 KB: the tiny models' 0.3 MB in 12-14 files
@@ -85,7 +86,7 @@ def _ids() -> torch.Tensor:
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_the_host_build_is_from_pretrained(tmp_path, name, sharded, dtype) -> None:
-    from jobs.hf import causal_lm
+    from jobs.models.hf import causal_lm
 
     path = save_model(tmp_path, name, sharded, dtype)
     assert (path / "model.safetensors.index.json").exists() == sharded
@@ -103,7 +104,7 @@ def test_the_host_build_is_from_pretrained(tmp_path, name, sharded, dtype) -> No
 
 
 def test_model_args_override_the_stored_config_and_are_checked(saved) -> None:
-    from jobs.hf import causal_lm
+    from jobs.models.hf import causal_lm
 
     adapter = causal_lm(pretrained=str(saved["llama"]), rms_norm_eps=1e-3)
     assert adapter.config.rms_norm_eps == 1e-3 and adapter.config.hidden_size == 32
@@ -161,7 +162,7 @@ def _broken_copy(saved: dict[str, Path], tmp_path: Path, how: str) -> Path:
 
 @pytest.mark.parametrize("how", list(BROKEN))
 def test_a_directory_that_does_not_fit_is_one_line_naming_the_tensor_and_the_file(saved, tmp_path, how) -> None:
-    from jobs.hf import causal_lm
+    from jobs.models.hf import causal_lm
 
     copy = _broken_copy(saved, tmp_path, how)
     for device in ("meta", "cpu"):  # the pre-launch check's build, and a host build
@@ -244,13 +245,13 @@ class RecordedReads:
 
 def _train(world, run_dir: str, cases):
     """Each case: (name, directory, layout, checkpoint every); this rank's (parameters as pieces, reads)."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     results = []
     for name, directory, layout, every in cases:
         mesh = build_mesh(MeshShape(*layout), world.rank)
         RecordedReads.reads = []
-        with mock.patch("jobs.pretrained.safe_open", RecordedReads):
+        with mock.patch("jobs.models.pretrained.safe_open", RecordedReads):
             _, model = train(pretrained_spec(run_dir, name, directory, layout, every), world, mesh)
         results.append((pieces_as_numpy(model, mesh), list(RecordedReads.reads)))
     return results
@@ -285,9 +286,9 @@ def _losses(run_dir: Path, name: str) -> list[float]:
 
 def _first_batch(directory: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of step 0, as ``Workload.host_batch`` draws it (one replica)."""
-    from jobs.datasets import global_batch_indices
-    from jobs.protocol import build_data
-    from jobs.workloads import fetch
+    from jobs.data.datasets import global_batch_indices
+    from jobs.data.protocol import build_data
+    from jobs.train.workloads import fetch
 
     spec = pretrained_spec("unused", "batch", str(directory), (1, 1, 1))
     train = build_data(spec).train
@@ -317,7 +318,7 @@ def test_every_layout_starts_at_from_pretrained_s_loss_and_trains_like_one_proce
 
 def _train_on_the_gpu(world, run_dir: str, directory: str):
     """tp=2 with both ranks sharing the GPU; whether every parameter of the trained share is on it."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     mesh = build_mesh(MeshShape(1, 2, 1), world.rank, world.device)
     _, model = train(pretrained_spec(run_dir, "gpu-tp2", directory, (1, 2, 1)), world, mesh)
@@ -394,7 +395,7 @@ def test_the_fine_tuned_checkpoint_exports_sharded_and_reloads_with_the_trained_
     from transformers import AutoModelForCausalLM
 
     from hpc.cli.main import main
-    from jobs.hf import causal_lm
+    from jobs.models.hf import causal_lm
 
     run_dir, runs, _ = trained
     step_dir = run_dir / "llama-tp2-pp2" / "checkpoints" / f"step-{STEPS:08d}"

@@ -25,7 +25,7 @@ def _spec(tmp_path: Path) -> dict:
 
 def _train_twice(world, base: dict) -> list[tuple[int, float | None]]:
     """Four steps, then the same spec again: resumed at step 4 with none left; then without the checkpoint's loss."""
-    from jobs.train import train
+    from jobs.train.loop import train
 
     mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank)
     spec = spec_from_dict(base)

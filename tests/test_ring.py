@@ -10,7 +10,8 @@ import torch.distributed as dist
 from hpc.runtime import launch
 from parallel.compression.base import ErrorFeedback
 from parallel.compression.registry import make_codec
-from parallel.ring import TorchTransport, make_transport, ring_allgather, ring_allreduce
+from parallel.ring import ring_allgather, ring_allreduce
+from parallel.transport import TorchTransport, make_transport
 from tests.ranks import run_ranks, run_under_mpirun
 
 SIZES = [0, 1, 3, 7, 1000, 4099]

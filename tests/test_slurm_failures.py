@@ -25,7 +25,7 @@ CAUSE = "RuntimeError: deliberate failure on rank 1 at step 5"
 FAILING_MODEL = '''
 import torch.distributed as dist
 
-from jobs.models import mlp
+from jobs.models.mlp import mlp
 
 
 def build(fail_rank=1, fail_step=5):
@@ -64,7 +64,7 @@ import os
 
 import torch.distributed as dist
 
-from jobs.models import mlp
+from jobs.models.mlp import mlp
 
 
 def build(die_rank=2, die_step=2, how="kill"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hpc.runtime.placement import StagedReceive, StagedSend, host_staging_buffer, out_of_memory
-from parallel.ring import TorchTransport
+from parallel.transport import TorchTransport
 from tests.ranks import run_ranks, run_under_mpirun
 
 
@@ -51,7 +51,7 @@ def _messages(world):
 
 
 def _op(is_send, tensor, peer):
-    from parallel.ring import PointToPoint
+    from parallel.transport import PointToPoint
 
     return PointToPoint(is_send, tensor, peer, tag=3)
 
@@ -100,7 +100,7 @@ def test_device_and_backend_mistakes_are_one_line(requested, backend, error) -> 
 
 
 def _mpi_staged_messages(world):
-    from parallel.ring import MpiTransport, PointToPoint, mpi_carries_cuda
+    from parallel.transport import MpiTransport, PointToPoint, mpi_carries_cuda
 
     class StagedMpi(MpiTransport):
         def _stages(self, tensor: torch.Tensor) -> bool:

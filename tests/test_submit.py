@@ -361,7 +361,7 @@ def _reference_losses(world, spec: str, configs: list[list[str]]) -> list[float]
     """Each config trained by one process calling the training loop directly."""
     from hpc.config import load_spec
     from hpc.runtime.mesh import build_mesh, resolve_layout
-    from jobs.train import train
+    from jobs.train.loop import train
 
     mesh = build_mesh(resolve_layout("auto", 1, 1, 1), 0)
     return [train(load_spec(spec, overrides), world, mesh)[0].final_loss for overrides in configs]
@@ -427,7 +427,7 @@ def _losses(run: Path) -> list[float]:
 def _train_locally(world, spec: str, overrides: list[str]) -> None:
     from hpc.config import load_spec
     from hpc.runtime.mesh import build_mesh, resolve_layout
-    from jobs.train import train
+    from jobs.train.loop import train
 
     train(load_spec(spec, overrides), world, build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank))
 

@@ -169,7 +169,7 @@ def _final_loss(world, spec_path: str, overrides: list[str]) -> float:
     """The single-process reference: the training loop called directly."""
     from hpc.config import load_spec
     from hpc.runtime.mesh import build_mesh, resolve_layout
-    from jobs.train import train
+    from jobs.train.loop import train
 
     result, _ = train(load_spec(spec_path, overrides), world, build_mesh(resolve_layout("auto", 1, 1, 1), 0))
     return result.final_loss

@@ -224,9 +224,9 @@ def _train_gpt(world, dp, tp, model_overrides, optimizer, seed=5):
     import torch
     import torch.distributed as dist
 
-    from jobs.datasets import byte_windows, dp_shard, load_licenses, window_starts
-    from jobs.gpt import build_gpt, lm_loss
-    from jobs.parallelize import parallelize_tp
+    from jobs.data.datasets import byte_windows, dp_shard, load_licenses, window_starts
+    from jobs.models.gpt import build_gpt, lm_loss
+    from jobs.train.parallelize import parallelize_tp
     from parallel.tensor_parallel import full_state_dict
 
     cfg = spec_from_dict({"model": {**TINY_GPT, **model_overrides}}).model

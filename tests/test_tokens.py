@@ -1,4 +1,5 @@
-"""Tokenized data: ``hpc data prepare`` (jobs/prepare.py) and the ``jobs.tokens:tokens`` data entry (jobs/tokens.py).
+"""Tokenized data: ``hpc data prepare`` (jobs/data/prepare.py) and the ``jobs.data.tokens:tokens`` data entry
+(jobs/data/tokens.py).
 
 The tokenizer is the example BPE that ships in jobs/examples (trained on Debian's license texts, no download).
 """
@@ -18,8 +19,9 @@ import pytest
 from hpc.cli.main import main
 from hpc.config import load_spec
 from hpc.errors import ConfigError
-from jobs import prepare as prep
-from jobs.tokens import META, OFFSETS, TOKENIZER, TOKENS, TokenSet, check_spec, held_out_documents, runs, tokens
+from jobs.data import prepare as prep
+from jobs.data.tokens import META, OFFSETS, TOKENIZER, TOKENS, TokenSet, held_out_documents, runs, tokens
+from jobs.train.layout import check_token_set
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "jobs" / "examples" / "tokenizer.json"
@@ -203,7 +205,7 @@ def test_an_interrupted_prepare_leaves_no_directory(tmp_path, jsonl, monkeypatch
 
 def test_a_killed_prepare_leaves_no_directory_and_the_next_run_clears_its_leftovers(tmp_path, jsonl) -> None:
     """SIGKILL mid-write: ``out`` never appears; its ``out.tmp-PID`` goes when the next run starts."""
-    script = ("import sys, os, signal; from jobs import prepare as p\n"
+    script = ("import sys, os, signal; from jobs.data import prepare as p\n"
               "real = p.TokenWriter.append\n"
               "def append(self, encodings):\n"
               "    real(self, encodings); os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -279,10 +281,10 @@ def test_a_set_whose_ids_pass_the_model_vocabulary_is_refused_before_any_rank(pr
     base = REPO / "jobs" / "examples" / "gpt_tokens.toml"
     spec = load_spec(base, [f"data.args.path={prepared}", "model.args.vocab_size=4000"])
     with pytest.raises(ConfigError, match=r"more than the model's vocabulary \(model.args.vocab_size\) of 4,000"):
-        check_spec(spec)
-    check_spec(load_spec(base, [f"data.args.path={prepared}"]))
+        check_token_set(spec)
+    check_token_set(load_spec(base, [f"data.args.path={prepared}"]))
     with pytest.raises(ConfigError, match=r"data.args.path='.*nowhere' does not exist"):
-        check_spec(load_spec(base, [f"data.args.path={tmp_path / 'nowhere'}"]))
+        check_token_set(load_spec(base, [f"data.args.path={tmp_path / 'nowhere'}"]))
 
 
 def test_a_model_entry_without_vocab_size_is_checked_by_its_input_embedding(prepared, tmp_path, monkeypatch) -> None:
@@ -298,7 +300,7 @@ def test_a_model_entry_without_vocab_size_is_checked_by_its_input_embedding(prep
     spec = load_spec(REPO / "jobs" / "examples" / "gpt_tokens.toml",
                      ["model.entry=small_lm:lm", "model.args={}", f"data.args.path={prepared}"])
     with pytest.raises(ConfigError, match="input embedding of 1,000"):
-        check_spec(spec)
+        check_token_set(spec)
 
 
 @pytest.mark.slow

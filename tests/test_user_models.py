@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from jobs.protocol import DataSplits
+from jobs.data.datasets import DataSplits
 
 
 class Block(nn.Module):
@@ -96,7 +96,7 @@ def user_dir(tmp_path: Path, monkeypatch) -> Path:
 
 
 def _train_user_cases(world, user_dir: str, cases):
-    from jobs.train import train
+    from jobs.train.loop import train
 
     os.chdir(user_dir)  # entries import from the job's working directory
     results = []

@@ -36,10 +36,10 @@ def _spec(run_dir: str, name: str, layout, microbatches: int, zero: int, every: 
 
 def _train(world, run_dir: str, cases):
     """Each case through the real trainer; returns per case this rank's pieces and its optimizer state's size."""
-    import jobs.train
+    import jobs.train.loop
 
     built, held = [], []
-    build = jobs.train.build_data_parallel_optimizer
+    build = jobs.train.loop.build_data_parallel_optimizer
 
     def build_and_watch(spec, model, *args, **kw):
         """Count, just before ZeRO-3 gives every rank the whole model back, the parameters with memory."""
@@ -49,11 +49,11 @@ def _train(world, run_dir: str, cases):
             p.numel() for p in model.parameters() if p.untyped_storage().nbytes())) or unshard()
         return built.append(optimizer) or optimizer
 
-    jobs.train.build_data_parallel_optimizer = build_and_watch
+    jobs.train.loop.build_data_parallel_optimizer = build_and_watch
     results = []
     for name, layout, microbatches, zero, every, resume in cases:
         mesh = build_mesh(MeshShape(*layout), world.rank)
-        _, model = jobs.train.train(_spec(run_dir, name, layout, microbatches, zero, every, resume), world, mesh)
+        _, model = jobs.train.loop.train(_spec(run_dir, name, layout, microbatches, zero, every, resume), world, mesh)
         optimizer = built[-1]
         state = sum(v.numel() for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
         coordinate = (mesh.index("tp"), mesh.index("pp"))
@@ -100,11 +100,11 @@ def test_zero_alone_and_with_tp_and_pp_trains_like_one_process(single_process, t
 
 def _restored_state(world, step_dir: str, dp: int, zero: int):
     """A fresh (dp, zero) optimizer restored from ``step_dir``: {name/key: values} of the state this rank holds."""
-    from jobs.checkpointing import restore
-    from jobs.optim import build_optimizer
-    from jobs.protocol import build_model
+    from jobs.models.protocol import build_model
+    from jobs.train.checkpointing import restore
+    from jobs.train.optim import build_optimizer
     from parallel.optimizer import distributed_optimizer
-    from parallel.ring import make_transport
+    from parallel.transport import make_transport
 
     spec = _spec("unused", "restore", (dp, 1, 1), 1, zero)
     mesh = build_mesh(MeshShape(dp, 1, 1), world.rank)
@@ -221,7 +221,7 @@ def _reduce_scatter_twice(world, name: str, numel: int):
     import torch
 
     from parallel.compression.registry import make_reducer
-    from parallel.ring import TorchTransport
+    from parallel.transport import TorchTransport
     from tests.test_ring import _inputs
 
     reducer, results, inputs = make_reducer(name), [], []
@@ -264,7 +264,7 @@ def _tiny_steps(world, name: str):
     import torch.distributed as dist
 
     from parallel.optimizer import distributed_optimizer
-    from parallel.ring import TorchTransport
+    from parallel.transport import TorchTransport
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
@@ -316,7 +316,7 @@ def _reduce_at_zero3(world, name: str):
     import torch.distributed as dist
 
     from parallel.optimizer import distributed_optimizer
-    from parallel.ring import TorchTransport
+    from parallel.transport import TorchTransport
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
@@ -363,7 +363,7 @@ def _bf16_accumulating_steps(world):
 
     import parallel.zero
     from parallel.optimizer import distributed_optimizer
-    from parallel.ring import TorchTransport
+    from parallel.transport import TorchTransport
 
     device, gathered_on = world.device, []
     fill = parallel.zero._Unit.fill
@@ -434,7 +434,7 @@ def _stream_protocol(world):
 
     import parallel.optimizer
     import parallel.zero
-    from parallel.ring import TorchTransport
+    from parallel.transport import TorchTransport
 
     log, inside = [], threading.local()
 

@@ -20,7 +20,7 @@ optimizer state created on its parameter's device (``step`` on the CPU, where to
 it), so a checkpoint saved on GPUs loads on CPUs and back.
 
 Nothing here knows about tensor-parallel layers (``parallel/``) or a job spec (``jobs/``):
-``jobs/checkpointing.py`` passes the TP split of its layers, ``hpc/script.py`` none.
+``jobs/train/checkpointing.py`` passes the TP split of its layers, ``hpc/script.py`` none.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Nothing heavy at module level (``hpc --help`` imports this): h5py is imported by the
 commands that read checkpoints, torch only by ``export``, and transformers (through
-``jobs.hf``) only by ``export --format hf``, which rebuilds the model's config from the
+``jobs.models.hf``) only by ``export --format hf``, which rebuilds the model's config from the
 job spec stored in the checkpoint.
 """
 
@@ -41,7 +41,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--format", choices=EXPORT_FORMATS, default=None,
                         help="safetensors or pt (default: from the --to suffix), or hf: config.json and "
                              "model.safetensors that transformers' from_pretrained loads (model.entry "
-                             "jobs.hf:causal_lm)")
+                             "jobs.models.hf:causal_lm)")
     export.add_argument("--only", default="", metavar="PREFIX",
                         help="keep tensors whose name starts with PREFIX, and strip it (e.g. --only model/)")
     export.add_argument("--max-shard-size", default=None, metavar="SIZE",
@@ -171,15 +171,15 @@ def _shard_bytes(text: str | None) -> int | None:
 
 
 def _export_hf(step_dir: str, dest: str, max_shard_bytes: int | None) -> int:
-    """The stored job spec names the model; jobs.hf rebuilds its config and writes the directory."""
+    """The stored job spec names the model; jobs.models.hf rebuilds its config and writes the directory."""
     from hpc.checkpoint.format import CheckpointError, read_index
     from hpc.config import spec_from_dict
-    from jobs.hf import export_hf
+    from jobs.models.hf import export_hf
 
     index = read_index(step_dir)
     if "job_spec" not in index.attrs:
         raise CheckpointError(f"{index.path} holds no job spec: --format hf needs a checkpoint of a job spec "
-                              "with model.entry = 'jobs.hf:causal_lm'")
+                              "with model.entry = 'jobs.models.hf:causal_lm'")
     data = _spec_data(index.attrs["job_spec"], index.path)
     if not isinstance(data, dict):
         raise CheckpointError(f"the job_spec attribute of {index.path} is not a JSON table")

@@ -1,6 +1,6 @@
-"""``hpc data prepare``: tokenize text, JSONL or Parquet files into a directory ``jobs.tokens:tokens`` trains on.
+"""``hpc data prepare``: tokenize text, JSONL or Parquet files into a directory ``jobs.data.tokens:tokens`` trains on.
 
-The work is ``jobs.prepare``; nothing heavy at module level (``hpc --help`` imports this).
+The work is ``jobs.data.prepare``; nothing heavy at module level (``hpc --help`` imports this).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ without special tokens, then the tokenizer's EOS appended.
 OUT gets tokens.bin (uint16 ids when the vocabulary fits, else uint32), offsets.bin (int64, where each
 document starts), tokenizer.json and meta.json (tokenizer, vocabulary size, dtype, counts, source files
 and their sha256). It is written as OUT.tmp-PID-* and renamed when complete: a failed or interrupted run
-leaves no OUT. Train on it with data.entry = "jobs.tokens:tokens" and data.args.path = OUT.
+leaves no OUT. Train on it with data.entry = "jobs.data.tokens:tokens" and data.args.path = OUT.
 
 OUT must not exist. --force replaces only a token set a previous hpc data prepare wrote (a directory of
 just meta.json, tokens.bin, offsets.bin and tokenizer.json); anything else there (a file, a link, a
@@ -48,7 +48,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from hpc.text import human_bytes
-    from jobs.prepare import prepare
+    from jobs.data.prepare import prepare
 
     start = time.perf_counter()
     # past a file size limit (ulimit -f) a write fails with EFBIG, reported as one line, instead of SIGXFSZ's core

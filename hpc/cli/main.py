@@ -64,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from hpc.cli.script import check_script
     from hpc.config import load_spec
     from hpc.runtime import launch
-    from jobs.layout import check_layout
+    from jobs.train.layout import check_layout
 
     if args.nprocs < 1:
         raise LayoutError(f"-n must be at least 1, got {args.nprocs}")

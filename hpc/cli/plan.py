@@ -1,7 +1,7 @@
 """``hpc plan``: rank every (dp, tp, pp, microbatches, schedule, checkpointing) layout of a model on a cluster, on
 paper (parallel/plan.py), and recommend the fastest that fits. Standard library only (no ranks are started) for the
 built-in GPT and ``--model``; a spec's other model is read from its transformers config or counted on the meta
-device (jobs/model_shape.py, torch and transformers imported then).
+device (jobs/models/shape.py, torch and transformers imported then).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ REQUIRED_MODEL_KEYS = ("layers", "hidden", "heads", "seq", "vocab")
 LAYOUT_KEYS = ("dp", "tp", "pp", "m", "schedule", "ckpt", "zero", "ep")  # --layout's, as Layout.label() spells them
 # The spec keys hpc plan reads (--set of any other is refused): the GPT, the batch, the optimizer's bytes, the codec,
 # the DP all-reduce's overlap and buckets; and the spec's own layout, which it ranks among the others. Every
-# model.args.* key too (a model.entry's: jobs/model_shape.py reads its config or counts it).
+# model.args.* key too (a model.entry's: jobs/models/shape.py reads its config or counts it).
 SPEC_LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.microbatches",
                     "parallel.schedule", "parallel.virtual_stages", "train.activation_checkpointing")
 PLANNED_KEYS = ("model.kind", "model.entry", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len",
@@ -32,8 +32,9 @@ PLANNED_KEYS = ("model.kind", "model.entry", "model.n_layers", "model.d_model", 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser("plan", help="predict step time and memory of every layout on a cluster, and "
                                             "recommend one (no ranks started)")
-    plan.add_argument("spec", nargs="?", help="job spec (TOML): the built-in GPT, a jobs.hf:causal_lm (its config) "
-                                              "or a model.entry counted on the meta device; or --model and --batch")
+    plan.add_argument("spec", nargs="?", help="job spec (TOML): the built-in GPT, a jobs.models.hf:causal_lm "
+                                              "(its config) or a model.entry counted on the meta device; or "
+                                              "--model and --batch")
     plan.add_argument("--cluster",
                       help="cluster file (TOML), or a built-in one: a100-superpod, h100-dgx (parallel/clusters/)")
     plan.add_argument("--gpus", type=int, help="ranks to lay out")
@@ -276,12 +277,12 @@ def _workload(args: argparse.Namespace):
 
 def spec_transformer(spec):
     """The planner's picture of a spec's model: the built-in GPT, its mixture of experts included, from the spec;
-    any other from its config (jobs.hf:causal_lm) or counted on the meta device (jobs/model_shape.py)."""
+    any other from its config (jobs.models.hf:causal_lm) or counted on the meta device (jobs/models/shape.py)."""
     from parallel.plan import Transformer
 
     m = spec.model
     if m.entry or m.kind != "gpt":
-        from jobs.model_shape import spec_model
+        from jobs.models.shape import spec_model
 
         return spec_model(spec)
     return Transformer(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size, experts=m.moe_experts,

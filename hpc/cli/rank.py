@@ -75,7 +75,7 @@ def train_rank(spec_path: str, overrides: Sequence[str], watcher, site: FailureS
     from hpc.runtime import bootstrap, preemption
     from hpc.runtime.launch import rank_threads
     from hpc.runtime.mesh import build_mesh, resolve_layout
-    from jobs.train import train
+    from jobs.train.loop import train
 
     spec = load_spec(spec_path, overrides)
     make_run_dir(spec.run_path)

@@ -131,7 +131,7 @@ def _submission(args: argparse.Namespace):
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from jobs.layout import check_layout
+    from jobs.train.layout import check_layout
     from slurm import job_registry, submit
 
     spec, entry, argv, is_spec = _submission(args)
@@ -283,7 +283,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 def _plan_spec_sweep(sweep, overrides: list[str], ask_slurm: bool):
     """(directory, tasks, the resources every task shares): each config checked against the spec and the layout."""
-    from jobs.layout import check_layout
+    from jobs.train.layout import check_layout
     from slurm import sweep as sweeps
 
     directory, planned = sweeps.plan(sweep, overrides)

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from hpc import text
 from parallel.compression.registry import RING_CODECS, make_codec, make_reducer
-from parallel.ring import make_transport, ring_allreduce
+from parallel.ring import ring_allreduce
+from parallel.transport import make_transport
 
 COLUMNS = ("bytes", "ranks", "impl", "transport", "codec", "time_s", "algbw_GBps", "busbw_GBps", "max_rel_error")
 HEADER = ("size", "ranks", "impl", "transport", "codec", "time(ms)", "algbw(GB/s)", "busbw(GB/s)", "max_rel_err")

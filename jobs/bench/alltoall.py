@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from hpc import text
 from parallel.ep import all_to_all
-from parallel.ring import make_transport
+from parallel.transport import make_transport
 
 COLUMNS = ("bytes", "ranks", "impl", "time_s", "algbw_GBps", "speed_vs_torch")
 HEADER = ("size", "ranks", "impl", "time(ms)", "algbw(GB/s)", "speed vs torch")

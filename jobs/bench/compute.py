@@ -51,10 +51,10 @@ LAYER_PROBES = ((64, 4, 1), (128, 4, 2), (128, 4, 16), (256, 4, 8), (256, 4, 32)
 
 
 def measure_layers(threads: Sequence[int] = (1,), iters: int = 5, seq_len: int = 64) -> list[dict]:
-    """Median seconds of one GPT block's forward and backward (jobs/gpt.py's Block) at each of LAYER_PROBES, on
+    """Median seconds of one GPT block's forward and backward (jobs/models/gpt.py's Block) at each of LAYER_PROBES, on
     each count of ``threads`` (their windows taken in turn): what ``hpc plan --calibrate`` fits a fixed cost per
     layer and a FLOP rate to, and compares the rates of one thread and of every core's with."""
-    from jobs.gpt import Block
+    from jobs.models.gpt import Block
 
     previous = torch.get_num_threads()
     rows = []

@@ -8,7 +8,7 @@ seeded shuffle from ``/usr/share/common-licenses``) unless it is there, then alt
 - ``prepare``: ``hpc data prepare --tokenizer T --out DIR FILE`` in its own process; wall time, and the
   peak resident memory of that process (``ru_maxrss`` from ``wait4``);
 - ``encode_batch``: another process reads every document into memory first (untimed), cuts them into the
-  same chunks (``jobs.prepare.CHUNK_CHARS`` characters), starts Rayon's threads with one untimed call,
+  same chunks (``jobs.data.prepare.CHUNK_CHARS`` characters), starts Rayon's threads with one untimed call,
   and times only the ``encode_batch`` calls, on every core; then ``encode_batch_fast`` (what ``prepare``
   calls, no character offsets) alike, and the plain loop with the reading and JSON parsing included.
   Each starts from a freshly loaded tokenizer, its BPE word cache empty, as ``prepare``'s process does.
@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from hpc.text import format_table
-from jobs.examples.make_tokenizer import license_files
-from jobs.tokens import META, OFFSETS, TOKENS
+from jobs.data.datasets import license_files
+from jobs.data.tokens import META, OFFSETS, TOKENS
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_TOKENIZER = REPO / "jobs" / "examples" / "tokenizer.json"
@@ -78,7 +78,7 @@ def baseline(jsonl: Path, tokenizer_path: Path) -> list[dict[str, float | str]]:
     then the plain loop that reads, parses and encodes chunk by chunk."""
     from tokenizers import Tokenizer
 
-    from jobs.prepare import CHUNK_CHARS
+    from jobs.data.prepare import CHUNK_CHARS
 
     with open(jsonl, "rb") as handle:
         docs = [json.loads(line)["text"] for line in handle]

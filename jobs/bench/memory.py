@@ -1,7 +1,7 @@
 """``hpc bench memory``: per-rank memory of ZeRO stages 0-3 against torch's ZeroRedundancyOptimizer and FSDP2.
 
-The built-in GPT (``jobs.gpt``) trains a few Adam steps on random tokens, every rank its
-own batch. ``ours`` is the trainer's path (``jobs.train.build_data_parallel_optimizer``:
+The built-in GPT (``jobs.models.gpt``) trains a few Adam steps on random tokens, every rank its
+own batch. ``ours`` is the trainer's path (``jobs.train.loop.build_data_parallel_optimizer``:
 the ring transport, ``parallel.zero`` = 0, 1, 2, 3; stage 3 with ``ZERO3_BUCKET_MB`` buckets, about one
 transformer block each, the unit FSDP2 gathers here); ``torch-zero`` is
 ``torch.distributed.optim.ZeroRedundancyOptimizer`` (stage 1) under DDP on the same model
@@ -80,8 +80,8 @@ def _batches(steps: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _ours(zero: int, group: ProcessGroup, mesh):
     from hpc.config import spec_from_dict
     from hpc.observe.probe import Probe
-    from jobs.gpt import gpt
-    from jobs.train import build_data_parallel_optimizer
+    from jobs.models.gpt import gpt
+    from jobs.train.loop import build_data_parallel_optimizer
 
     bucket = {"bucket_mb": ZERO3_BUCKET_MB} if zero == 3 else {}
     spec = spec_from_dict({"train": {"optimizer": "adam", "lr": 1e-3},
@@ -94,7 +94,7 @@ def _torch_zero(group: ProcessGroup):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    from jobs.gpt import gpt
+    from jobs.models.gpt import gpt
 
     model = gpt(**GPT_SIZE)
     wrapped = DistributedDataParallel(model, process_group=group)
@@ -107,7 +107,7 @@ def _fsdp2(group: ProcessGroup):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from jobs.gpt import gpt
+    from jobs.models.gpt import gpt
 
     model = gpt(**GPT_SIZE)
     mesh = DeviceMesh.from_group(group, "cpu")
@@ -119,7 +119,7 @@ def _fsdp2(group: ProcessGroup):
 
 def _step(forward, optimizer, inputs: torch.Tensor, targets: torch.Tensor, group: ProcessGroup) -> tuple[float, int]:
     """One timed training step, all ranks starting together; returns its seconds and the RSS after backward."""
-    from jobs.gpt import lm_loss
+    from jobs.models.gpt import lm_loss
 
     optimizer.zero_grad(set_to_none=True)
     dist.barrier(group=group)
@@ -187,7 +187,7 @@ def bench_memory(group: ProcessGroup, zeros: Sequence[int], impls: Sequence[str]
                  warmup: int = 1) -> list[dict]:
     """One row per (impl, stage) on the ranks of ``group`` (the whole world); every rank returns the same rows."""
     from hpc.runtime.mesh import MeshShape, build_mesh
-    from jobs.gpt import gpt
+    from jobs.models.gpt import gpt
 
     dp = dist.get_world_size(group)
     mesh = build_mesh(MeshShape(dp, 1, 1), dist.get_rank(group))

@@ -40,8 +40,8 @@ from torch.distributed import ProcessGroup
 
 from hpc import text
 from parallel.pipeline import run_pipeline_step, split_into_stages
-from parallel.ring import Transport, make_transport
 from parallel.schedule import build_schedule, simulate, theoretical_bubble
+from parallel.transport import Transport, make_transport
 
 COLUMNS = (
     "transport", "schedule", "stages", "microbatches", "virtual", "bubble_measured", "bubble_theory",

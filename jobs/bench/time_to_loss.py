@@ -2,7 +2,7 @@
 
 Compression exists to save training time on slow links, so it is judged by time to a loss,
 not by all-reduce time: every implementation trains the built-in GPT on the license texts
-(``jobs.datasets.licenses``) from the same weights and batches, and every ``eval_every``
+(``jobs.data.datasets.licenses``) from the same weights and batches, and every ``eval_every``
 steps rank 0's held-out loss (the same fixed held-out windows each time) is recorded with
 the wall time spent training so far; evaluation itself is not counted. Implementations are
 ``jobs.bench.train``'s: ``ours-<transport>-<codec>`` and ``ddp``, ``ddp-powersgd``.
@@ -26,7 +26,7 @@ HELD_OUT_WINDOWS = 64
 
 
 def _held_out(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from jobs.datasets import licenses
+    from jobs.data.datasets import licenses
 
     held_out = licenses(seq_len).held_out
     pairs = [held_out[i] for i in range(min(HELD_OUT_WINDOWS, len(held_out)))]
@@ -35,7 +35,7 @@ def _held_out(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train_batches(steps: int, batch: int, seq_len: int, rank: int, world: int) -> list[tuple]:
     """Every rank its own slice of the same global batch per step, as the trainer shards it."""
-    from jobs.datasets import dp_shard, global_batch_indices, licenses
+    from jobs.data.datasets import dp_shard, global_batch_indices, licenses
 
     train = licenses(seq_len).train
     batches = []
@@ -47,7 +47,7 @@ def _train_batches(steps: int, batch: int, seq_len: int, rank: int, world: int) 
 
 
 def _held_out_loss(model: torch.nn.Module, held_out: tuple[torch.Tensor, torch.Tensor]) -> float:
-    from jobs.gpt import lm_loss
+    from jobs.models.gpt import lm_loss
 
     with torch.no_grad():
         model.eval()
@@ -60,7 +60,7 @@ def train_curve(build: Callable[[], tuple], batches: Sequence[tuple], held_out: 
                 target: float | None, group: ProcessGroup) -> list[tuple[float, int, float]]:
     """(training seconds so far, step, held-out loss) every ``eval_every`` steps, until the target (None: all
     the batches) or the end."""
-    from jobs.gpt import lm_loss
+    from jobs.models.gpt import lm_loss
 
     model, forward, optimizer = build()
     curve = [(0.0, 0, _held_out_loss(model, held_out))]

@@ -7,7 +7,7 @@ at n ranks over one process's steps/s on the same per-rank batch, measured in th
 run on rank 0 while the others wait) and the mean loss after the timed steps.
 
 Implementations: ``ours-<transport>-<codec>`` is the trainer's path
-(``jobs.train.build_data_parallel_optimizer``), ``ddp`` is
+(``jobs.train.loop.build_data_parallel_optimizer``), ``ddp`` is
 ``torch.nn.parallel.DistributedDataParallel`` and ``ddp-fp16`` / ``ddp-powersgd`` are DDP
 with torch's own communication hooks. Rounds are interleaved (every implementation once
 per round, from the same initial weights) so load on the machine spreads over all of them;
@@ -43,7 +43,7 @@ def _batches(steps: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _model(size: dict) -> torch.nn.Module:
-    from jobs.gpt import gpt
+    from jobs.models.gpt import gpt
 
     torch.manual_seed(0)
     return gpt(**size)
@@ -52,7 +52,7 @@ def _model(size: dict) -> torch.nn.Module:
 def _ours(transport: str, codec: str, mesh, size: dict) -> tuple[torch.nn.Module, Callable, torch.optim.Optimizer]:
     from hpc.config import spec_from_dict
     from hpc.observe.probe import Probe
-    from jobs.train import build_data_parallel_optimizer
+    from jobs.train.loop import build_data_parallel_optimizer
 
     spec = spec_from_dict({"train": {"optimizer": "adam", "lr": LR},
                            "parallel": {"transport": transport, "compression": codec,
@@ -88,7 +88,7 @@ def _single() -> tuple[torch.nn.Module, Callable, torch.optim.Optimizer]:
 
 def _train(build: Callable[[], tuple], batches: Sequence[tuple], warmup: int) -> tuple[float, float]:
     """Seconds for the steps after ``warmup`` on this rank, and the last step's loss."""
-    from jobs.gpt import lm_loss
+    from jobs.models.gpt import lm_loss
 
     _, forward, optimizer = build()
     started = 0.0

@@ -1,6 +1,6 @@
 """How ``jobs/examples/tokenizer.json`` was made: a byte-level BPE of 4,096 ids trained with Hugging Face
 ``tokenizers`` on the license texts Debian ships (``/usr/share/common-licenses``, the regular files in
-sorted name order, as ``jobs.datasets.load_licenses`` reads them), nothing downloaded.
+sorted name order, as ``jobs.data.datasets.load_licenses`` reads them), nothing downloaded.
 
     python jobs/examples/make_tokenizer.py jobs/examples/tokenizer.json            # vocabulary 4,096
     python jobs/examples/make_tokenizer.py /tmp/tiny.json --vocab-size 512        # what the tests train
@@ -14,12 +14,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-LICENSES_DIR = Path("/usr/share/common-licenses")
+from jobs.data.datasets import license_files
+
 EOS = "<|endoftext|>"
-
-
-def license_files(directory: Path = LICENSES_DIR) -> list[Path]:
-    return sorted(p for p in directory.iterdir() if p.is_file() and not p.is_symlink())
 
 
 def train_tokenizer(files: list[Path], vocab_size: int):  # -> tokenizers.Tokenizer

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from parallel.compression import kernels
 from parallel.compression.base import Codec, WithErrorFeedback, flatten, ring_bytes, unflatten_into
-from parallel.ring import Transport, ring_allreduce, ring_reduce_scatter
+from parallel.ring import ring_allreduce, ring_reduce_scatter
+from parallel.transport import Transport
 
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

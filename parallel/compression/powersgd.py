@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from parallel.compression.base import WithErrorFeedback, flatten, ring_bytes, unflatten_into
-from parallel.ring import IDENTITY, Transport, ring_allreduce
+from parallel.ring import IDENTITY, ring_allreduce
+from parallel.transport import Transport
 
 
 class PowerSGD:

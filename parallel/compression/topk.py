@@ -14,8 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from parallel.compression.base import WithErrorFeedback, flatten, unflatten_into
-from parallel.ring import Transport, ring_allgather
+from parallel.compression.base import MomentumCorrection, WithErrorFeedback, flatten, unflatten_into
+from parallel.ring import ring_allgather
+from parallel.transport import Transport
 
 NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 SCAN_BLOCK = 1 << 17  # entries per block of top-k's CPU scan: its magnitudes and mask stay in L2
@@ -166,52 +167,3 @@ class TopKReducer(WithErrorFeedback):
 
     def momentum_correction(self, optimizer: torch.optim.Optimizer) -> MomentumCorrection | None:
         return MomentumCorrection.take_from(optimizer)
-
-
-class MomentumCorrection:
-    """Deep Gradient Compression's momentum correction: sparsify the velocity, not the gradient.
-
-    With heavy-ball SGD, error feedback on gradients lets a coordinate's delayed
-    mass arrive in bursts that momentum then amplifies (the demo's loss at 1%
-    top-k: 0.071 against 0.039). Moving the momentum in front of the reduction
-    (u = m u + g per rank, then top-k of u plus its residual, applied by plain
-    SGD) sends the same total displacement without the amplification. With an
-    exact reduction this is momentum SGD itself, so warm-up steps are unchanged.
-    The velocity is per rank, state a resumed run needs.
-    """
-
-    def __init__(self, momentum: float):
-        self.momentum = momentum
-        self.velocity: dict[str, torch.Tensor] = {}
-
-    @classmethod
-    def take_from(cls, optimizer: torch.optim.Optimizer) -> MomentumCorrection | None:
-        """The optimizer's momentum, which it stops applying itself; None if it is not plain SGD.
-
-        Only plain SGD qualifies (no Nesterov, dampening or weight decay, which act
-        on the gradient before momentum); any other optimizer keeps its own.
-        """
-        groups = optimizer.param_groups
-        if not isinstance(optimizer, torch.optim.SGD) or not all(
-            g["momentum"] > 0 and not g["nesterov"] and g["dampening"] == 0 and g["weight_decay"] == 0
-            and g["momentum"] == groups[0]["momentum"] for g in groups
-        ):
-            return None
-        momentum = groups[0]["momentum"]
-        for group in groups:
-            group["momentum"] = 0.0
-        return cls(momentum)
-
-    def apply(self, bucket_key: str, grads: Sequence[torch.Tensor]) -> None:
-        """``grads`` become this rank's velocities, u = m u + g, before they are reduced."""
-        for i, grad in enumerate(grads):
-            key = f"velocity/{bucket_key}/{i}"
-            if key in self.velocity:
-                grad.add_(self.velocity[key], alpha=self.momentum)
-            self.velocity[key] = grad.clone()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.velocity)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.velocity = {k: v.clone() for k, v in state.items() if k.startswith("velocity/")}

@@ -1,4 +1,5 @@
-"""The built-in MLP, a plain single-device module with the model protocol's loss and metrics (``jobs.protocol``)."""
+"""The built-in MLP, a plain single-device module with the model protocol's loss and metrics
+(``jobs.models.protocol``)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobs.materialize import run_init, uninitialized
+from jobs.models.materialize import run_init, uninitialized
 
 
 class MLP(nn.Sequential):
     """Linear layers with ReLU (and dropout) between them, each initialized as torch initializes an ``nn.Linear``,
     in order from the global generator: through ``run_init``, so that a meta build can be materialized shard by
-    shard with the same values (``jobs.materialize``)."""
+    shard with the same values (``jobs.models.materialize``)."""
 
     def __init__(self, in_features: int, hidden_sizes: Sequence[int], num_classes: int, dropout: float = 0.0):
         layers: list[nn.Module] = []

@@ -1,6 +1,6 @@
 """A small byte-level GPT, written as plain single-device code.
 
-Parallelism is applied from outside, through the model protocol (``jobs.protocol``):
+Parallelism is applied from outside, through the model protocol (``jobs.models.protocol``):
 ``tp_plan`` splits attention by heads (the QKV projection column-parallel, its output
 projection row-parallel), the MLP column then row, and the token embedding and the LM
 head over the vocabulary (the logits stay split; ``loss`` then takes the TP group);
@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobs.materialize import run_init
-from jobs.moe import MoE
-from jobs.protocol import moe_args
+from jobs.models.materialize import run_init
+from jobs.models.moe import MoE
+from jobs.models.protocol import moe_args
 from parallel.tensor_parallel import IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, cross_entropy
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ class GPT(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Draw every weight from ``seed`` alone; call it on the full model, before any split. Module by module
         through ``run_init``: a meta build records it, and a rank replays it keeping only its share
-        (``jobs.materialize``)."""
+        (``jobs.models.materialize``)."""
         run_init(self.init_steps(seed))
 
     def init_steps(self, seed: int) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:
@@ -183,7 +183,7 @@ def _draw_normal(module: nn.Module, std: float, generator: torch.Generator) -> N
 
 @dataclass(frozen=True)
 class MoESettings:
-    """Which blocks get a mixture-of-experts feed-forward (jobs/moe.py) and how it routes."""
+    """Which blocks get a mixture-of-experts feed-forward (jobs/models/moe.py) and how it routes."""
 
     experts: int
     top_k: int = 1

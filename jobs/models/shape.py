@@ -1,6 +1,6 @@
 """What ``hpc plan`` knows of a spec's model when it is not the built-in GPT: parallel/plan.py's ``Transformer``.
 
-``jobs.hf:causal_lm``: read from the transformers config that ``[model.args]`` make (over ``pretrained``'s
+``jobs.models.hf:causal_lm``: read from the transformers config that ``[model.args]`` make (over ``pretrained``'s
 config.json when it is given), nothing built: layers, hidden, heads, KV heads, head size, the gated MLP's
 intermediate size, the vocabulary, tied embeddings, the sliding window and which layers have it, and the biases
 (and Qwen3's per-head norms) a config adds. Any other ``model.entry``: built on the meta device (no memory, no
@@ -11,13 +11,10 @@ heads. What cannot be found is one line naming it, with ``--model`` as the way o
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc.errors import ConfigError
+from jobs.models.hf_config import hf_config
 from parallel.plan import Transformer
 
 if TYPE_CHECKING:
@@ -32,110 +29,14 @@ HEAD_NAMES = ("num_attention_heads", "num_heads", "n_heads", "n_head")
 
 def spec_model(spec: JobSpec) -> Transformer:
     """The planner's picture of a spec's ``model.entry`` (or non-GPT ``model.kind``)."""
-    from jobs.hf import is_hf_entry
+    from jobs.models.hf import is_hf_entry
 
     return hf_model(spec) if is_hf_entry(spec) else counted_model(spec)
 
 
-def hf_config(args: dict[str, Any]) -> Any:
-    """The transformers config of ``[model.args]``; with ``pretrained = DIR``, DIR/config.json's settings under
-    them (its other keys, such as ``architectures``, left out, but for the rotary settings that transformers < 5
-    saved, which its configs still take; its ``layer_types`` too when the args give the depth). The values are
-    checked (``check_config_values``, ``check_built_config``): one line naming the key and where it is set."""
-    from jobs.hf import build_config
-
-    fields = dict(args)
-    pretrained = fields.pop("pretrained", None)
-    given = set(fields)
-    if pretrained is not None:
-        stored = stored_config(pretrained)
-        known = build_config(fields.get("model_type", stored.get("model_type", "llama"))).to_dict()
-        if "num_hidden_layers" in fields:  # the stored per-layer attention types follow the stored depth
-            stored.pop("layer_types", None)
-        fields = {**{key: value for key, value in stored.items() if key in known or key in LEGACY_KEYS}, **fields}
-
-    def named(key: str) -> str:
-        return (f"model.args.{key}" if key in given or pretrained is None
-                else f"model.args.pretrained={str(pretrained)!r}: config.json's {key}")
-
-    check_config_values(fields, named)
-    try:
-        config = build_config(**fields)
-    except ConfigError as exc:
-        if pretrained is None or not exc.message.startswith("model.args do not make"):
-            raise
-        raise ConfigError(f"model.args.pretrained={str(pretrained)!r}: its config.json and {exc.message}") from None
-    check_built_config(config, named)
-    return config
-
-
-LEGACY_KEYS = ("rope_theta", "rope_scaling")  # what transformers < 5 saved and its configs still take (rope_parameters)
-MAX_LAYERS = 2048  # far past the deepest published LMs (Llama 3.1 405B: 126); every layer is built before launch
-POSITIVE = {"rms_norm_eps": "it keeps the norm's division finite", "layer_norm_eps": "it keeps the norm's division "
-            "finite", "rope_theta": "the base of the rotary frequencies"}
-SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-         "head_dim", "vocab_size", "max_position_embeddings")  # a count of something: an integer >= 1 (None: derived)
-
-
-def stored_config(pretrained: object) -> dict[str, Any]:
-    """DIR/config.json as a dict, its ``model_type`` a string; one line naming the file otherwise."""
-    path = Path(str(pretrained)) / "config.json"
-    where = f"model.args.pretrained={str(pretrained)!r}"
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ConfigError(f"{where}: cannot read {path} ({type(exc).__name__}: "
-                          f"{' '.join(str(exc).split())[:200]})") from None
-    if not isinstance(stored, dict):
-        raise ConfigError(f"{where}: {path} holds a JSON {type(stored).__name__}, not an object of config settings")
-    if not isinstance(stored.get("model_type", "llama"), str):
-        raise ConfigError(f"{where}: {path}'s model_type is {_short(stored['model_type'])}, not a model type name "
-                          "(e.g. llama, mistral, qwen2, qwen3)")
-    return stored
-
-
-def check_config_values(fields: dict[str, Any], named: Callable[[str], str]) -> None:
-    """The counts of ``SIZES`` integers >= 1 (the layers at most ``MAX_LAYERS``), every number finite, the norms'
-    epsilons and the rotary base above zero; ``named(key)`` says where a key was set."""
-    for key, value in fields.items():
-        if key in SIZES and value is not None and (type(value) is not int or value < 1):
-            raise ConfigError(f"{named(key)}={_short(value)} must be an integer >= 1")
-        if key == "num_hidden_layers" and value is not None and value > MAX_LAYERS:
-            raise ConfigError(f"{named(key)}={value:,} is more layers than hpc builds (at most {MAX_LAYERS:,}, "
-                              "far past any published model's)")
-        if key == "rope_parameters" and isinstance(value, dict):
-            check_config_values(value, _within(named(key)))
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{named(key)}={value} must be a finite number")
-        if key in POSITIVE and (type(value) not in (int, float) or value <= 0):
-            raise ConfigError(f"{named(key)}={_short(value)} must be a number above zero ({POSITIVE[key]})")
-
-
-def _within(outer: str) -> Callable[[str], str]:
-    return lambda inner: f"{outer}.{inner}"
-
-
-def check_built_config(config: Any, named: Callable[[str], str]) -> None:
-    """What the config's own validation lets through and a rank would trip on: ``layer_types`` not one name a
-    layer (jobs.hf picks each layer's mask by it), a ``sliding_window`` that is not a length."""
-    layers, types = config.num_hidden_layers, getattr(config, "layer_types", None)
-    if types is not None and (not isinstance(types, list) or len(types) != layers
-                              or not all(isinstance(kind, str) for kind in types)):
-        raise ConfigError(f"{named('layer_types')}={_short(types)} must list one attention type a layer "
-                          f"({layers} of them, as num_hidden_layers says)")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and (type(window) is not int or window < 1):
-        raise ConfigError(f"{named('sliding_window')}={_short(window)} must be a number of tokens >= 1, or null")
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"a {type(value).__name__}"
-
-
 def hf_model(spec: JobSpec) -> Transformer:
     """A Llama-shaped transformers causal LM, from its config alone."""
-    from jobs.hf import attention_type
+    from jobs.models.hf import attention_type
 
     config = hf_config(spec.model.args)
     kind = config.model_type
@@ -174,7 +75,7 @@ def counted_model(spec: JobSpec) -> Transformer:
     """Any other model, built on the meta device and counted: (first part, one block, last part) parameters."""
     import torch
 
-    from jobs.protocol import build_model, model_entry
+    from jobs.models.protocol import build_model, model_entry
 
     entry = model_entry(spec)[0]
     where = f"hpc plan cannot count model.entry={entry!r}"

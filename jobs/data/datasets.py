@@ -18,13 +18,21 @@ import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
 from hpc.errors import ConfigError, LayoutError
-from jobs.protocol import DataSplits
+
+
+@dataclass(frozen=True)
+class DataSplits:
+    """What a data entry returns when it has a held-out set to evaluate on."""
+
+    train: Any  # map-style: len() and [i] -> (input, target)
+    held_out: Any = None
 
 
 @dataclass(frozen=True)
@@ -76,8 +84,13 @@ class ByteCorpus:
 LICENSES_DIR = Path("/usr/share/common-licenses")
 
 
+def license_files(directory: Path = LICENSES_DIR) -> list[Path]:
+    """The license texts, the regular files in sorted name order (the example tokenizer was trained on them)."""
+    return sorted(p for p in directory.iterdir() if p.is_file() and not p.is_symlink())
+
+
 def load_licenses(directory: Path = LICENSES_DIR, test_fraction: float = 0.1) -> ByteCorpus:
-    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.is_symlink())
+    files = license_files(directory)
     if not files:
         raise ConfigError(f"data.name='licenses' needs the license texts in {directory} (Debian package base-files)")
     train, test = bytearray(), bytearray()

@@ -1,4 +1,4 @@
-"""``hpc data prepare``: text, JSONL or Parquet files tokenized into a token set (the format: ``jobs/tokens.py``).
+"""``hpc data prepare``: text, JSONL or Parquet files tokenized into a token set (the format: ``jobs/data/tokens.py``).
 
 Documents:
 
@@ -54,7 +54,7 @@ import numpy as np
 from hpc.config import show_path
 from hpc.errors import ConfigError
 from hpc.rundir import fsync_path
-from jobs.tokens import FORMAT, META, OFFSET_DTYPE, OFFSETS, TOKENIZER, TOKENS, VERSION, token_dtype
+from jobs.data.tokens import FORMAT, META, OFFSET_DTYPE, OFFSETS, TOKENIZER, TOKENS, VERSION, token_dtype
 
 CHUNK_CHARS = 1 << 20  # characters of documents per encode_batch call
 AHEAD = 2  # chunks read ahead, and encoded chunks waiting to be written

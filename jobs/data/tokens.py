@@ -1,4 +1,4 @@
-"""A tokenized data set as ``hpc data prepare`` writes it (``jobs/prepare.py``), and the data entry that reads it.
+"""A tokenized data set as ``hpc data prepare`` writes it (``jobs/data/prepare.py``), and the data entry that reads it.
 
 A prepared directory holds:
 
@@ -11,14 +11,14 @@ A prepared directory holds:
   size, EOS) and the source files (path, bytes, sha256, documents). It is written last and the directory
   is renamed into place whole, so a directory with ``meta.json`` is complete.
 
-The entry ``jobs.tokens:tokens`` (``data.entry``, ``data.args.path``) memory-maps the tokens: training
-windows of ``seq_len + 1`` tokens drawn anywhere in the training documents as a pure function of
-(seed, step), held-out windows tiling a seeded set of whole documents, and the vocabulary checked
-against the model's (``check_spec``, run by ``hpc run``, ``--dry-run`` too, and ``hpc submit`` before any
-rank starts, and by the entry). A set is checked whole when it is opened (``TokenSet``): ``meta.json``'s
-fields, the files' sizes against its counts, offsets that run from 0 to the token count without decreasing,
-and every id below the vocabulary it declares (one pass over ``tokens.bin``, a chunk at a time); what does
-not hold is one line naming the file and the field, never an ``IndexError`` at a training step.
+The entry ``jobs.data.tokens:tokens`` (``data.entry``, ``data.args.path``) memory-maps the tokens: training
+windows of ``seq_len + 1`` tokens drawn anywhere in the training documents as a pure function of (seed, step),
+held-out windows tiling a seeded set of whole documents, and the vocabulary checked against the model's
+(``jobs.train.layout.check_token_set``, run by ``hpc run``, ``--dry-run`` too, and ``hpc submit`` before any
+rank starts, and by the entry). A set is checked whole when it is opened (``TokenSet``): ``meta.json``'s fields,
+the files' sizes against its counts, offsets that run from 0 to the token count without decreasing, and every id
+below the vocabulary it declares (one pass over ``tokens.bin``, a chunk at a time); what does not hold is one
+line naming the file and the field, never an ``IndexError`` at a training step.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpc.errors import ConfigError
-from jobs.protocol import TOKENS_ENTRY, DataSplits
+from jobs.data.datasets import DataSplits, window_starts
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +43,8 @@ META, TOKENS, OFFSETS, TOKENIZER = "meta.json", "tokens.bin", "offsets.bin", "to
 OFFSET_DTYPE = "<i8"
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "uint64")  # what tokens.dtype may say; hpc data prepare writes uint16/32
 SCAN_TOKENS = 1 << 24  # ids read at a time when a set's largest id is looked for
-GPT_ENTRY = "jobs.gpt:gpt"
+TOKENS_ENTRY = "jobs.data.tokens:tokens"  # data.entry of a set hpc data prepare wrote
+GPT_ENTRY = "jobs.models.gpt:gpt"
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -129,22 +130,6 @@ def _positive(value: Any, key: str) -> int:
     return value
 
 
-def built_vocab(spec: JobSpec, model: Any = None) -> int | None:
-    """The input embedding's rows of the model built on the meta device (no memory), for a spec whose
-    ``[model.args]`` do not say (a transformers model from ``pretrained``'s config); ``model``: that build,
-    when the caller has it."""
-    import torch
-
-    from jobs.protocol import build_model
-
-    if model is None:
-        with torch.device("meta"):
-            model = build_model(spec)
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else next(
-        (module for module in model.modules() if isinstance(module, torch.nn.Embedding)), None)
-    return getattr(embedding, "num_embeddings", None)
-
-
 def entry_args(spec: JobSpec) -> dict[str, Any]:
     """``tokens``'s keyword arguments for ``spec``: the model's ``seq_len`` and ``vocab_size``, then ``data.args``."""
     if "vocab_size" in spec.data.args:
@@ -152,24 +137,6 @@ def entry_args(spec: JobSpec) -> dict[str, Any]:
                           "(model.args.vocab_size); leave it out")
     seq_len, vocab, _ = model_window(spec)
     return {"seq_len": seq_len, **dict(spec.data.args), "vocab_size": vocab}
-
-
-def check_spec(spec: JobSpec, model: Any = None) -> None:
-    """Before any rank starts: a token set's directory is whole (``TokenSet``), its ids fit the model's vocabulary
-    and ``[data.args]`` split it (``model``: the spec's model built on the meta device, when the caller has it)."""
-    from jobs.protocol import call_entry
-
-    if spec.data.entry != TOKENS_ENTRY:
-        return
-    path = spec.data.args.get("path")
-    if not isinstance(path, str):
-        raise ConfigError(f"data.entry={TOKENS_ENTRY!r} needs data.args.path = the directory hpc data prepare wrote")
-    args = entry_args(spec)  # refuses data.args.vocab_size
-    _, vocab, where = model_window(spec)
-    if vocab is None:
-        vocab, where = built_vocab(spec, model), "input embedding"
-    check_vocab(read_meta(path), path, vocab, where)
-    call_entry(tokens, args, TOKENS_ENTRY, "data.entry")  # the files, their ids, the held-out split
 
 
 class TokenSet:
@@ -313,14 +280,12 @@ class TokenWindows:
 
     def batch_indices(self, step: int, batch_size: int, seed: int) -> np.ndarray:
         """Windows drawn anywhere in the joined runs, with replacement: ``window_starts`` (pure in seed, step)."""
-        from jobs.datasets import window_starts
-
         return window_starts(self.size, batch_size, self.seq_len, seed, step) // self.stride
 
 
 def tokens(path: str, seq_len: int, vocab_size: int | None = None, held_out: float = 0.01,
            split_seed: int = 0) -> DataSplits:
-    """The ``jobs.tokens:tokens`` entry: training windows drawn from the documents not held out, held-out
+    """The ``jobs.data.tokens:tokens`` entry: training windows drawn from the documents not held out, held-out
     windows tiling the ``held_out`` fraction of whole documents (``held_out = 0``: none). ``seq_len`` and
     ``vocab_size`` default to the model's (``entry_args``)."""
     if not isinstance(path, str):

@@ -1,6 +1,6 @@
 """Apply a tensor-parallel plan to a single-device model, and cut it into pipeline stages.
 
-The plan maps module-name patterns to styles (``jobs.protocol.TP_STYLES``); each
+The plan maps module-name patterns to styles (``jobs.models.protocol.TP_STYLES``); each
 matching ``nn.Linear`` or ``nn.Embedding`` is swapped, in place, for the layer of
 ``parallel.tensor_parallel`` holding this rank's slice (taken from the full module,
 so a seed means the same weights under every layout). Pipeline cuts follow the
@@ -24,8 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from hpc.errors import LayoutError
 from hpc.observe.probe import group_collective
-from jobs.moe import moe_layers
-from jobs.protocol import check_pipeline, plan_targets
+from jobs.models.moe import moe_layers
+from jobs.models.protocol import check_pipeline, plan_targets
 from parallel.ep import ExpertGroups
 from parallel.pipeline import split_into_stages
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding

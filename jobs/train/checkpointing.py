@@ -18,7 +18,7 @@ And the attributes ``layout_dp``, ``layout_tp``,
 global loss of the last step before the save (absent from older checkpoints; a resume with no steps left reports it).
 
 The data position is the step itself: a batch is a pure function of (seed, step)
-(``jobs.datasets.global_batch_indices``). A rank restores its own RNG and communication
+(``jobs.data.datasets.global_batch_indices``). A rank restores its own RNG and communication
 state when the checkpoint was saved under the same (dp, tp, pp, ep) layout; under another one
 the ranks keep their fresh state, since rank r no longer holds what rank r held (its
 residuals and velocities describe other buckets), except ``steps_synchronized``, which
@@ -141,7 +141,7 @@ def check_init_from(spec: JobSpec, model: torch.nn.Module | None = None) -> None
     built on the meta device, when the caller has it). Not checked when this run's own checkpoint comes first
     (``resume = "auto"`` and one is there: a requeue), as the ranks would not read it."""
     from hpc.checkpoint.discovery import find_latest, resolve_resume
-    from jobs.protocol import build_model
+    from jobs.models.protocol import build_model
 
     source = spec.checkpoint.init_from
     if not source or (spec.checkpoint.resume == "auto" and find_latest(spec.checkpoint_path) is not None):
@@ -161,7 +161,7 @@ def check_init_from(spec: JobSpec, model: torch.nn.Module | None = None) -> None
 
 
 class TrainingCheckpoints:
-    """What ``jobs/train.py`` asks of checkpointing: resume once, save on schedule, finish writing at exit."""
+    """What ``jobs/train/loop.py`` asks of checkpointing: resume once, save on schedule, finish writing at exit."""
 
     def __init__(
         self,

@@ -2,7 +2,7 @@
 
 Each step takes the global batch (a pure function of (seed, step), identical on every
 rank), keeps this data-parallel replica's slice, runs forward and backward over this
-rank's share of the model (``jobs.workloads``: TP shards, pipeline stages through
+rank's share of the model (``jobs.train.workloads``: TP shards, pipeline stages through
 ``parallel.pipeline`` when there are several stages or microbatches), and averages
 gradients over the DP group, so every layout computes what one process would on the
 whole batch. Gradient clipping uses the global norm across TP and PP
@@ -36,18 +36,18 @@ from hpc.runtime.bootstrap import World
 from hpc.runtime.mesh import Mesh
 from hpc.runtime.placement import out_of_memory, queued_copy_to_host, to_device
 from hpc.runtime.preemption import Preempted, Preemption
-from jobs.checkpointing import TrainingCheckpoints
-from jobs.layout import check_job_layout, uses_pipeline
-from jobs.optim import build_optimizer, freeze_parameters, learning_rate
-from jobs.workloads import Workload, counted_targets, sum_over_replicas, token_weighted
+from jobs.train.checkpointing import TrainingCheckpoints
+from jobs.train.layout import check_job_layout, uses_pipeline
+from jobs.train.optim import build_optimizer, freeze_parameters, learning_rate
+from jobs.train.workloads import Workload, counted_targets, sum_over_replicas, token_weighted
 from parallel.clip import clip_grad_norm_, scaled_step
 from parallel.compression.registry import make_reducer
 from parallel.ep import ExpertGroups, reduce_expert_gradients
 from parallel.optimizer import CommStats, distributed_optimizer
 from parallel.pipeline import StepStats, run_pipeline_step
-from parallel.ring import Transport, make_transport
 from parallel.schedule import Action, build_schedule, lockstep_deadlock
 from parallel.tensor_parallel import tp_split_dims
+from parallel.transport import Transport, make_transport
 
 __all__ = ["StepReport", "StepRunner", "TrainResult", "base_learning_rate", "clip_gradients", "forward_backward",
            "freeze", "train"]
@@ -201,7 +201,7 @@ def _train(
 
 
 def freeze(model: torch.nn.Module, patterns: Sequence[str], mesh: Mesh) -> None:
-    """``train.freeze`` on this rank's share of ``model`` (``jobs.optim.freeze_parameters``). A pattern that
+    """``train.freeze`` on this rank's share of ``model`` (``jobs.train.optim.freeze_parameters``). A pattern that
     matches no parameter on any rank, or patterns that leave nothing to train, are one ConfigError, raised on
     every rank alike (collective over the world, when there are patterns)."""
     if not patterns:

@@ -11,7 +11,7 @@ leaves out a tied ``lm_head.weight``) is read under that name. Tensors of the fi
 have are left unread, as ``from_pretrained`` leaves them (a config cut to fewer layers).
 
 ``StoredWeights.read(name, index)`` then reads a slice of one tensor, in its stored dtype:
-``safe_open(...).get_slice(name)[index]`` reads only those bytes of the file. ``jobs.materialize`` calls it
+``safe_open(...).get_slice(name)[index]`` reads only those bytes of the file. ``jobs.models.materialize`` calls it
 for every tensor a rank's share holds, its TP shard's slice, and copies it into the model's float32 on the
 rank's device (bf16 and fp16 widen to float32 exactly); a host build reads each tensor whole.
 """
@@ -70,7 +70,7 @@ class StoredWeights:
         """Every tensor of ``model`` (built on the host) that the files hold, read whole into it."""
         import torch
 
-        from jobs.materialize import named_tensors
+        from jobs.models.materialize import named_tensors
 
         with torch.no_grad():
             for name, tensor in named_tensors(model).items():

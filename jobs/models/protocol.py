@@ -1,15 +1,12 @@
-"""The model and data protocol: how ``model.entry`` and ``data.entry`` bring any torch model and data set.
-
-An entry is ``"package.module:function"``, imported from the job's working directory or
-an installed package, and called with its spec table (``[model.args]``, ``[data.args]``)
-as keyword arguments. The built-in models and data sets are entries like any other
-(``BUILTIN_MODELS``, ``BUILTIN_DATA``). docs/USER_MODELS.md is the user's guide; in short:
+"""The model protocol: how ``model.entry`` brings any torch model (``hpc.entry`` loads it; the data's
+protocol is ``jobs.data.protocol``). The built-in models are entries like any other (``BUILTIN_MODELS``).
+docs/USER_MODELS.md is the user's guide; in short:
 
 A model is a single-device ``nn.Module`` (built under ``torch.manual_seed(job.seed)``) with
 
 - ``loss(output, targets) -> Tensor``: the batch's mean loss (required). When its
   plan keeps the output split over the vocabulary (``vocab`` on a Linear), the trainer
-  passes ``tp_group=`` too (``jobs.gpt.lm_loss`` takes it);
+  passes ``tp_group=`` too (``jobs.models.gpt.lm_loss`` takes it);
 - ``pipeline_parts() -> (first, blocks, last)`` (for ``parallel.pp > 1``): ``first``
   runs before the first block on the first stage (embeddings), ``blocks`` are equal
   modules mapping one activation shape to itself (cut into ``pp * virtual_stages``
@@ -22,26 +19,17 @@ A model is a single-device ``nn.Module`` (built under ``torch.manual_seed(job.se
 - ``metrics(output, targets) -> dict[str, float]`` (optional): batch means reported on
   the held-out set as ``held_out_<name>``.
 
-Mixture-of-experts layers (``jobs.moe.MoE``) anywhere in the model need nothing more: the
+Mixture-of-experts layers (``jobs.models.moe.MoE``) anywhere in the model need nothing more: the
 trainer shards their experts over ``parallel.ep`` and reports their routing.
-
-Data is a map-style data set (``len(data)``, ``data[i] -> (input, target)``, e.g. a
-``torch.utils.data.TensorDataset``), or ``DataSplits(train, held_out)``. Batches are a
-pure function of (seed, step): ``data.batch_indices(step, batch_size, seed)`` when the
-data set defines it, else an epoch-wise permutation (``jobs.datasets.global_batch_indices``).
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import os
 import re
-import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from hpc.entry import call_entry, load_entry
 from hpc.errors import ConfigError, LayoutError
 
 if TYPE_CHECKING:
@@ -67,59 +55,7 @@ STYLE_MODULES = {"vocab": "Linear or Embedding", "embedding_rowwise": "Embedding
                  "replicated_with_grad_allreduce": "",
                  **dict.fromkeys(("colwise", "rowwise", "colwise_gather_output", "colwise_rep"), "Linear")}
 
-BUILTIN_MODELS = {"mlp": "jobs.models:mlp", "gpt": "jobs.gpt:gpt"}
-BUILTIN_DATA = {"digits": "jobs.datasets:digits", "licenses": "jobs.datasets:licenses"}
-TOKENS_ENTRY = "jobs.tokens:tokens"  # a set hpc data prepare wrote: given the model's seq_len and vocab_size
-
-
-@dataclass(frozen=True)
-class DataSplits:
-    """What a data entry returns when it has a held-out set to evaluate on."""
-
-    train: Any  # map-style: len() and [i] -> (input, target)
-    held_out: Any = None
-
-
-def load_entry(entry: str, key: str) -> Callable[..., Any]:
-    """The function ``entry`` ("package.module:function") names, or a ConfigError naming ``key``."""
-    module_name, sep, function_name = entry.partition(":")
-    if not sep or not module_name or not function_name.isidentifier():
-        raise ConfigError(f"{key} must be 'package.module:function', got {entry!r}")
-    if os.getcwd() not in sys.path:  # the job's working directory, as `python -m` would see it
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{key}={entry!r}: cannot import {module_name!r} ({exc})") from None
-    except Exception as exc:  # the user's module failed while importing: one line
-        raise ConfigError(f"{key}={entry!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
-    except SystemExit as exc:  # sys.exit() in the module: it would end hpc with that code and no word
-        raise ConfigError(f"{key}={entry!r}: importing {module_name!r} exited {_exit_code(exc)}") from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise ConfigError(f"{key}={entry!r}: {module_name!r} has no function {function_name!r}")
-    return function
-
-
-def call_entry(function: Callable[..., Any], args: Mapping[str, Any], entry: str, key: str) -> Any:
-    """``function(**args)``; arguments it does not take are one error line naming ``<key>.args``."""
-    table = key.rsplit(".", 1)[0] + ".args"
-    try:
-        inspect.signature(function).bind(**args)
-    except TypeError as exc:
-        raise ConfigError(f"{table} do not fit {entry}: {exc}") from None
-    except ValueError:  # no signature to inspect (a builtin): let the call say
-        pass
-    try:
-        return function(**args)
-    except SystemExit as exc:  # sys.exit() in the entry: it would end hpc (or the rank) with that code and no word
-        raise ConfigError(f"{key}={entry!r} exited {_exit_code(exc)} instead of returning") from None
-
-
-def _exit_code(exc: SystemExit) -> str:
-    """How ``SystemExit`` says it: ``with code 3``, or its message (``sys.exit("why")``)."""
-    code = 0 if exc.code is None else exc.code
-    return f"with code {code}" if isinstance(code, int) else f"with the message {str(code)[:200]!r}"
+BUILTIN_MODELS = {"mlp": "jobs.models.mlp:mlp", "gpt": "jobs.models.gpt:gpt"}
 
 
 def model_entry(spec: JobSpec) -> tuple[str, dict[str, Any]]:
@@ -142,18 +78,6 @@ def moe_args(model_cfg: ModelConfig) -> dict[str, int | float]:
     return {name: getattr(model_cfg, name) for name in names}
 
 
-def data_entry(spec: JobSpec) -> tuple[str, dict[str, Any]]:
-    """The data's entry and keyword arguments: ``data.entry`` or the built-in ``data.name``."""
-    data = spec.data
-    if data.entry == TOKENS_ENTRY:
-        from jobs.tokens import entry_args
-
-        return data.entry, entry_args(spec)
-    if data.entry:
-        return data.entry, dict(data.args)
-    return BUILTIN_DATA[data.name], ({"seq_len": spec.model.seq_len} if data.name == "licenses" else {})
-
-
 def build_model(spec: JobSpec) -> nn.Module:
     """The full single-device model, the same for a seed on every rank."""
     import torch
@@ -166,19 +90,6 @@ def build_model(spec: JobSpec) -> nn.Module:
         raise ConfigError(f"model.entry={entry!r} must return a torch.nn.Module with a loss(output, targets) method, "
                           f"got {type(model).__name__}")
     return model
-
-
-def build_data(spec: JobSpec) -> DataSplits:
-    entry, args = data_entry(spec)
-    data = call_entry(load_entry(entry, "data.entry"), args, entry, "data.entry")
-    splits = data if isinstance(data, DataSplits) else DataSplits(data)
-    for name, part in (("train", splits.train), ("held_out", splits.held_out)):
-        if part is not None and not (hasattr(part, "__len__") and hasattr(part, "__getitem__")):
-            raise ConfigError(f"data.entry={entry!r}: its {name} set must be map-style (len() and [i]), "
-                              f"got {type(part).__name__}")
-    if len(splits.train) == 0:
-        raise ConfigError(f"data.entry={entry!r} returned an empty training set")
-    return splits
 
 
 def tp_plan(model: nn.Module, spec: JobSpec) -> dict[str, str]:

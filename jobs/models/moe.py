@@ -17,7 +17,7 @@ aux loss its gradient (Megatron's MoEAuxLossAutoScaler); ``loss_scale`` is ``1 /
 microbatches`` so it matches the pipeline's ``loss / m``.
 
 Experts run through ``parallel.ep.run_experts``: all of them here, or, once
-``jobs.parallelize.parallelize_ep`` has sharded them over an expert-parallel group, this
+``jobs.train.parallelize.parallelize_ep`` has sharded them over an expert-parallel group, this
 rank's share, the tokens sent to their experts and back by all-to-all. A layer reads the device from the
 host once, its kept choices per expert (the rows each expert takes size everything after; on a GPU one
 synchronization), instead of a ``nonzero`` and two ``bincount``s each with a read of its own. Experts are an

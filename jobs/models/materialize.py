@@ -16,13 +16,14 @@ name) is then sliced to the rank's TP shard, moved to the device, and the full t
 Host memory while building: the rank's share plus one module's full tensors, not the whole
 model. The global generator ends where the host build leaves it (dropout draws on from there).
 
-A pretrained model (``jobs.hf`` with ``pretrained = DIR``) carries ``stored_weights`` (``jobs.pretrained``):
+A pretrained model (``jobs.models.hf`` with ``pretrained = DIR``) carries ``stored_weights``
+(``jobs.models.pretrained``):
 ``materialize`` reads each tensor of the share from its files instead, the rank's TP slice alone, straight
 into the device tensor; only the inits of the tensors the files do not hold (non-persistent buffers: rotary
 ``inv_freq``) run, and no draw is replayed (its host build draws nothing either: the generator stays at the seed).
 
 A model opts in by deferring every tensor's initialization to ``run_init`` (the built-in
-MLP and GPT, and ``jobs.hf``'s transformers models do); any other model is built whole on the
+MLP and GPT, and ``jobs.models.hf``'s transformers models do); any other model is built whole on the
 host as before. ``NotReplayable`` says the record cannot give the host build's values (an init
 that touches a tensor its module did not hold, a held float tensor no init wrote, a non-float
 tensor, a draw whose count depends on tensor values): the caller then builds on the host.
@@ -42,7 +43,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from jobs.protocol import build_model
+from jobs.models.protocol import build_model
 from parallel.tensor_parallel import tp_split_dims
 
 if TYPE_CHECKING:
@@ -194,8 +195,8 @@ def uninitialized(build: Callable[[], nn.Module]) -> nn.Module:
 
 def build_on_meta(spec: JobSpec) -> tuple[nn.Module, Replay | None]:
     """The spec's model on the meta device with its replay; else (a model that does not defer every tensor's
-    init to ``run_init``, or cannot be built on meta) the whole model on the host, as ``jobs.protocol.build_model``
-    builds it, and None."""
+    init to ``run_init``, or cannot be built on meta) the whole model on the host, as
+    ``jobs.models.protocol.build_model`` builds it, and None."""
     try:
         with _recorded() as recorder, torch.device("meta"):
             model = build_model(spec)
@@ -234,7 +235,7 @@ class Replay:
     def materialize(self, share: nn.Module, device: torch.device, tp_rank: int = 0) -> None:
         """Give every meta tensor of ``share`` (the model with its share cut) its value on ``device``:
         the host build's, sliced to ``tp_rank``'s shard where a TP layer holds one. A pretrained model's
-        (``share.stored_weights``, ``jobs.pretrained``) tensors are read from its files, each shard's slice
+        (``share.stored_weights``, ``jobs.models.pretrained``) tensors are read from its files, each shard's slice
         alone; only the inits of what the files do not hold (rotary ``inv_freq``) run, and nothing is drawn."""
         targets = {name: t for name, t in named_tensors(share).items() if t.is_meta}
         placed = _Placement(targets, tp_split_dims(share), tp_rank, device)

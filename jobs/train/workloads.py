@@ -1,10 +1,10 @@
 """What the training loop needs from a model and its data, whatever the model and the (dp, tp, pp) layout.
 
 A workload builds the full single-device model from the spec's entry and seed
-(``jobs.protocol``: built-in or the user's) on the meta device, then keeps this rank's
+(``jobs.models.protocol``: built-in or the user's) on the meta device, then keeps this rank's
 share of it: the TP plan applied on the TP group, the experts sharded, then the pipeline
-stages of this PP rank (``jobs.parallelize``); then gives that share the host build's
-values, tensor by tensor on the device (``jobs.materialize``). A model that does not defer
+stages of this PP rank (``jobs.train.parallelize``); then gives that share the host build's
+values, tensor by tensor on the device (``jobs.models.materialize``). A model that does not defer
 its init that way is built whole on the host and then cut, as before. It draws this
 data-parallel replica's batch, a pure function of (seed, step), and evaluates the model
 on the held-out set at the end of a run. There is no per-model code here: the built-in
@@ -25,14 +25,15 @@ from torch.utils.data import TensorDataset, default_collate
 from hpc.config import JobSpec
 from hpc.runtime.mesh import Mesh
 from hpc.runtime.placement import to_device
-from jobs.datasets import dp_shard, global_batch_indices
-from jobs.materialize import NotReplayable, build_on_meta
-from jobs.moe import expert_parameters, moe_layers
-from jobs.parallelize import Stage, keep_stages, parallelize_ep, parallelize_tp
-from jobs.protocol import DataSplits, build_data, build_model, tp_plan
+from jobs.data.datasets import DataSplits, dp_shard, global_batch_indices
+from jobs.data.protocol import build_data
+from jobs.models.materialize import NotReplayable, build_on_meta
+from jobs.models.moe import expert_parameters, moe_layers
+from jobs.models.protocol import build_model, tp_plan
+from jobs.train.parallelize import Stage, keep_stages, parallelize_ep, parallelize_tp
 from parallel.ep import ExpertGroups, build_expert_groups
-from parallel.ring import TorchTransport, Transport, make_transport
 from parallel.tensor_parallel import IGNORE_INDEX
+from parallel.transport import TorchTransport, Transport, make_transport
 
 EVAL_SAMPLES = 256  # held-out samples evaluated, spread evenly over the whole held-out set
 
@@ -65,7 +66,7 @@ class Workload:
         self.data: DataSplits = build_data(spec)
         self.device = mesh.device
         # seeded: the same full model on every rank; on meta (no memory yet), or whole on the host for a model
-        # that does not defer its init (jobs/materialize.py)
+        # that does not defer its init (jobs/models/materialize.py)
         model, replay = build_on_meta(spec)
         sample_inputs, _ = fetch(self.data.train, [0])
         self.unit, self.items_per_sample = _unit(sample_inputs)
@@ -92,7 +93,7 @@ class Workload:
 
     def _cut_share(self, model: nn.Module) -> None:
         """Keep this rank's share of the full ``model`` (on meta or on the host; collective-free): the TP plan
-        applied, the experts sharded, this pipeline rank's stages kept (``jobs.parallelize``)."""
+        applied, the experts sharded, this pipeline rank's stages kept (``jobs.train.parallelize``)."""
         spec, mesh, train, par = self.spec, self.mesh, self.spec.train, self.spec.parallel
         self.split_output = parallelize_tp(model, tp_plan(model, spec), self.tp_group) if self.tp_group else False
         self.moe_names = [name for name, _ in moe_layers(model)]  # every MoE layer, before the pipeline cut

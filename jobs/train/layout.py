@@ -4,7 +4,7 @@ Torch-free for the built-in models (``hpc submit`` runs it on a login node): it 
 the model's cut, the pipeline schedule's validation (``parallel.schedule.build_schedule``)
 and the batch arithmetic, so a layout that cannot work is one error line and no process
 is started. A user's model (``model.entry``) is built on torch's meta device to check its
-TP plan and pipeline blocks (``jobs.protocol.check_model_layout``).
+TP plan and pipeline blocks (``jobs.models.protocol.check_model_layout``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def check_layout(spec: JobSpec, world_size: int) -> MeshShape:
     model = check_job_layout(spec, shape)
     expert_group_ranks(shape, spec.parallel.ep)
     if spec.checkpoint.init_from:
-        from jobs.checkpointing import check_init_from  # torch and h5py: only when a checkpoint is to be read
+        from jobs.train.checkpointing import check_init_from  # torch and h5py: only when a checkpoint is to be read
 
         check_init_from(spec, model)
     return shape
@@ -44,7 +44,8 @@ def check_layout(spec: JobSpec, world_size: int) -> MeshShape:
 def check_job_layout(spec: JobSpec, shape: MeshShape) -> Any:
     """Raise ``ConfigError``/``LayoutError`` naming the numbers when ``spec`` cannot train on ``shape``; returns
     the model built on the meta device to check it (a ``model.entry``), else None."""
-    from jobs.protocol import check_model_layout, load_entry
+    from hpc.entry import load_entry
+    from jobs.models.protocol import check_model_layout
     from parallel.schedule import build_schedule
 
     par, model = spec.parallel, None
@@ -61,9 +62,7 @@ def check_job_layout(spec: JobSpec, shape: MeshShape) -> Any:
         _check_builtin_model(spec, shape)
     if spec.data.entry:
         load_entry(spec.data.entry, "data.entry")
-        from jobs.tokens import check_spec  # a prepared token set: whole, its ids within the model's vocabulary
-
-        check_spec(spec, model)
+        check_token_set(spec, model)  # a prepared token set: whole, its ids within the model's vocabulary
     if uses_pipeline(par):
         build_schedule(par.schedule, shape.pp, m, par.virtual_stages)
     return model
@@ -90,3 +89,39 @@ def _check_builtin_model(spec: JobSpec, shape: MeshShape) -> None:
     if model.n_layers % chunks:
         raise LayoutError(f"model.n_layers={model.n_layers} is not divisible by parallel.pp * virtual stages = "
                           f"{shape.pp}*{spec.parallel.virtual_stages} = {chunks}")
+
+
+def built_vocab(spec: JobSpec, model: Any = None) -> int | None:
+    """The input embedding's rows of the model built on the meta device (no memory), for a spec whose
+    ``[model.args]`` do not say (a transformers model from ``pretrained``'s config); ``model``: that build,
+    when the caller has it."""
+    import torch
+
+    from jobs.models.protocol import build_model
+
+    if model is None:
+        with torch.device("meta"):
+            model = build_model(spec)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else next(
+        (module for module in model.modules() if isinstance(module, torch.nn.Embedding)), None)
+    return getattr(embedding, "num_embeddings", None)
+
+
+
+def check_token_set(spec: JobSpec, model: Any = None) -> None:
+    """Before any rank starts: a token set's directory is whole (``TokenSet``), its ids fit the model's vocabulary
+    and ``[data.args]`` split it (``model``: the spec's model built on the meta device, when the caller has it)."""
+    from hpc.entry import call_entry
+    from jobs.data.tokens import TOKENS_ENTRY, check_vocab, entry_args, model_window, read_meta, tokens
+
+    if spec.data.entry != TOKENS_ENTRY:
+        return
+    path = spec.data.args.get("path")
+    if not isinstance(path, str):
+        raise ConfigError(f"data.entry={TOKENS_ENTRY!r} needs data.args.path = the directory hpc data prepare wrote")
+    args = entry_args(spec)  # refuses data.args.vocab_size
+    _, vocab, where = model_window(spec)
+    if vocab is None:
+        vocab, where = built_vocab(spec, model), "input embedding"
+    check_vocab(read_meta(path), path, vocab, where)
+    call_entry(tokens, args, TOKENS_ENTRY, "data.entry")  # the files, their ids, the held-out split

@@ -14,9 +14,9 @@ stages. The model is built from a config alone (random init, offline), float32,
 with SDPA attention: its causal mask may be None and SDPA then masks causally
 (eager attention with no mask would attend to the future). The trainer builds it on the
 meta device, recording transformers' weight initialization (``_recorded_inits``) for each
-rank to replay keeping only its share (``jobs.materialize``); the forward check then runs on
+rank to replay keeping only its share (``jobs.models.materialize``); the forward check then runs on
 a one-layer twin of the config. With ``pretrained = DIR`` the config is DIR/config.json
-under ``[model.args]`` and the weights are DIR's safetensors files (``jobs.pretrained``): checked
+under ``[model.args]`` and the weights are DIR's safetensors files (``jobs.models.pretrained``): checked
 against the model on every build (the pre-launch one too), then read by each rank, its own tensors'
 slices only, instead of the recorded init. transformers is imported lazily: importing this
 module is cheap, and ``pip install hpc-batch[hf]`` is only needed when the entry is used.
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import difflib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,66 +35,26 @@ import torch
 from torch import nn
 
 from hpc.errors import ConfigError
-from jobs.materialize import recording, run_init, unrecorded
+from jobs.models.hf_config import ENTRY, hf_config, import_transformers, last_line
+from jobs.models.materialize import recording, run_init, unrecorded
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from hpc.config import JobSpec
 
-ENTRY = "jobs.hf:causal_lm"
 # What "Llama-shaped" means: the modules the adapter runs, by their names in the model.
 LLAMA_SHAPED = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
 CHECK_TOKENS = 5  # the forward compared with the transformers model's own at build time
 TWIN_VOCAB = 256  # the vocabulary of the small model the check runs on when the model is built on meta
 
 
-def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError(f"model.entry={ENTRY!r} needs transformers: pip install hpc-batch[hf]") from None
-    return transformers
-
-
-def _last_line(exc: BaseException) -> str:
-    """transformers' validation errors span lines; the last one says what is wrong."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return (lines[-1] if lines else type(exc).__name__)[:300]
-
-
-def build_config(model_type: str = "llama", **fields: Any) -> Any:
-    """The transformers config of ``model_type`` with ``fields`` (``[model.args]``); one error line naming the key."""
-    auto_config = _transformers().AutoConfig
-    try:
-        if not isinstance(model_type, str):
-            raise ValueError(model_type)
-        default = auto_config.for_model(model_type)
-    except ValueError:
-        raise ConfigError(f"model.args.model_type={model_type!r} is not a transformers model type "
-                          "(e.g. llama, mistral, qwen2, qwen3)") from None
-    try:
-        config = auto_config.for_model(model_type, **fields)
-    except Exception as exc:  # the config's own validation (dataclass validators)
-        raise ConfigError(f"model.args do not make a {model_type} config: {_last_line(exc)}") from None
-    # transformers keeps unknown keys as attributes; a key it stored but does not define is a typo
-    known, stored = set(default.to_dict()), set(config.to_dict())
-    for key in fields:
-        if key in stored and key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"model.args.{key} is not a setting of {type(config).__name__}{hint}")
-    return config
-
-
 def causal_lm(model_type: str | None = None, pretrained: str | None = None, **fields: Any) -> CausalLM:
     """The entry: a transformers causal LM of ``model_type`` (default llama), float32, as a ``CausalLM``: randomly
     initialized, or with ``pretrained = DIR`` of DIR/config.json (``fields`` over it) and DIR's safetensors
-    weights, checked against the model before anything is read (``jobs.pretrained``). On the meta device the
-    weights are left to ``jobs.materialize`` (``stored_weights``); on the host they are read whole."""
-    from jobs.model_shape import hf_config
-
-    transformers = _transformers()
+    weights, checked against the model before anything is read (``jobs.models.pretrained``). On the meta device the
+    weights are left to ``jobs.models.materialize`` (``stored_weights``); on the host they are read whole."""
+    transformers = import_transformers()
     args = {**fields, **({"model_type": model_type} if model_type else {})}
     config = hf_config({**args, "pretrained": pretrained} if pretrained is not None else args)
     if recording():  # a meta build the trainer materializes: check the forward on a small twin instead
@@ -127,20 +86,20 @@ def _from_config(transformers: Any, config: Any) -> nn.Module:
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise ConfigError(f"model.args.model_type={config.model_type!r} has no causal LM in transformers") from None
-        raise ConfigError(f"model.args do not make a {config.model_type} model: {_last_line(exc)}") from None
+        raise ConfigError(f"model.args do not make a {config.model_type} model: {last_line(exc)}") from None
     except Exception as exc:
-        raise ConfigError(f"model.args do not make a {config.model_type} model: {_last_line(exc)}") from None
+        raise ConfigError(f"model.args do not make a {config.model_type} model: {last_line(exc)}") from None
 
 
 def _open_weights(directory: str, model: nn.Module) -> Any:
-    from jobs.pretrained import open_weights
+    from jobs.models.pretrained import open_weights
 
     return open_weights(directory, model)
 
 
 @contextlib.contextmanager
 def _recorded_inits(transformers: Any) -> Iterator[None]:
-    """While a meta build is recorded (``jobs.materialize``), each ``post_init`` records transformers' weight
+    """While a meta build is recorded (``jobs.models.materialize``), each ``post_init`` records transformers' weight
     initialization, which it skips on the meta device, where the host build would run it (sub-models first:
     a sub-model's ``__init__`` runs its own ``post_init``)."""
     if not recording():
@@ -270,7 +229,7 @@ def attention_type(config: Any, index: int) -> str:
 
 
 class CausalLM(nn.Module):
-    """A Llama-shaped transformers causal LM under the model protocol (jobs/protocol.py)."""
+    """A Llama-shaped transformers causal LM under the model protocol (jobs/models/protocol.py)."""
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
@@ -278,7 +237,7 @@ class CausalLM(nn.Module):
         missing = [name for name in LLAMA_SHAPED if not _has(hf_model, name)]
         if missing:
             raise ConfigError(f"model.args.model_type={config.model_type!r}: {type(hf_model).__name__} has no "
-                              f"{missing[0]}; jobs.hf takes Llama-shaped models ({', '.join(LLAMA_SHAPED)})")
+                              f"{missing[0]}; jobs.models.hf takes Llama-shaped models ({', '.join(LLAMA_SHAPED)})")
         for name, child in hf_model.named_children():  # parameter names stay the Hugging Face ones
             self.add_module(name, child)
         self.config = config
@@ -308,7 +267,7 @@ class CausalLM(nn.Module):
         """Mean next-token cross-entropy against already-shifted targets, in float32 as transformers' own loss
         and the GPT's (bf16 logits under autocast would round the loss and the softmax to 3 digits);
         ``tp_group`` when a ``vocab`` plan keeps the logits split over the vocabulary."""
-        from jobs.gpt import lm_loss
+        from jobs.models.gpt import lm_loss
 
         return lm_loss(output, targets, tp_group)
 
@@ -329,7 +288,7 @@ def _check_same_forward(adapter: CausalLM, hf_model: nn.Module) -> None:
     if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5):
         raise ConfigError(f"model.args.model_type={adapter.config.model_type!r}: {type(hf_model).__name__}'s forward "
                           "is not embed_tokens -> layers -> norm -> lm_head (it scales or caps something), so "
-                          "jobs.hf cannot run it")
+                          "jobs.models.hf cannot run it")
 
 
 def is_hf_entry(spec: JobSpec) -> bool:
@@ -345,15 +304,13 @@ def export_hf(step_dir: str | Path, dest: str | Path, spec: JobSpec, max_shard_b
     from hpc.checkpoint.export import MAX_SHARD_BYTES, check_destination, export_model_dir
     from hpc.checkpoint.format import CheckpointError
     from hpc.checkpoint.load import open_checkpoint
-    from jobs.model_shape import hf_config
-
     if not is_hf_entry(spec):
         model = f"model.entry={spec.model.entry!r}" if spec.model.entry else f"model.kind={spec.model.kind!r}"
         raise ConfigError(f"{step_dir}: its {model} is not model.entry={ENTRY!r}: --format hf exports "
                           "transformers models only (use --format safetensors)")
     config = hf_config(spec.model.args)
     with torch.device("meta"):
-        built = CausalLM(_from_config(_transformers(), config))
+        built = CausalLM(_from_config(import_transformers(), config))
     expected = {f"model/{name}": tuple(t.shape) for name, t in built.state_dict().items()}
     index = open_checkpoint(step_dir)
     stored = {name: tuple(record.shape) for name, record in index.tensors.items() if name.startswith("model/")}
