@@ -75,6 +75,22 @@ def test_the_registry_implements_exactly_the_codec_names_of_the_job_spec() -> No
     assert set(RING_CODECS) < set(CODEC_NAMES)
 
 
+def test_the_planner_charges_each_codec_the_wire_ratio_it_reports() -> None:
+    """parallel/compression/wire.py is the one table: every codec's own ratio, for float32 and bf16 gradients."""
+    from parallel.compression.powersgd import PowerSGD
+    from parallel.compression.topk import TopK
+    from parallel.compression.wire import wire_ratio
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for name in RING_CODECS:
+            assert wire_ratio(name, dtype.itemsize) == make_codec(name).wire_ratio(dtype), name
+        assert wire_ratio("topk", dtype.itemsize, topk_fraction=0.05) == TopK(0.05).wire_ratio(dtype)
+    for shape in ((64, 64), (3, 5), (1024, 16)):
+        ratio = wire_ratio("powersgd", powersgd_rank=4, matrix=shape)
+        assert ratio == PowerSGD(4).wire_ratio_for(torch.Size(shape))
+    assert set(CODEC_NAMES) == {*RING_CODECS, "topk", "powersgd"}
+
+
 @settings(max_examples=20, deadline=None)
 @given(numel=st.integers(1, 300_000), fraction=st.sampled_from([0.001, 0.01, 0.1]), seed=st.integers(0, 100))
 def test_topk_selection_is_exact(numel, fraction, seed) -> None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from parallel.compression import kernels
 from parallel.compression.base import Codec, WithErrorFeedback, flatten, ring_bytes, unflatten_into
+from parallel.compression.wire import cast_ratio
 from parallel.ring import ring_allreduce, ring_reduce_scatter
 from parallel.transport import Transport
 
@@ -35,7 +36,7 @@ class CastCodec(Codec):
         self.unit_roundoff = torch.finfo(self.wire_dtype).eps / 2
 
     def wire_ratio(self, dtype: torch.dtype = torch.float32) -> float:
-        return self.wire_dtype.itemsize / dtype.itemsize
+        return cast_ratio(self.name, dtype.itemsize)
 
     # On CUDA a Triton kernel each (``kernels``): the same roundings, one pass over memory.
     def encode(self, chunk: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 
 from parallel.compression import kernels
 from parallel.compression.base import Codec
+from parallel.compression.wire import INT8_BLOCK, int8_ratio
 
 
 class Int8Codec(Codec):
@@ -22,11 +23,11 @@ class Int8Codec(Codec):
     name = "int8"
     lossy = True
 
-    def __init__(self, block: int = 256):
+    def __init__(self, block: int = INT8_BLOCK):
         self.block = block
 
     def wire_ratio(self, dtype: torch.dtype = torch.float32) -> float:
-        return (1 + 4 / self.block) / dtype.itemsize
+        return int8_ratio(self.block, dtype.itemsize)
 
     def _blocks(self, chunk: torch.Tensor) -> torch.Tensor:
         """A (blocks, block) float32 view of ``chunk``; a zero-padded copy when the last block is short."""

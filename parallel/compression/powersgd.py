@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.compression.base import WithErrorFeedback, flatten, ring_bytes, unflatten_into
+from parallel.compression.wire import powersgd_compresses, powersgd_ratio
 from parallel.ring import IDENTITY, ring_allreduce
 from parallel.transport import Transport
 
@@ -45,14 +46,10 @@ class PowerSGD:
     def compresses(self, shape: torch.Size) -> bool:
         if len(shape) < 2:
             return False
-        rows, cols = shape[0], math.prod(shape[1:])
-        return self.rank * (rows + cols) < rows * cols
+        return powersgd_compresses(self.rank, shape[0], math.prod(shape[1:]))
 
     def wire_ratio_for(self, shape: torch.Size) -> float:
-        if not self.compresses(shape):
-            return 1.0
-        rows, cols = shape[0], math.prod(shape[1:])
-        return self.rank * (rows + cols) / (rows * cols)
+        return powersgd_ratio(self.rank, shape[0], math.prod(shape[1:])) if len(shape) >= 2 else 1.0
 
     def initial_q(self, shape: torch.Size, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The same Q on every rank: a seeded Gaussian, as the power iteration's start.

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from parallel.compression.base import MomentumCorrection, WithErrorFeedback, flatten, unflatten_into
+from parallel.compression.wire import topk_ratio
 from parallel.ring import ring_allgather
 from parallel.transport import Transport
 
@@ -44,7 +45,7 @@ class TopK:
         return min(numel, max(1, math.ceil(self.fraction * numel)))
 
     def wire_ratio(self, dtype: torch.dtype = torch.float32) -> float:
-        return self.fraction * (4 + dtype.itemsize) / dtype.itemsize
+        return topk_ratio(self.fraction, dtype.itemsize)
 
     def top_indices(self, flat: torch.Tensor, plus: torch.Tensor | None = None) -> torch.Tensor:
         """The k entries of ``flat`` largest in magnitude: exactly the set torch.topk picks, found faster.
