@@ -8,8 +8,9 @@ A cluster file is TOML with one ``[cluster]`` table; it is read with the job spe
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -105,3 +106,11 @@ def load_cluster(name_or_path: str | os.PathLike[str]) -> Cluster:
     if "cluster" not in data:
         raise ConfigError(f"{source}: no [cluster] table")
     return table_from_dict(Cluster, data["cluster"], "cluster", source)
+
+
+def cluster_toml(cluster: Cluster) -> str:
+    """A cluster as the TOML ``load_cluster`` reads back (``hpc plan --calibrate`` writes it)."""
+    lines = ["# Written by hpc plan --calibrate: measured, not data-sheet figures.", "[cluster]"]
+    for key, value in asdict(cluster).items():
+        lines.append(f"{key} = {json.dumps(value if not isinstance(value, float) else round(value, 6))}")
+    return "\n".join(lines) + "\n"

@@ -36,11 +36,15 @@ with its source, in docs/PLANNER.md; the names below follow it:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from typing import Literal
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from parallel.cluster import Cluster, Dtype
+from parallel.compression.wire import wire_ratio
+
+if TYPE_CHECKING:
+    from hpc.config import JobSpec
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Family = Literal["gpt", "llama"]
@@ -198,6 +202,7 @@ class Training:
 
 
 MIXED_ADAM = Training(batch=1)  # Megatron-LM and ZeRO: fp16/bf16 weights and gradients, fp32 Adam state
+OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lars": 4}  # state per parameter: moments, momentum
 
 
 @dataclass(frozen=True)
@@ -302,22 +307,6 @@ def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay:
         split = lay.tp if train.p2p_split_over_tp else 1
         p2p = 2 * lay.virtual_stages * (alpha + message / split / beta)
     return compute, tp, p2p
-
-
-def fit_overhead_and_rate(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """(fixed seconds, FLOP/s) of seconds = fixed + flops / rate, fitted to (flops, seconds) samples of one layer's
-    forward and backward at several sizes (``hpc plan --calibrate``) by least squares on the relative error (weights
-    1/seconds^2), so that the small layers, which show the fixed cost, count as much as the large ones."""
-    if len({flops for flops, _ in samples}) < 2:
-        raise ValueError("fitting a fixed cost and a rate needs samples of at least two sizes")
-    weights = [1.0 / max(t, 1e-12) ** 2 for _, t in samples]
-    total = sum(weights)
-    mean_f = sum(w * f for w, (f, _) in zip(weights, samples, strict=True)) / total
-    mean_t = sum(w * t for w, (_, t) in zip(weights, samples, strict=True)) / total
-    covariance = sum(w * (f - mean_f) * (t - mean_t) for w, (f, t) in zip(weights, samples, strict=True))
-    variance = sum(w * (f - mean_f) ** 2 for w, (f, _) in zip(weights, samples, strict=True))
-    slope = max(covariance / variance, 1e-18)
-    return max(0.0, mean_t - slope * mean_f), 1.0 / slope
 
 
 def dp_comm_s(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> tuple[float, float]:
@@ -431,34 +420,77 @@ def _divisors(n: int) -> list[int]:
     return sorted({*small, *(n // d for d in small)})
 
 
+def layout_problem(model: Transformer, train: Training, want: Mapping[str, Any]) -> str | None:
+    """Why no layout of ``model`` can have what ``want`` gives, or None: the rules ``layouts`` enumerates by.
+    ``want``: dp, tp and pp, and optionally m (microbatches), schedule ((name, chunks or None)), zero and ep: tp
+    divides the heads and the KV heads, pp the layers, dp the batch, m the replica's batch; a schedule other than
+    1f1b needs a pipeline, interleaved m a multiple of pp and chunks dividing a stage's layers; ep divides both dp
+    and the experts; ZeRO needs dp > 1."""
+    dp, tp, pp, m, ep = want["dp"], want["tp"], want["pp"], want.get("m"), want.get("ep", 1)
+    name, chunks = want.get("schedule", ("1f1b", None))
+    stage = model.layers // pp
+    if model.heads % tp:
+        return f"tp={tp} does not divide the model's {model.heads} heads"
+    if model.kv % tp:
+        return f"tp={tp} does not divide the model's {model.kv} KV heads"
+    if model.layers % pp:
+        return f"pp={pp} does not divide the model's {model.layers} layers"
+    if train.batch % dp:
+        return f"dp={dp} does not divide the global batch of {train.batch} sequences"
+    if m and train.batch // dp % m:
+        return f"m={m} does not divide a replica's batch of {train.batch // dp} sequences"
+    if name != "1f1b" and pp == 1:
+        return f"schedule={name} needs a pipeline (pp > 1)"
+    if name == "interleaved" and m and m % pp:
+        return f"interleaved needs m a multiple of pp={pp}, got m={m}"
+    if name == "interleaved" and stage < 2:
+        return "interleaved needs at least 2 layers per stage"
+    if chunks and stage % chunks:
+        return f"interleaved/{chunks}: {chunks} does not divide a stage's {stage} layers"
+    if ep > 1 and not model.experts:
+        return f"ep={ep} needs a mixture of experts"
+    if ep > 1 and (dp % ep or model.experts % ep):
+        return f"ep={ep} must divide dp={dp} and the {model.experts} experts"
+    if want.get("zero") and dp == 1:
+        return "ZeRO shards over data parallelism: it needs dp > 1"
+    return None
+
+
+def matches(lay: Layout, want: Mapping[str, Any]) -> bool:
+    """Whether ``lay`` has everything ``want`` gives (``layout_problem``'s keys, and ckpt)."""
+    have = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "m": lay.microbatches, "ckpt": lay.checkpointing,
+            "zero": lay.zero, "ep": lay.ep}
+    for key, value in want.items():
+        if key == "schedule":
+            if lay.schedule != value[0] or (value[1] is not None and lay.virtual_stages != value[1]):
+                return False
+        elif have[key] != value:
+            return False
+    return True
+
+
 def layouts(model: Transformer, train: Training, gpus: int, zero_stages: tuple[int, ...] = (0,)) -> Iterator[Layout]:
-    """Every layout of ``gpus`` ranks that divides the model: tp divides the heads and the KV heads, pp the layers,
-    dp the batch, the microbatches the replica's batch; interleaved needs m a multiple of pp and v dividing a stage's
-    layers; with experts, ep divides both dp and the experts."""
+    """Every layout of ``gpus`` ranks that ``layout_problem`` lets through, ep, m, checkpointing, ZeRO stage and
+    schedule each tried in turn."""
     for tp in _divisors(gpus):
-        if model.heads % tp or model.kv % tp:
-            continue
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            if model.layers % pp or train.batch % dp:
-                continue
-            for ep in [e for e in _divisors(dp) if model.experts % e == 0] if model.experts else [1]:
-                yield from (replace(lay, ep=ep) for lay in _schedules(model, train.batch // dp, dp, tp, pp,
-                                                                        zero_stages))
+            for ep in _divisors(dp) if model.experts else [1]:
+                mesh = {"dp": dp, "tp": tp, "pp": pp, "ep": ep}
+                if layout_problem(model, train, mesh) is None:
+                    yield from _schedules(model, train, mesh, zero_stages)
 
 
-def _schedules(model: Transformer, replica_batch: int, dp: int, tp: int, pp: int,
+def _schedules(model: Transformer, train: Training, mesh: dict[str, int],
                zero_stages: tuple[int, ...]) -> Iterator[Layout]:
-    chunks = [v for v in _divisors(model.layers // pp) if v > 1] if pp > 1 else []
-    for m in _divisors(replica_batch):
+    dp, pp = mesh["dp"], mesh["pp"]
+    schedules = (("1f1b", None), ("gpipe", None), *(("interleaved", v) for v in _divisors(model.layers // pp)[1:]))
+    for m in _divisors(train.batch // dp):
         for ckpt in (False, True):
             for zero in zero_stages if dp > 1 else (0,):
-                base = Layout(dp, tp, pp, m, "1f1b", 1, ckpt, zero)
-                yield base
-                if pp > 1:
-                    yield replace(base, schedule="gpipe")
-                    if m % pp == 0:
-                        yield from (replace(base, schedule="interleaved", virtual_stages=v) for v in chunks)
+                for name, v in schedules:
+                    if layout_problem(model, train, {**mesh, "m": m, "schedule": (name, v), "zero": zero}) is None:
+                        yield Layout(dp, mesh["tp"], pp, m, name, v or 1, ckpt, zero, mesh["ep"])
 
 
 @dataclass(frozen=True)
@@ -501,22 +533,41 @@ def best_of(estimates: tuple[Estimate, ...], dp: int, tp: int, pp: int) -> Estim
     return next((e for e in estimates if (e.layout.dp, e.layout.tp, e.layout.pp) == (dp, tp, pp)), None)
 
 
-def fit_alpha_beta(samples: list[tuple[float, int, float]]) -> tuple[float, float]:
-    """(alpha seconds, beta bytes/s) of the ring all-reduce model fitted to (bytes, ranks, seconds) measurements by
-    least squares: seconds = 2 (k-1) alpha + 2 (k-1)/k bytes / beta (``hpc plan --calibrate``)."""
-    rows = [(2.0 * (k - 1), 2.0 * (k - 1) / k * n, t) for n, k, t in samples if k > 1]
-    if len(rows) < 2:
-        raise ValueError("fitting alpha and beta needs two measurements on at least two ranks")
-    sxx = sum(x * x for x, _, _ in rows)
-    sxy = sum(x * y for x, y, _ in rows)
-    syy = sum(y * y for _, y, _ in rows)
-    sxt = sum(x * t for x, _, t in rows)
-    syt = sum(y * t for _, y, t in rows)
-    det = sxx * syy - sxy * sxy
-    if det <= 0:
-        raise ValueError("fitting alpha and beta needs measurements of at least two message sizes")
-    alpha = (sxt * syy - syt * sxy) / det
-    inverse_beta = (sxx * syt - sxy * sxt) / det
-    if alpha < 0:  # latency below what the fit can resolve: bandwidth alone, through the origin
-        alpha, inverse_beta = 0.0, syt / syy
-    return alpha, 1.0 / max(inverse_beta, 1e-15)
+# The spec keys the planner reads (hpc plan refuses a --set of any other): spec_gpt's, spec_training's (the batch, the
+# optimizer's bytes, the codec, the DP all-reduce's overlap and buckets) and spec_layout's, the spec's own layout that
+# hpc plan ranks among the others. Every model.args.* key too (jobs/models/shape.py reads a model.entry's config or
+# counts it).
+SPEC_LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.microbatches",
+                    "parallel.schedule", "parallel.virtual_stages", "train.activation_checkpointing")
+PLANNED_KEYS = ("model.kind", "model.entry", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len",
+                "model.moe_experts", "model.moe_top_k", "model.moe_every", "data.batch_size", "train.optimizer",
+                "train.momentum", "train.bf16_autocast", "parallel.compression", "parallel.topk_fraction",
+                "parallel.powersgd_rank", "parallel.overlap", "parallel.bucket_mb", *SPEC_LAYOUT_KEYS)
+
+
+def spec_gpt(spec: JobSpec) -> Transformer:
+    """A job spec's built-in GPT (``model.kind = "gpt"``), its mixture of experts included."""
+    m = spec.model
+    return Transformer(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size, experts=m.moe_experts,
+                       top_k=m.moe_top_k, moe_every=m.moe_every)
+
+
+def spec_training(spec: JobSpec, hidden: int, batch: int | None = None, overlap: bool = True) -> Training:
+    """Our training loop's step of ``spec``: fp32 weights and gradients, the optimizer's state, bf16 products and
+    2-byte activations under ``train.bf16_autocast``, the codec's wire ratio (parallel/compression/wire.py; PowerSGD's
+    of an h x h matrix); ``batch`` and ``overlap=False``: ``hpc plan``'s --batch and --no-overlap."""
+    half, par = spec.train.bf16_autocast, spec.parallel
+    state = OPTIMIZER_BYTES.get(spec.train.optimizer, 4 if spec.train.momentum else 0)  # SGD: its momentum, or none
+    ratio = wire_ratio(par.compression, 4, par.topk_fraction, par.powersgd_rank, (hidden, hidden))
+    return Training(batch=spec.data.batch_size if batch is None else batch, dtype="bf16" if half else "fp32",
+                    act_bytes=2 if half else 4, param_bytes=4, grad_bytes=4, optimizer_bytes=state, wire_ratio=ratio,
+                    dp_overlap=par.overlap and overlap, bucket_bytes=par.bucket_mb * 2**20, p2p_split_over_tp=False)
+
+
+def spec_layout(spec: JobSpec, ranks: int) -> Layout:
+    """A spec's ``[parallel]`` layout on ``ranks``, as ``hpc run`` lays it out (``dp = "auto"``: ranks / (tp pp))."""
+    par = spec.parallel
+    dp = ranks // (par.tp * par.pp) if par.dp == "auto" else par.dp
+    return Layout(dp, par.tp, par.pp, par.microbatches, par.schedule,
+                  par.virtual_stages if par.schedule == "interleaved" else 1, spec.train.activation_checkpointing,
+                  par.zero, par.ep)

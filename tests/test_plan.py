@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from hpc.cli.main import main
-from hpc.cli.plan import cluster_toml, compare
-from hpc.cli.plan import testbed_cluster as namespace_testbed
 from hpc.errors import ConfigError
-from parallel.cluster import Cluster, builtin_clusters, load_cluster
+from jobs.bench.plan_check import compare
+from parallel.calibrate import fit_alpha_beta, fit_overhead_and_rate
+from parallel.calibrate import testbed_cluster as namespace_testbed
+from parallel.cluster import Cluster, builtin_clusters, cluster_toml, load_cluster
 from parallel.plan import (
     MIXED_ADAM,
     Layout,
@@ -31,8 +32,6 @@ from parallel.plan import (
     best_of,
     dp_comm_s,
     estimate,
-    fit_alpha_beta,
-    fit_overhead_and_rate,
     layouts,
     memory_bytes,
     microbatch_parts,
@@ -279,7 +278,8 @@ def test_a_bad_layout_is_one_line_naming_the_problem(capsys, layout, extra, mess
 
 def test_every_layout_the_planner_considers_can_be_asked_for_alone() -> None:
     """--layout's checks agree with layouts(): none of its layouts is refused, and all its keys name only it."""
-    from hpc.cli.plan import _layout_problem, _matches
+    from parallel.plan import layout_problem as _layout_problem
+    from parallel.plan import matches as _matches
 
     every = list(layouts(MOE, MOE_TRAIN, 8, (0, 1, 2, 3)))
     assert len(every) > 100

@@ -1,6 +1,7 @@
 """Measure layouts of a job spec for ``hpc plan --validate``: each runs briefly under ``hpc run`` in a scratch run
 directory; its step time is rank 0's median over the steps after the warm-up, its peak memory the largest peak
-resident set of any rank (runs/<name>/ranks/rank-*.json). Standard library only: the ranks import torch.
+resident set of any rank (runs/<name>/ranks/rank-*.json); every case once per round, and each row set against the
+planner's prediction (parallel/calibrate.py). Standard library only: the ranks import torch.
 """
 
 from __future__ import annotations
@@ -10,8 +11,14 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from jobs.bench.rank import rank_command
+from parallel.cluster import Cluster
+
+RING_SIZES = "4K,64K,1M,4M,16M"  # the all-reduce messages a link's alpha and beta are fitted to
 
 
 @dataclass(frozen=True)
@@ -131,8 +138,8 @@ class Testbed:
         """``hpc bench allreduce``'s rows of our ring (torch transport, no codec) across the testbed's links."""
         with tempfile.TemporaryDirectory(prefix="hpc-plan-link-") as scratch:
             out = os.path.join(scratch, "rows.json")
-            self.run("the all-reduce bench", "-m", "jobs.bench.rank", "allreduce", "--out", out, "--sizes", sizes,
-                     "--codecs", "none", "--transports", "torch", "--iters", "5")
+            self.run("the all-reduce bench", *rank_command("allreduce", out, "--sizes", sizes, "--codecs", "none",
+                                                           "--transports", "torch", "--iters", "5"))
             with open(out) as handle:
                 return json.load(handle)
 
@@ -141,3 +148,48 @@ class Testbed:
         with tempfile.TemporaryDirectory(prefix="hpc-plan-check-") as scratch:
             self.run(case.label, "-m", "hpc.cli.rank", spec, *_sets(case, extra, steps, scratch), n=case.nprocs)
             return _measured(case, extra, Path(scratch) / "check", warmup)
+
+
+def validate(
+    spec: str, cases: tuple[Case, ...], cluster: Cluster, extra: list[str], steps: int, warmup: int, repeats: int,
+    launcher: str | None = None, testbed: str | None = None,
+) -> tuple[Cluster, list[dict], list[float]]:
+    """Run each case ``repeats`` times, locally or on the namespace testbed with links shaped to ``testbed``: (the
+    cluster the predictions use, the measured rows with the predictions next to them, the 1-minute load average
+    before and after each run)."""
+    load = [os.getloadavg()[0]]
+    if testbed:
+        from parallel.calibrate import ring_link, testbed_cluster
+
+        with Testbed(max(case.nprocs for case in cases), testbed) as bed:
+            link = ring_link(bed.ring_rows(RING_SIZES))  # the link as measured across the testbed
+            measured = in_rounds(repeats, cases, load, lambda case: bed.run_case(spec, case, extra, steps, warmup))
+        cluster = testbed_cluster(cluster, testbed, link)
+    else:
+        measured = in_rounds(repeats, cases, load, lambda case: run_case(spec, case, extra, steps, warmup, launcher))
+    return cluster, compare(spec, measured, cluster), load
+
+
+def in_rounds(repeats: int, cases: tuple[Case, ...], load: list[float], measure: Callable[[Case], dict]) -> list[dict]:
+    """Every case once per round, ``repeats`` rounds (a slow minute of the machine then touches one run of each
+    case, not every run of one), merged per case; the load average after each run is appended to ``load``."""
+    runs: list[list[dict]] = [[] for _ in cases]
+    for _ in range(repeats):
+        for index, case in enumerate(cases):
+            runs[index].append(measure(case))
+            load.append(os.getloadavg()[0])
+    return [merge_repeats(case_runs) for case_runs in runs]
+
+
+def compare(spec_path: str, rows: list[dict], cluster: Cluster) -> list[dict]:
+    """Each measured row with the planner's prediction of its spec and ranks next to it, and their ratios
+    (predicted over measured)."""
+    from hpc.config import load_spec
+    from jobs.models.shape import spec_model
+    from parallel.calibrate import compared, predict
+
+    out = []
+    for row in rows:
+        spec = load_spec(spec_path, row["overrides"])
+        out.append(compared(row, predict(spec, spec_model(spec), row["nprocs"], cluster)))
+    return out

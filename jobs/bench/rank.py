@@ -11,11 +11,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 PIPELINE_SIZES = ("virtual", "layers", "width", "rows", "steps")  # integer options of the pipeline bench
 # hpc bench train --target-loss: the integer options and their defaults (the CLI's too)
 TIME_TO_LOSS_DEFAULTS = {"max-steps": 400, "eval-every": 10, "width": 256, "layers": 4, "batch": 4}
+
+
+def rank_command(kind: str, out: str, *options: str) -> tuple[str, ...]:
+    """What follows ``python`` for one rank of benchmark ``kind`` that writes its rows to ``out``."""
+    return ("-m", "jobs.bench.rank", kind, "--out", out, *options)
+
+
+def rank_argv(kind: str, options: Sequence[str]) -> Callable[[str, str], tuple[str, ...]]:
+    """``launch_for_rows``'s command of every rank of ``kind``, from the file rank 0 writes (and a scratch
+    directory)."""
+    return lambda out, _scratch: rank_command(kind, out, *options)
 
 
 def _parser() -> argparse.ArgumentParser:

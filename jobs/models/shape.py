@@ -1,4 +1,4 @@
-"""What ``hpc plan`` knows of a spec's model when it is not the built-in GPT: parallel/plan.py's ``Transformer``.
+"""What ``hpc plan`` knows of a spec's model: parallel/plan.py's ``Transformer`` (the built-in GPT read from the spec).
 
 ``jobs.models.hf:causal_lm``: read from the transformers config that ``[model.args]`` make (over ``pretrained``'s
 config.json when it is given), nothing built: layers, hidden, heads, KV heads, head size, the gated MLP's
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc.errors import ConfigError
 from jobs.models.hf_config import hf_config
-from parallel.plan import Transformer
+from parallel.plan import Transformer, spec_gpt
 
 if TYPE_CHECKING:
     from torch import nn
@@ -28,7 +28,10 @@ HEAD_NAMES = ("num_attention_heads", "num_heads", "n_heads", "n_head")
 
 
 def spec_model(spec: JobSpec) -> Transformer:
-    """The planner's picture of a spec's ``model.entry`` (or non-GPT ``model.kind``)."""
+    """The planner's picture of a spec's model: the built-in GPT from the spec (parallel/plan.py), a
+    ``jobs.models.hf:causal_lm`` from its config, any other ``model.entry`` (or ``model.kind``) counted."""
+    if not spec.model.entry and spec.model.kind == "gpt":
+        return spec_gpt(spec)
     from jobs.models.hf import is_hf_entry
 
     return hf_model(spec) if is_hf_entry(spec) else counted_model(spec)

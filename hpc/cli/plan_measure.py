@@ -1,0 +1,91 @@
+"""``hpc plan --calibrate`` and ``--validate``: this machine measured (jobs/bench/calibrate.py,
+jobs/bench/plan_check.py: they start ranks and import torch) and fitted or set against the planner
+(parallel/calibrate.py); what they print and write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from hpc.errors import ConfigError
+from hpc.text import format_table
+
+VALIDATION_HEADER = ["layout", "ranks", "predicted", "measured", "ratio", "pred. memory", "measured", "ratio"]
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure this node ``--repeats`` times and write a cluster file of each constant's median (one round of a
+    busy 2-core VM moves a rate or a latency by 10-50%)."""
+    import os
+
+    from jobs.bench.calibrate import calibrate
+    from parallel.cluster import cluster_toml
+
+    if args.nprocs < 2:
+        raise ConfigError(f"--calibrate needs -n of at least 2 ranks (a ring), got {args.nprocs}")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
+    cluster, measured = calibrate(args.nprocs, args.launcher, args.repeats)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as handle:
+        handle.write(cluster_toml(cluster))
+    print(calibration_text(cluster, measured, args.nprocs, args.out))
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Run each layout, then print (and with --record keep) predicted against measured."""
+    import os
+    import sys
+
+    from jobs.bench.plan_check import select, validate
+    from parallel.cluster import load_cluster
+
+    if not args.spec or args.cluster is None:
+        raise ConfigError("hpc plan --validate needs a job spec and --cluster (hpc plan --calibrate writes one)")
+    if args.steps <= args.warmup:
+        raise ConfigError(f"--steps must exceed --warmup, got {args.steps} and {args.warmup}")
+    cluster = load_cluster(args.cluster)
+    labels = args.layouts.split(",") if args.layouts else (["dp=2", "dp=2 fp16"] if args.testbed else None)
+    try:
+        cases = select(labels)
+    except KeyError as error:
+        raise ConfigError(f"--layouts: {error.args[0]}") from None
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
+    cluster, rows, load = validate(args.spec, cases, cluster, list(args.overrides), args.steps, args.warmup,
+                                   args.repeats, args.launcher, args.testbed)
+    record = {"command": "hpc plan " + " ".join(sys.argv[2:]), "spec": args.spec, "cluster": asdict(cluster),
+              "load_1min": load, "cpus": os.cpu_count(), "rows": rows}
+    if args.record:
+        with open(args.record, "w") as handle:
+            handle.write(json.dumps(record, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(f"{validation_table(rows)}\nload average (1 min) during the runs: "
+              f"{min(load):.1f} to {max(load):.1f} on {os.cpu_count()} CPUs")
+    return 0
+
+
+def validation_table(rows: list[dict]) -> str:
+    return format_table(VALIDATION_HEADER, [
+        [r["label"], str(r["nprocs"]), f"{r['predicted_step_s'] * 1e3:.0f} ms", f"{r['step_s'] * 1e3:.0f} ms",
+         f"{r['step_ratio']:.2f}", f"{r['predicted_peak_bytes'] / 2**20:.0f} MiB",
+         f"{r['peak_bytes'] / 2**20:.0f} MiB", f"{r['memory_ratio']:.2f}"] for r in rows])
+
+
+def calibration_text(cluster, measured: dict[str, list[float]], nprocs: int, out: str) -> str:
+    """Each constant --calibrate wrote, the median of the rounds, with every round's value in brackets."""
+    def spread(name: str, scale: float, unit: str) -> str:
+        return f"{getattr(cluster, name) * scale:.4g} {unit} ({', '.join(f'{v * scale:.4g}' for v in measured[name])})"
+
+    return (f"median of {len(measured['intra_gbps'])} rounds (each round's in brackets): alpha "
+            f"{spread('intra_alpha_us', 1, 'us')}, beta {spread('intra_gbps', 1, 'GB/s')} (ring over {nprocs} ranks); "
+            f"one core {spread('peak_tflops_fp32', 1e3, 'GFLOP/s')} and {spread('layer_overhead_us', 1, 'us')} fixed "
+            f"per GPT block forward+backward; {cluster.cores_per_node} threads {spread('thread_speedup', 1, 'x one')}; "
+            f"copy {spread('memory_gbps', 1, 'GB/s')}; AdamW {spread('tensor_overhead_us', 1, 'us')} per tensor; "
+            f"step {spread('step_overhead_ms', 1, 'ms')} fixed; rank base {cluster.rank_base_mib:.0f} MiB\n"
+            f"wrote {out}")
