@@ -155,6 +155,35 @@ def status_rows(records: Sequence[JobRecord], states: Mapping[str, Mapping[str, 
 STATUS_HEADER = ("JOB", "NAME", "STATE", "ELAPSED", "NODES", "STEP", "LOSS")
 
 
+def status_report(registry: Registry, job_id: str | None) -> tuple[list[str], list[list[str]]] | None:
+    """``hpc status``: (a line per job or array task whose ranks failed, and why; a status row each) of ``job_id``
+    (``A_T``: that array task alone) or of the recent jobs; None when none was submitted from here."""
+    records = [registry.get(job_id)] if job_id else registry.recent()
+    if not records:
+        return None
+    rows = status_rows(records, sacct_states(r.job_id for r in records))
+    only = job_id if job_id and "_" in job_id else None
+    if only:
+        rows = [row for row in rows if row[0] == only]
+    return failure_lines(records, only), rows
+
+
+def ended(job_id: str) -> bool:
+    """Whether sacct says the job (or array task) is over."""
+    return sacct_states([job_id]).get(job_id, {}).get("State") in DONE_STATES
+
+
+def no_log_reason(job_id: str, path: Path) -> str:
+    """Why a job has no log: not started yet, or ended without one (Slurm could not open it on the node)."""
+    fields = sacct_states([job_id]).get(job_id, {})
+    if fields.get("State") not in DONE_STATES:
+        return f"no log yet: {path} (has job {job_id} started? hpc status {job_id})"
+    private = " (/tmp is private to each node)" if path.is_relative_to("/tmp") else ""
+    return (f"job {job_id} ended {fields['State']} (exit code {fields.get('ExitCode', '?')}) on "
+            f"{fields.get('NodeList', '?')} without writing {path}: Slurm could not create it on the node, so that "
+            f"rank never started; job.run_dir must be a directory every node shares{private}")
+
+
 def failure_line(job_id: str, run_path: Path, label: str | None = None,
                  log_dir: str | Path | None = None) -> str | None:
     """``job 12: rank 1 (host vm, step 5) failed: RuntimeError: ... -- see: hpc logs 12 --rank 1`` (``label`` in

@@ -31,6 +31,7 @@ Runs on login nodes: nothing here imports torch.
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -38,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc.config import SlurmConfig
+from hpc.config import JobSpec, SlurmConfig, spec_from_dict, spec_to_dict
 from hpc.errors import ConfigError, HpcError
 from hpc.runtime.preemption import BLOCKED_AT_START, PREEMPTED_EXIT
 
@@ -177,6 +178,26 @@ def check_resources(slurm: SlurmConfig, environ: Mapping[str, str] | None = None
     reasons = [line.removeprefix("sbatch: error: ") for line in lines if line.strip()]
     reason = "; ".join(dict.fromkeys(reasons)) if reasons else f"exit status {done.returncode}"
     raise SubmitError(f"Slurm cannot run {' '.join(argv[2:])}: {reason}")
+
+
+def with_resources(spec: JobSpec, given: Mapping[str, Any], source: str) -> JobSpec:
+    """``spec`` with the ``slurm.*`` values ``given`` (from ``source``) in place of its own, checked like the spec."""
+    if not given:
+        return spec
+    data = spec_to_dict(spec)
+    data["slurm"].update(given)
+    return spec_from_dict(data, source)
+
+
+def job_ranks(slurm: SlurmConfig) -> int:
+    """The ranks of a job of these resources: nodes x tasks per node."""
+    return slurm.nodes * slurm.tasks_per_node
+
+
+def rank_argv(spec_path: str, overrides: Sequence[str]) -> list[str]:
+    """hpc-rank's arguments in every srun task of a job spec: the spec by absolute path (the job may start in
+    another directory) and its ``--set`` overrides."""
+    return [os.path.abspath(spec_path), *(arg for override in overrides for arg in ("--set", override))]
 
 
 def make_executor(folder: Path, slurm: SlurmConfig, name: str, array_parallelism: int | None = None):

@@ -27,6 +27,11 @@ then each key of ``[params]`` is one of the options the script declares with arg
 ``true`` the bare flag, ``false`` nothing), read from its source (:func:`script_options`), and
 the file may hold the script's resources as ``[slurm]`` and ``[job]`` (``run_dir`` only) tables.
 Task i runs the script with ``HPC_RUN_PATH=DIR/task-i``.
+
+Running one (``hpc sweep``): a :class:`SweepRun` holds every task checked and what each runs (the CLI, the
+composition root, passes in the srun tasks' entry point and the layout check: slurm imports neither jobs nor the
+CLI); :func:`submit_sweep` submits it as one job array, :func:`run_locally` one task after the other on local
+ranks; both record the manifest, which :func:`report` and :func:`metric_points` read back.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ import json
 import math
 import os
 import random
-from collections.abc import Collection, Iterator, Mapping, Sequence
+import sys
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,9 +61,10 @@ from hpc.config import (
     show_value,
     table_from_dict,
 )
-from hpc.errors import ConfigError
+from hpc.errors import ConfigError, RankFailedError
 from hpc.rundir import RESULT_FILE, last_metrics, read_failures, read_result, summarize_failures, write_json
-from slurm.job_registry import FAILED_STATES, JobLookupError, Registry, failure_line
+from slurm.job_registry import FAILED_STATES, JobLookupError, JobRecord, Registry, failure_line, sacct_states
+from slurm.submit import check_resources, job_ranks, make_executor, rank_argv, submit_array
 
 MANIFEST = "sweep.json"
 DISTRIBUTIONS = ("uniform", "log_uniform")
@@ -302,6 +309,89 @@ def _describe(config: Mapping[str, Any]) -> str:
     return ", ".join(as_overrides(config))
 
 
+@dataclass(frozen=True)
+class SweepRun:
+    """A sweep ready to start, every check passed but Slurm's submission: its tasks, the resources each gets, what
+    each array task's ranks call (``entry(argvs[i])``) and each task's command line on local ranks."""
+
+    sweep: Sweep
+    directory: Path
+    tasks: list[Task]
+    resources: JobSpec  # slurm.* and job.*: every task's
+    entry: Callable[[list[str]], None]  # what every srun task calls (submitit pickles a reference to it)
+    argvs: list[list[str]]
+    commands: list[tuple[str, ...]]
+
+    @property
+    def ranks(self) -> int:
+        return job_ranks(self.resources.slurm)
+
+
+def spec_run(sweep: Sweep, overrides: Sequence[str], entry: Callable[[list[str]], None],
+             check_layout: Callable[[JobSpec, int], object], ask_slurm: bool) -> SweepRun:
+    """A sweep over a job spec, its ranks running ``hpc-rank`` (``entry`` in a Slurm task): each config checked
+    against the spec and by ``check_layout`` on the ranks every task gets, and the resources by Slurm when
+    ``ask_slurm``."""
+    directory, planned = plan(sweep, overrides)
+    resources = planned[0][1]  # slurm.* is never swept: every task has the same resources
+    if ask_slurm:
+        check_resources(resources.slurm)
+    for task, spec in planned:
+        try:
+            check_layout(spec, job_ranks(resources.slurm))
+        except ConfigError as exc:
+            raise type(exc)(f"{sweep.label}: config {task.index}: {exc}") from None
+    tasks = [task for task, _ in planned]
+    argvs = [rank_argv(str(sweep.base), task.overrides) for task in tasks]
+    return SweepRun(sweep, directory, tasks, resources, entry, argvs,
+                    [(sys.executable, "-m", "hpc.cli.rank", *argv) for argv in argvs])
+
+
+def check_fresh(directory: Path) -> None:
+    """Refuse to run a sweep into a directory that holds one."""
+    if (directory / MANIFEST).exists():
+        raise ConfigError(f"{directory} already holds a sweep: remove it, or give this one another sweep.name or "
+                          "sweep.dir")
+
+
+def array_executor(run: SweepRun):
+    """submitit's executor of the sweep's job array: logs in DIR/slurm, at most ``max_concurrent`` tasks at once."""
+    return make_executor(run.directory / "slurm", run.resources.slurm, run.sweep.name,
+                         array_parallelism=run.sweep.settings.max_concurrent)
+
+
+def submit_sweep(run: SweepRun, executor) -> str:
+    """Every task as one job array, then the manifest and the job registry's record; the array's job id."""
+    job_id = submit_array(executor, run.entry, run.argvs)
+    write_manifest(run.directory, run.sweep, run.tasks, "slurm", run.ranks, job_id)
+    Registry.default().add(JobRecord(job_id, run.sweep.name, run.ranks, str(run.directory / "slurm"),
+                                     tuple(str(task.run_path) for task in run.tasks), array=True))
+    return job_id
+
+
+def run_locally(run: SweepRun, started: Callable[[Task], None],
+                failed: Callable[[Task, RankFailedError], None]) -> None:
+    """One task after the other, each on ``run.ranks`` local ranks exactly as ``hpc run --launcher local``, its
+    outcome recorded in the manifest; ``started`` hears of each task before it starts, ``failed`` of each failure."""
+    from hpc.runtime.launch import launch_ranks
+
+    write_manifest(run.directory, run.sweep, run.tasks, "local", run.ranks)
+    for task, argv in zip(run.tasks, run.commands, strict=True):
+        started(task)
+        try:
+            launch_ranks(run.ranks, argv, "local", [], None, "plain", False, task.run_path)
+        except RankFailedError as exc:
+            record_outcome(run.directory, task.index, "FAILED", str(exc))
+            failed(task, exc)
+        else:
+            record_outcome(run.directory, task.index, "COMPLETED")
+
+
+def describe(task: Task) -> str:
+    """A task's own arguments: a script's, or its config as ``--set`` overrides."""
+    return " ".join(task.args or as_overrides(task.params))
+
+
 def write_manifest(directory: Path, sweep: Sweep, tasks: Sequence[Task], executor: str, ranks: int,
                    job_id: str | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
@@ -390,3 +480,37 @@ def table(manifest: Mapping[str, Any], states: Sequence[str], ranked: bool) -> t
 
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.6g}"
+
+
+@dataclass(frozen=True)
+class Report:
+    """What ``hpc sweep status|results`` prints: a line of counts, the table, each failed task's first cause."""
+
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+    failures: list[str]
+    failed: bool  # a task failed: the command exits non-zero, so scripts notice
+
+
+def report(directory: Path, ranked: bool) -> Report:
+    """The sweep in ``directory`` now: sacct's states of its array tasks (or the local executor's), ``ranked``:
+    completed tasks best first by the metric."""
+    manifest = read_manifest(directory)
+    states = task_states(manifest, sacct_states([manifest["job_id"]]) if manifest["job_id"] else {})
+    header, rows = table(manifest, states, ranked)
+    counts = ", ".join(f"{states.count(state)} {state.lower()}" for state in dict.fromkeys(states))
+    where = f"job array {manifest['job_id']}" if manifest["job_id"] else "local ranks"
+    return Report(f"sweep {manifest['name']} ({where}): {counts}", header, rows, failure_lines(manifest, states),
+                  any(state in FAILED_STATES for state in states))
+
+
+def metric_points(directory: Path) -> tuple[list[tuple[dict[str, Any], float]], str]:
+    """(each task's params and its metric, over the tasks that have a result; the metric and its goal)."""
+    manifest = read_manifest(directory)
+    metric, goal = manifest["settings"]["metric"], manifest["settings"]["goal"]
+    points = [(task["params"], result[metric]) for task in manifest["tasks"]
+              if (result := read_result(Path(task["run_path"]))) is not None]
+    if not points:
+        raise ConfigError(f"{directory}: no task has a result yet: nothing to plot")
+    return points, f"{metric} ({goal})"

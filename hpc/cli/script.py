@@ -21,11 +21,14 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc.config import JobSpec, read_toml, show_path, show_text, show_value, spec_from_dict
 from hpc.errors import ConfigError
 from hpc.script import MAX_REQUEUES_ENV, RUN_PATH_ENV
+
+if TYPE_CHECKING:
+    from slurm.sweep import Sweep, SweepRun
 
 SECTIONS = ("slurm", "job")
 JOB_KEYS = ("name", "run_dir")  # what [job] means to a script: no seed, the script seeds itself
@@ -95,6 +98,26 @@ def task_argv(run_path: Path, max_requeues: int, script: Path, args: Sequence[st
 def local_argv(run_path: Path, script: Path, args: Sequence[str]) -> tuple[str, ...]:
     """A sweep task on local ranks: the script with its run directory exported."""
     return ("env", f"{RUN_PATH_ENV}={run_path}", sys.executable, "-u", str(script), *args)
+
+
+def sweep_run(sweep: Sweep, overrides: Sequence[str], args: Sequence[str], ask_slurm: bool) -> SweepRun:
+    """A sweep over a script's options (slurm/sweep.py), every check passed but Slurm's submission: the script, its
+    declared options, the sweep file's [slurm] and [job] with ``overrides`` on them (Slurm's verdict on them when
+    ``ask_slurm``); ``args`` (``hpc sweep ... -- ARGS``) go to every task."""
+    from slurm import submit
+    from slurm import sweep as sweeps
+
+    try:
+        path = check_script(str(sweep.base))
+    except ConfigError as exc:
+        raise ConfigError(f"{sweep.label}: sweep.base: {exc}") from None
+    spec = resources(sweep.resources, sweep.label, overrides, sweep.name, job_keys=("run_dir",))
+    directory, tasks = sweeps.plan_script(sweep, spec.job.run_dir, sweeps.script_options(path), args)
+    if ask_slurm:
+        submit.check_resources(spec.slurm)
+    return sweeps.SweepRun(sweep, directory, tasks, spec, run_script_in_slurm_task,
+                           [task_argv(t.run_path, spec.slurm.max_requeues, sweep.base, t.args) for t in tasks],
+                           [local_argv(t.run_path, sweep.base, t.args) for t in tasks])
 
 
 def run_script_in_slurm_task(argv: list[str]) -> None:

@@ -11,7 +11,6 @@ each config of a sweep) runs before anything is submitted.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from hpc.cli import script
 from hpc.cli.rank import run_in_slurm_task
-from hpc.errors import ConfigError, RankFailedError
+from hpc.errors import ConfigError
 from hpc.text import format_table
 
 # (option, type, help): each overrides the spec's slurm.<option>.
@@ -91,33 +90,19 @@ def _add_run_options(parser: argparse.ArgumentParser, dry_run_help: str) -> None
     parser.add_argument("--dry-run", action="store_true", help=dry_run_help)
 
 
-def _rank_argv(spec_path: str, overrides: list[str] | tuple[str, ...]) -> list[str]:
-    """hpc-rank's arguments: the spec by absolute path (the job may start in another directory)."""
-    return [os.path.abspath(spec_path), *(arg for override in overrides for arg in ("--set", override))]
-
-
 def _with_resources(spec, args: argparse.Namespace):
     """The spec with the resource options applied, checked like the spec itself."""
-    from hpc.config import spec_from_dict, spec_to_dict
+    from slurm.submit import with_resources
 
     given = {name: getattr(args, name) for name, _, _ in RESOURCES if getattr(args, name) is not None}
-    if args.setup is not None:
-        given["setup"] = args.setup
-    if not given:
-        return spec
-    data = spec_to_dict(spec)
-    data["slurm"].update(given)
-    return spec_from_dict(data, "hpc submit options")
-
-
-def _ranks(spec) -> int:
-    return spec.slurm.nodes * spec.slurm.tasks_per_node
+    return with_resources(spec, given if args.setup is None else {**given, "setup": args.setup}, "hpc submit options")
 
 
 def _submission(args: argparse.Namespace):
     """(resources, the srun task function, its argument, whether it is a job spec), every check passed but
     Slurm's: a script (hpc/cli/script.py) or a job spec."""
     from hpc.config import load_spec
+    from slurm import submit
 
     if script.is_script(args.spec) or args.script_args:
         path, spec = script.submission(args.spec, args.resources, args.overrides)
@@ -127,7 +112,7 @@ def _submission(args: argparse.Namespace):
     if args.resources is not None:
         raise ConfigError("--resources gives a script's resources; a job spec has its own [slurm] section")
     spec = _with_resources(load_spec(args.spec, args.overrides), args)
-    return spec, run_in_slurm_task, _rank_argv(args.spec, args.overrides), True
+    return spec, run_in_slurm_task, submit.rank_argv(args.spec, args.overrides), True
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -135,7 +120,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from slurm import job_registry, submit
 
     spec, entry, argv, is_spec = _submission(args)
-    ranks = _ranks(spec)
+    ranks = submit.job_ranks(spec.slurm)
     if not args.dry_run:  # what the cluster offers first: --nodes 3 on two nodes is that, not the batch split
         submit.check_resources(spec.slurm)
     if is_spec:
@@ -170,17 +155,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     from slurm import job_registry
 
     registry = job_registry.Registry.default()
-    records = [registry.get(_job_id(args.job))] if args.job else registry.recent()
-    if not records:
+    report = job_registry.status_report(registry, _job_id(args.job) if args.job else None)
+    if report is None:
         print(f"no jobs submitted from here yet (records go to {registry.root})")
         return 0
-    rows = job_registry.status_rows(records, job_registry.sacct_states(r.job_id for r in records))
-    only = args.job if args.job and "_" in args.job else None
-    if only:
-        rows = [row for row in rows if row[0] == only]
-    for line in job_registry.failure_lines(records, only):  # first: which rank failed, and why
+    for line in report[0]:  # first: which rank failed, and why
         print(line)
-    print(format_table(job_registry.STATUS_HEADER, rows))
+    print(format_table(job_registry.STATUS_HEADER, report[1]))
     return 0
 
 
@@ -198,29 +179,15 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if failure:  # first, and again after the log (whose end is where a reader looks)
         print(failure, flush=True)
     if args.follow:
-        job_registry.follow(
-            path, lambda: job_registry.sacct_states([job_id]).get(job_id, {}).get("State") in job_registry.DONE_STATES)
+        job_registry.follow(path, lambda: job_registry.ended(job_id))
         failure = None if args.rank is not None else job_registry.failure_line(job_id, run_path, log_dir=record.log_dir)
     elif path.exists():
         sys.stdout.write(path.read_text(errors="replace"))
     else:
-        raise job_registry.JobLookupError(_no_log(job_id, path))
+        raise job_registry.JobLookupError(job_registry.no_log_reason(job_id, path))
     if failure:
         print(failure)
     return 0
-
-
-def _no_log(job_id: str, path: Path) -> str:
-    """Why a job has no log: not started yet, or ended without one (Slurm could not open it on the node)."""
-    from slurm import job_registry
-
-    fields = job_registry.sacct_states([job_id]).get(job_id, {})
-    if fields.get("State") not in job_registry.DONE_STATES:
-        return f"no log yet: {path} (has job {job_id} started? hpc status {job_id})"
-    private = " (/tmp is private to each node)" if path.is_relative_to("/tmp") else ""
-    return (f"job {job_id} ended {fields['State']} (exit code {fields.get('ExitCode', '?')}) on "
-            f"{fields.get('NodeList', '?')} without writing {path}: Slurm could not create it on the node, so that "
-            f"rank never started; job.run_dir must be a directory every node shares{private}")
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -261,139 +228,70 @@ def run_sweep(args: argparse.Namespace) -> int:
     on_slurm = (args.executor or "slurm") == "slurm"
     ask_slurm = on_slurm and not args.dry_run
     if sweep.script:
-        directory, tasks, spec = _plan_script_sweep(sweep, args, ask_slurm)
-        entry = script.run_script_in_slurm_task
-        argvs = [script.task_argv(t.run_path, spec.slurm.max_requeues, sweep.base, t.args) for t in tasks]
-        local = [script.local_argv(t.run_path, sweep.base, t.args) for t in tasks]
+        run = script.sweep_run(sweep, args.overrides, args.script_args, ask_slurm)
     else:
+        from jobs.train.layout import check_layout
+
         if args.script_args:
             raise ConfigError(f"{sweep.label}: options after -- go to a script, and sweep.base "
                               f"{sweep.settings.base} is a job spec")
-        directory, tasks, spec = _plan_spec_sweep(sweep, args.overrides, ask_slurm)
-        entry = run_in_slurm_task
-        argvs = [_rank_argv(str(sweep.base), task.overrides) for task in tasks]
-        local = [(sys.executable, "-m", "hpc.cli.rank", *argv) for argv in argvs]
-    if (directory / sweeps.MANIFEST).exists() and not args.dry_run:
-        raise ConfigError(f"{directory} already holds a sweep: remove it, or give this one another sweep.name or "
-                          "sweep.dir")
+        run = sweeps.spec_run(sweep, args.overrides, run_in_slurm_task, check_layout, ask_slurm)
+    if not args.dry_run:
+        sweeps.check_fresh(run.directory)
     if on_slurm:
-        return _submit_sweep(sweep, directory, tasks, entry, argvs, spec, args.dry_run)
-    return _run_sweep_locally(sweep, directory, tasks, local, _ranks(spec), args.dry_run)
+        return _submit_sweep(run, args.dry_run)
+    return _run_sweep_locally(run, args.dry_run)
 
 
-def _plan_spec_sweep(sweep, overrides: list[str], ask_slurm: bool):
-    """(directory, tasks, the resources every task shares): each config checked against the spec and the layout."""
-    from jobs.train.layout import check_layout
+def _submit_sweep(run, dry_run: bool) -> int:
+    from slurm import submit
     from slurm import sweep as sweeps
 
-    directory, planned = sweeps.plan(sweep, overrides)
-    ranks = _ranks(planned[0][1])  # slurm.* is never swept: every task has the same resources
-    if ask_slurm:
-        from slurm import submit
-
-        submit.check_resources(planned[0][1].slurm)
-    for task, spec in planned:
-        try:
-            check_layout(spec, ranks)
-        except ConfigError as exc:
-            raise type(exc)(f"{sweep.label}: config {task.index}: {exc}") from None
-    return directory, [task for task, _ in planned], planned[0][1]
-
-
-def _plan_script_sweep(sweep, args: argparse.Namespace, ask_slurm: bool):
-    """(directory, tasks, resources) of a sweep over a script's options: the script, its declared options,
-    the sweep file's [slurm] and [job] with --set on them."""
-    from slurm import sweep as sweeps
-
-    try:
-        path = script.check_script(str(sweep.base))
-    except ConfigError as exc:
-        raise ConfigError(f"{sweep.label}: sweep.base: {exc}") from None
-    spec = script.resources(sweep.resources, sweep.label, args.overrides, sweep.name, job_keys=("run_dir",))
-    directory, tasks = sweeps.plan_script(sweep, spec.job.run_dir, sweeps.script_options(path), args.script_args)
-    if ask_slurm:
-        from slurm import submit
-
-        submit.check_resources(spec.slurm)
-    return directory, tasks, spec
-
-
-def _submit_sweep(sweep, directory: Path, tasks, entry, argvs, spec, dry_run: bool) -> int:
-    from slurm import job_registry, submit
-    from slurm import sweep as sweeps
-
-    folder = directory / "slurm"
-    executor = submit.make_executor(folder, spec.slurm, sweep.name, array_parallelism=sweep.settings.max_concurrent)
+    executor = sweeps.array_executor(run)
     if dry_run:
-        print(submit.sbatch_script(executor, array_size=len(tasks)), end="")
-        print(f"\n# array tasks ({'run path, max requeues, script and its' if sweep.script else 'hpc-rank'} "
+        print(submit.sbatch_script(executor, array_size=len(run.tasks)), end="")
+        print(f"\n# array tasks ({'run path, max requeues, script and its' if run.sweep.script else 'hpc-rank'} "
               "arguments):")
-        print("\n".join(f"# {task.index}: {shlex.join(argv)}" for task, argv in zip(tasks, argvs, strict=True)))
+        print("\n".join(f"# {task.index}: {shlex.join(argv)}" for task, argv in zip(run.tasks, run.argvs,
+                                                                                      strict=True)))
         return 0
-    job_id = submit.submit_array(executor, entry, argvs)
-    ranks = _ranks(spec)
-    sweeps.write_manifest(directory, sweep, tasks, "slurm", ranks, job_id)
-    job_registry.Registry.default().add(job_registry.JobRecord(job_id, sweep.name, ranks, str(folder),
-                                                               tuple(str(t.run_path) for t in tasks), array=True))
-    print(f"submitted sweep {sweep.name}: {len(tasks)} configs as job array {job_id} "
-          f"(at most {sweep.settings.max_concurrent} at once, {ranks} rank{'s' * (ranks > 1)} each)")
-    print(f"then: hpc sweep status {directory} | hpc sweep results {directory}")
+    job_id = sweeps.submit_sweep(run, executor)
+    print(f"submitted sweep {run.sweep.name}: {len(run.tasks)} configs as job array {job_id} "
+          f"(at most {run.sweep.settings.max_concurrent} at once, {run.ranks} rank{'s' * (run.ranks > 1)} each)")
+    print(f"then: hpc sweep status {run.directory} | hpc sweep results {run.directory}")
     return 0
 
 
-def _run_sweep_locally(sweep, directory: Path, tasks, commands, ranks: int, dry_run: bool) -> int:
-    """One config after the other, each on ``ranks`` local ranks exactly as ``hpc run --launcher local``."""
-    from hpc.runtime.launch import launch_ranks
+def _run_sweep_locally(run, dry_run: bool) -> int:
+    """One config after the other, each on the sweep's ranks on this machine, as ``hpc run --launcher local``."""
     from slurm import sweep as sweeps
 
+    name, ranks, count = run.sweep.name, run.ranks, len(run.tasks)
     if dry_run:
-        for task, argv in zip(tasks, commands, strict=True):
+        for task, argv in zip(run.tasks, run.commands, strict=True):
             print(f"# task {task.index}: {ranks} local rank{'s' * (ranks > 1)} of")
             print(shlex.join(argv))
         return 0
-    sweeps.write_manifest(directory, sweep, tasks, "local", ranks)
-    for task, argv in zip(tasks, commands, strict=True):
-        print(f"sweep {sweep.name}: task {task.index + 1}/{len(tasks)}: "
-              f"{' '.join(task.args or sweeps.as_overrides(task.params))}", flush=True)
-        try:
-            launch_ranks(ranks, argv, "local", [], None, "plain", False, task.run_path)
-        except RankFailedError as exc:
-            sweeps.record_outcome(directory, task.index, "FAILED", str(exc))
-            print(f"sweep {sweep.name}: task {task.index} failed: {exc}", file=sys.stderr, flush=True)
-        else:
-            sweeps.record_outcome(directory, task.index, "COMPLETED")
-    return show_sweep(directory, ranked=True)
+    sweeps.run_locally(
+        run, lambda task: print(f"sweep {name}: task {task.index + 1}/{count}: {sweeps.describe(task)}", flush=True),
+        lambda task, exc: print(f"sweep {name}: task {task.index} failed: {exc}", file=sys.stderr, flush=True))
+    return show_sweep(run.directory, ranked=True)
 
 
 def plot_sweep(directory: Path, path: Path) -> None:
     """The metric against each swept key, over the tasks that have a result (show_sweep checked they hold it)."""
     from hpc.observe.plots import save_png, sweep_figure
-    from hpc.rundir import read_result
     from slurm import sweep as sweeps
 
-    manifest = sweeps.read_manifest(directory)
-    metric, goal = manifest["settings"]["metric"], manifest["settings"]["goal"]
-    points = [(task["params"], result[metric]) for task in manifest["tasks"]
-              if (result := read_result(Path(task["run_path"]))) is not None]
-    if not points:
-        raise ConfigError(f"{directory}: no task has a result yet: nothing to plot")
-    save_png(sweep_figure(points, f"{metric} ({goal})"), path)
+    points, label = sweeps.metric_points(directory)
+    save_png(sweep_figure(points, label), path)
     print(f"wrote {path}")
 
 
 def show_sweep(directory: Path, ranked: bool) -> int:
     """Print the sweep's table; non-zero when a task failed, so scripts notice."""
-    from slurm import job_registry
     from slurm import sweep as sweeps
 
-    manifest = sweeps.read_manifest(directory)
-    sacct = job_registry.sacct_states([manifest["job_id"]]) if manifest["job_id"] else {}
-    states = sweeps.task_states(manifest, sacct)
-    header, rows = sweeps.table(manifest, states, ranked)
-    counts = ", ".join(f"{states.count(state)} {state.lower()}" for state in dict.fromkeys(states))
-    where = f"job array {manifest['job_id']}" if manifest["job_id"] else "local ranks"
-    print(f"sweep {manifest['name']} ({where}): {counts}")
-    print(format_table(header, rows))
-    for line in sweeps.failure_lines(manifest, states):
-        print(line)
-    return 1 if any(state in job_registry.FAILED_STATES for state in states) else 0
+    report = sweeps.report(directory, ranked)
+    print("\n".join([report.title, format_table(report.header, report.rows), *report.failures]))
+    return 1 if report.failed else 0
