@@ -33,6 +33,8 @@ model and optimizer :meth:`Session.resume` registered, has rank 0 requeue the jo
 the session then ends the process with status 75; the requeued job's ``resume`` continues from
 that step. Outside Slurm the check is free and always False.
 
+A :class:`Session` is the user's face of the run session a spec job runs in (``hpc/run_session.py``):
+start-up, resume, save, metrics, the stop and requeue, ``result.json`` are the same code for both.
 State lives in the Session the script holds: nothing is global but the process group itself.
 ``import hpc.script`` is cheap (torch and h5py are imported by the calls), so the CLI reads its
 constants on a login node.
@@ -53,14 +55,13 @@ from hpc.runtime import preemption
 if TYPE_CHECKING:
     import torch
 
-    from hpc.checkpoint import Checkpointer
-    from hpc.observe.metrics import MetricsLog
-    from hpc.runtime.bootstrap import World
+    from hpc.checkpoint import Piece
+    from hpc.checkpoint.format import CheckpointIndex
+    from hpc.run_session import RunSession
 
 RUN_PATH_ENV = "HPC_RUN_PATH"  # the run directory; hpc submit and hpc sweep export it
 MAX_REQUEUES_ENV = "HPC_MAX_REQUEUES"  # slurm.max_requeues of the submission
 DEFAULT_RUN_DIR = "runs"
-CHECKPOINTS_DIR = "checkpoints"
 
 
 def run_path_for(environ: Mapping[str, str], script: str) -> Path:
@@ -84,35 +85,15 @@ def session(
     the threads every launcher gives a rank (``--cpus-per-task`` under srun). ``keep``: how many
     checkpoints to keep; ``tensorboard``: also write TensorBoard scalars beside metrics.jsonl.
     """
-    import torch
-
+    from hpc import run_session
     from hpc.config import SlurmConfig
-    from hpc.runtime import bootstrap
-    from hpc.runtime.launch import rank_threads
 
     environ = os.environ if environ is None else environ
-    watcher = preemption.watch(environ)
-    if watcher is not None:
-        watcher.__enter__()  # before anything slow: a pending warning signal is recorded, not fatal
-    try:
-        if "OMP_NUM_THREADS" not in environ:
-            torch.set_num_threads(rank_threads(environ))
-        from hpc.rundir import enable_flight_recorder
-
-        run_path = run_path_for(environ, sys.argv[0])
-        enable_flight_recorder(run_path, environ)
-        world = bootstrap.init(backend, init_timeout_s, timeout_s, environ)
-        try:
-            run_path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise HpcError(f"rank {world.rank} cannot create the run directory {run_path}: {exc.strerror}",
-                           variable=RUN_PATH_ENV) from None
-    except BaseException:
-        if watcher is not None:
-            watcher.__exit__(None, None, None)
-        raise
     max_requeues = int(environ.get(MAX_REQUEUES_ENV) or SlurmConfig().max_requeues)
-    return Session(world, run_path, watcher, environ, max_requeues, keep, tensorboard)
+    return Session(run_session.start(
+        run_path_for(environ, sys.argv[0]), backend=backend, init_timeout_s=init_timeout_s, timeout_s=timeout_s,
+        environ=environ, run_dir_setting=RUN_PATH_ENV, max_requeues=max_requeues, keep=keep,
+        tensorboard=tensorboard))
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -122,38 +103,64 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-class Session:
-    """A script's run: its world, run directory, checkpoints, metrics and preemption watch (see the module)."""
+class ScriptState:
+    """A script's model and optimizer as the run session saves them: whole on every rank, its layout the world
+    size (``hpc.run_session.TrainingState``)."""
 
-    def __init__(self, world: World, run_path: Path, watcher: preemption.Preemption | None,
-                 environ: Mapping[str, str], max_requeues: int = 3, keep: int = 3, tensorboard: bool = False) -> None:
-        self.world, self.run_path = world, run_path
-        self._watcher, self._environ, self._max_requeues = watcher, environ, max_requeues
-        self._keep, self._tensorboard = keep, tensorboard
-        self._state: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None
-        self._checkpointer: Checkpointer | None = None
-        self._saved_step: int | None = None
-        self._metrics: MetricsLog | None = None
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int) -> None:
+        self.model, self.optimizer, self.world_size = _unwrapped(model), optimizer, world_size
+
+    def layout(self) -> dict[str, int]:
+        return {"layout_dp": self.world_size, "layout_tp": 1, "layout_pp": 1, "layout_ep": 1}
+
+    def pieces(self) -> list[Piece]:
+        from hpc.checkpoint.state import state_pieces
+
+        return state_pieces(self.model, self.optimizer)
+
+    def private_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load(self, index: CheckpointIndex, same_layout: bool) -> None:
+        from hpc.checkpoint.state import load_state
+
+        load_state(index, self.model, self.optimizer)
+
+
+class Session:
+    """A script's run (see the module): its world, run directory, checkpoints, metrics and preemption watch,
+    held by ``run``, the run session a spec job's rank runs in too."""
+
+    def __init__(self, run: RunSession) -> None:
+        self.run = run
+        self._state: ScriptState | None = None
         self._last: dict[str, Any] = {}
-        self._stop: preemption.Preempted | None = None
-        self._finished = self._closed = False
+        self._finished = False
+
+    @property
+    def world(self):
+        return self.run.world
+
+    @property
+    def run_path(self) -> Path:
+        return self.run.run_path
 
     @property
     def rank(self) -> int:
-        return self.world.rank
+        return self.run.rank
 
     @property
     def size(self) -> int:
-        return self.world.size
+        return self.run.size
 
     @property
     def device(self) -> torch.device:
         """This rank's device: its GPU under NCCL, else the CPU."""
-        return self.world.device
+        return self.run.device
 
     @property
     def checkpoint_path(self) -> Path:
-        return self.run_path / CHECKPOINTS_DIR
+        return self.run.checkpoint_path
 
     def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
         """Collective. Register what :meth:`save` and a preemption checkpoint, and load the newest complete
@@ -162,55 +169,23 @@ class Session:
         A rank also gets its RNGs back (the CPU's, and its GPU's where CUDA is) when the world size is the one that
         saved it.
         """
-        import torch.distributed as dist
-
-        from hpc.checkpoint.load import load_rank_state, open_checkpoint
-        from hpc.checkpoint.state import CUDA_RNG, RNG, choose_resume, load_state, restore_rng
-
-        self._state = (model, optimizer)
-        path = choose_resume("auto", self.checkpoint_path, dist.group.WORLD)
-        if path is None:
-            return 0
-        index = open_checkpoint(path)
-        load_state(index, _unwrapped(model), optimizer)
-        if index.world_size == self.size:  # rank r holds what rank r held
-            restore_rng(load_rank_state(index, self.rank, only=(RNG, CUDA_RNG)))
-        if self.rank == 0:
-            print(f"resumed from {path} at step {index.step}", flush=True)
-        self._saved_step = index.step
-        return index.step
+        self._state = ScriptState(model, optimizer, self.size)
+        index = self.run.resume(self._state)
+        return 0 if index is None else index.step
 
     def save(self, step: int) -> None:
         """Collective: checkpoint the model and optimizer :meth:`resume` registered as ``step``
         (every rank writes its share; rank 0 commits it atomically; the ``keep`` newest stay)."""
-        import torch.distributed as dist
-
-        from hpc.checkpoint import Checkpointer
-        from hpc.checkpoint.state import rng_state, state_pieces
-
         if self._state is None:
             raise HpcError("save() checkpoints what resume(model, optimizer) registered: call resume first")
-        if step == self._saved_step:
-            return
-        if self._checkpointer is None:
-            self._checkpointer = Checkpointer(self.checkpoint_path, dist.group.WORLD, keep=self._keep)
-        model, optimizer = self._state
-        self._checkpointer.save(step, state_pieces(_unwrapped(model), optimizer), rng_state())
-        self._saved_step = step
+        self.run.save(step, self._state)
 
     def log(self, step: int, **values: float) -> None:
         """Rank 0 appends ``{"step": step, **values}`` to metrics.jsonl (``loss`` is what hpc status shows);
         the other ranks write nothing. Not collective: pass a global value (all-reduced) to log one."""
-        from hpc.observe.metrics import MetricsLog
-        from hpc.rundir import METRICS_FILE
-
         self._last = {"step": step, **{key: value.item() if hasattr(value, "item") else value  # a 0-d tensor too
                                        for key, value in values.items()}}
-        if self.rank != 0:
-            return
-        if self._metrics is None:
-            self._metrics = MetricsLog(self.run_path / METRICS_FILE, tensorboard=self._tensorboard)
-        self._metrics.write(self._last)
+        self.run.log(self._last)
 
     def preempted(self, step: int) -> bool:
         """Collective in an srun task (always False elsewhere): whether any rank got a warning signal.
@@ -219,64 +194,41 @@ class Session:
         checkpointed and rank 0 requeued the job; leave the training loop: closing the session
         ends the process with status 75.
         """
-        import torch.distributed as dist
-
-        if self._stop is not None:
+        if self.run.stopped is not None:
             return True
-        if self._watcher is None:
-            return False
-        signum = self._watcher.agreed(dist.group.WORLD)
+        signum = self.run.stop_signal()
         if signum is None:
             return False
         if self._state is not None:
             self.save(step)
-        self._stop = preemption.Preempted(step, signum, checkpointed=self._state is not None)
+        stop = preemption.Preempted(step, signum, checkpointed=self._state is not None)
         if self._state is None:
-            self._stop.message = (f"{signum.name}: stopped after step {step} WITHOUT a checkpoint (resume(model, "
-                                  "optimizer) registered nothing to save: a restart begins again at step 0)")
-        preemption.conclude(self._stop, self.rank, dist.group.WORLD, self._environ, self._max_requeues)
+            stop.message = (f"{signum.name}: stopped after step {step} WITHOUT a checkpoint (resume(model, "
+                            "optimizer) registered nothing to save: a restart begins again at step 0)")
+        self.run.stop(stop)
         return True
 
     def finish(self, **measures: float) -> None:
         """Rank 0 writes result.json: ``steps`` and ``final_loss`` from the last :meth:`log`, then ``measures``
         (what a sweep's ``metric`` may name). Closing the session after a normal end does this if not done."""
-        from hpc.rundir import RESULT_FILE, last_metrics, write_json
+        from hpc.rundir import last_metrics
 
         self._finished = True
         if self.rank != 0:
             return
         last = self._last or last_metrics(self.run_path) or {}  # a run resumed at its end logs nothing itself
-        record: dict[str, Any] = {"steps": last.get("step", self._saved_step)}
+        record: dict[str, Any] = {"steps": last.get("step", self.run.saved_step)}
         if "loss" in last:
             record["final_loss"] = last["loss"]
-        write_json(self.run_path / RESULT_FILE, {**record, **measures, "world_size": self.size,
-                                                 "job_id": self.world.info.job_id})
+        self.run.finish({**record, **measures})
 
     def close(self) -> None:
         """Finish writing checkpoints and metrics, leave the process group; after a preemption, exit with 75."""
-        from hpc.runtime import bootstrap
-
-        if self._closed:
+        if self.run.closed:
             return
-        self._closed = True
-        if self._checkpointer is not None:
-            self._checkpointer.finalize()
-        if self._metrics is not None:
-            self._metrics.close()
-        bootstrap.shutdown()
-        if self._stop is not None:
-            self._ignore_late_signals()
+        self.run.close()
+        if self.run.stopped is not None:
             raise SystemExit(preemption.PREEMPTED_EXIT)
-        if self._watcher is not None:
-            self._watcher.__exit__(None, None, None)
-
-    def _ignore_late_signals(self) -> None:
-        """Stopping for a requeue, the signal Slurm's requeue sends the step must not kill the process first:
-        threads that outlive the process group (DDP keeps gloo's) do not block it, so ignore it."""
-        import signal
-
-        for signum in self._watcher.signals if self._watcher is not None else ():
-            signal.signal(signum, signal.SIG_IGN)
 
     def __enter__(self) -> Session:
         return self
@@ -287,6 +239,6 @@ class Session:
 
         if exc is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None)):
             abort_job(exc)
-        if self._stop is None and not self._finished:
+        if self.run.stopped is None and not self._finished:
             self.finish()
         self.close()

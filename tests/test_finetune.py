@@ -273,10 +273,9 @@ def _save_source(world, run_dir: str):
 
 def _start_from(world, run_dir: str, layout, source: str):
     """The fine-tune's model and optimizer right after ``resume()``: its start step, its pieces, its optimizer state."""
-    import torch.distributed as dist
-
     from hpc.observe.probe import Probe
-    from jobs.train.checkpointing import TrainingCheckpoints
+    from hpc.run_session import RunSession, spec_options
+    from jobs.train.checkpointing import LoopState, resume
     from jobs.train.loop import build_data_parallel_optimizer
     from jobs.train.workloads import Workload
 
@@ -285,7 +284,8 @@ def _start_from(world, run_dir: str, layout, source: str):
     workload = Workload(spec, mesh)
     optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, Probe())
     try:
-        start = TrainingCheckpoints(spec, dist.group.WORLD, mesh, workload.model, optimizer).resume()
+        state = LoopState(workload.model, optimizer, mesh, spec.parallel.ep, world.rank)
+        start, _ = resume(spec, RunSession(world, spec.run_path, **spec_options(spec)), state)
     finally:
         optimizer.close()
     return start, pieces_as_numpy(workload.model, mesh), len(optimizer.state)

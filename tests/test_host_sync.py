@@ -182,22 +182,22 @@ def _order_of_work(world, run_dir: str) -> tuple[list, list[dict]]:
     import dataclasses
     import json
 
+    from hpc.run_session import RunSession
     from hpc.runtime.mesh import build_mesh, resolve_layout
-    from jobs.train.checkpointing import TrainingCheckpoints
     from jobs.train.loop import StepRunner, train
 
     log: list = []
-    run, save = StepRunner.run, TrainingCheckpoints.save
+    run, save = StepRunner.run, RunSession.save
 
     def queued(self, step):
         log.append(("queued", step))
         return dataclasses.replace(run(self, step), ready=_EventNotYetPassed(log, step))
 
-    def saved(self, done, loss=None):
-        log.append(("saved", done, loss))
-        return save(self, done, loss)
+    def saved(self, done, state, **attrs):
+        log.append(("saved", done, attrs.get("loss")))
+        return save(self, done, state, **attrs)
 
-    StepRunner.run, TrainingCheckpoints.save = queued, saved
+    StepRunner.run, RunSession.save = queued, saved
     train(_spec(run_dir, "order", every_steps=3), world, build_mesh(resolve_layout("auto", 1, 1, world.size),
                                                                      world.rank))
     return log, [json.loads(line) for line in (Path(run_dir) / "order" / "metrics.jsonl").open()]

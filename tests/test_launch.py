@@ -307,8 +307,8 @@ def test_exception_on_one_rank_aborts_the_others(tmp_path, launcher) -> None:
 def test_a_run_directory_that_cannot_be_made_is_one_line_naming_it_and_the_host(tmp_path: Path) -> None:
     import socket
 
-    from hpc.cli.rank import make_run_dir
     from hpc.errors import HpcError
+    from hpc.run_session import make_run_dir
 
     (tmp_path / "file").write_text("")
     with pytest.raises(HpcError) as raised:

@@ -93,6 +93,7 @@ def test_a_signal_blocked_during_start_up_waits_for_the_handler_and_is_recorded(
 
 def _signal_then_resume(world, base: dict, signals: dict[int, signal.Signals]) -> tuple:
     """Stop at the first step boundary after a signal on some ranks, resume to the end, then run uninterrupted."""
+    from hpc.run_session import RunSession, spec_options
     from jobs.train.loop import train
 
     mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank)
@@ -101,9 +102,11 @@ def _signal_then_resume(world, base: dict, signals: dict[int, signal.Signals]) -
         if world.rank in signals:
             os.kill(os.getpid(), signals[world.rank])
         try:
-            train(split, world, mesh, preemption=preemption)
+            run = RunSession(world, split.run_path, watcher=preemption, **spec_options(split))
+            train(split, world, mesh, run=run)
         except Preempted as stop:
             stopped = (stop.step, stop.signum, stop.checkpointed)
+            run.close()
         else:
             raise AssertionError("training ran to the end despite the signal")
     train(split, world, mesh)

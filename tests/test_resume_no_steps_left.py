@@ -37,7 +37,8 @@ def _train_twice(world, base: dict) -> list[tuple[int, float | None]]:
 
 
 def test_a_resume_with_no_steps_left_reports_the_checkpoints_loss(tmp_path) -> None:
-    from hpc.cli.rank import summary_line, write_result
+    from hpc.cli.rank import summary_line
+    from hpc.run_session import write_result
 
     first, resumed, old = run_ranks(1, _train_twice, _spec(tmp_path), timeout=120)[0]
     assert (first.start_step, resumed.start_step, old.start_step) == (0, 4, 4)
@@ -52,6 +53,6 @@ def test_a_resume_with_no_steps_left_reports_the_checkpoints_loss(tmp_path) -> N
                                f"final loss {first.final_loss:.4f} (the checkpoint's) | ")
     assert " | final loss unknown (the checkpoint predates recording it) | " in lines[1]
     assert "nan" not in " ".join(lines)
-    write_result(tmp_path / "result.json", old, world)
+    write_result(tmp_path / "result.json", old.as_record(), world)
     text = (tmp_path / "result.json").read_text()
     assert "NaN" not in text and json.loads(text)["final_loss"] is None

@@ -58,6 +58,7 @@ def _train_a_little(world, run_path: str, steps: int, signal_on: int | None) -> 
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
+    from hpc.run_session import RunSession
     from hpc.runtime.preemption import Preemption
     from hpc.script import Session
 
@@ -65,7 +66,7 @@ def _train_a_little(world, run_path: str, steps: int, signal_on: int | None) -> 
     model = DistributedDataParallel(torch.nn.Linear(4, 3))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     watcher = Preemption().__enter__()  # as hpc.session() does in an srun task
-    run = Session(world, Path(run_path), watcher, {}, max_requeues=3)
+    run = Session(RunSession(world, Path(run_path), watcher=watcher, environ={}, max_requeues=3, owns_world=True))
     step, code = run.resume(model, optimizer), 0
     try:
         with run:
@@ -107,13 +108,14 @@ def _dropout_on_the_gpu(world, run_path: str, steps: int, save_at: int | None) -
     checkpoints at ``save_at``. Returns the parameters (exact floats)."""
     import torch
 
+    from hpc.run_session import RunSession
     from hpc.script import Session
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 1)).to(world.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     Path(run_path).mkdir(parents=True, exist_ok=True)  # as the launcher makes it
-    run = Session(world, Path(run_path), None, {}, max_requeues=0)
+    run = Session(RunSession(world, Path(run_path), environ={}, max_requeues=0, owns_world=True))
     step = run.resume(model, optimizer)
     with run:
         while step < steps:

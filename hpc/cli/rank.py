@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import os
 import sys
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
-from hpc.rundir import METRICS_FILE, RESULT_FILE, enable_flight_recorder
+from hpc.rundir import METRICS_FILE
 from hpc.runtime.abort import FailureSite, run_as_rank
 
 # The evaluation measures the summary shows (all of them go to result.json): a generalization figure per model.
@@ -54,74 +50,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     site = FailureSite()  # a failure records itself in the run directory once train_rank knows it
-
-    def train_job() -> int:
-        from hpc.runtime import preemption
-
-        watcher = preemption.watch(os.environ)  # first: a warning signal during start-up must not kill the rank
-        with watcher or contextlib.nullcontext():
-            return train_rank(args.spec, args.overrides, watcher, site)
-
-    return run_as_rank(train_job, site)
+    return run_as_rank(lambda: train_rank(args.spec, args.overrides, site), site)
 
 
-def train_rank(spec_path: str, overrides: Sequence[str], watcher, site: FailureSite | None = None) -> int:
-    """One rank of the job; PREEMPTED_EXIT when a signal stopped it at a checkpoint (hpc/runtime/preemption.py)."""
-    import torch
-    import torch.distributed as dist
-
+def train_rank(spec_path: str, overrides: Sequence[str], site: FailureSite | None = None) -> int:
+    """One rank of the job in its run session (hpc/run_session.py); PREEMPTED_EXIT when a signal stopped it at a
+    checkpoint (hpc/runtime/preemption.py)."""
+    from hpc import run_session
     from hpc.config import load_spec
     from hpc.observe.progress import progress_mode
-    from hpc.runtime import bootstrap, preemption
-    from hpc.runtime.launch import rank_threads
+    from hpc.runtime import preemption
     from hpc.runtime.mesh import build_mesh, resolve_layout
     from jobs.train.loop import train
 
     spec = load_spec(spec_path, overrides)
-    make_run_dir(spec.run_path)
-    enable_flight_recorder(spec.run_path, os.environ)
     if site is not None:
         site.run_path = spec.run_path
-    if "OMP_NUM_THREADS" not in os.environ:  # else torch follows it: the user's, or what our launchers set
-        torch.set_num_threads(rank_threads(os.environ))
     par = spec.parallel
-    world = bootstrap.init(par.backend, par.init_timeout_s, par.timeout_s, device=par.device)
-    shape = resolve_layout(par.dp, par.tp, par.pp, world.size)
-    mesh = build_mesh(shape, world.rank, world.device, par.timeout_s)
+    run = run_session.start(spec.run_path, backend=par.backend, init_timeout_s=par.init_timeout_s,
+                            timeout_s=par.timeout_s, device=par.device, **run_session.spec_options(spec))
+    shape = resolve_layout(par.dp, par.tp, par.pp, run.size)
+    mesh = build_mesh(shape, run.rank, run.device, par.timeout_s)
     try:
-        result, _ = train(spec, world, mesh, progress_mode(), watcher)
+        result, _ = train(spec, run.world, mesh, progress_mode(), run)
     except preemption.Preempted as stop:
-        preemption.conclude(stop, world.rank, dist.group.WORLD, os.environ, spec.slurm.max_requeues)
-        bootstrap.shutdown()
+        run.stop(stop)
+        run.close()
         return preemption.PREEMPTED_EXIT
-    if world.rank == 0:
-        write_result(spec.run_path / RESULT_FILE, result, world)
-        print(summary_line(result, world, shape, spec.run_path / METRICS_FILE), flush=True)
-    bootstrap.shutdown()
+    run.finish(result.as_record())
+    if run.rank == 0:
+        print(summary_line(result, run.world, shape, spec.run_path / METRICS_FILE), flush=True)
+    run.close()
     return 0
-
-
-def make_run_dir(path: Path) -> None:
-    """job.run_dir on this host, or one line that says which directory and where (a node's private /tmp?)."""
-    import socket
-
-    from hpc.errors import HpcError
-
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise HpcError(f"cannot create the run directory {path} on {socket.gethostname()}: {exc.strerror}; "
-                       "job.run_dir must be writable, and shared by every node") from None
-
-
-def write_result(path: Path, result, world) -> None:
-    """The run's TrainResult as flat JSON (evaluation measures at the top level), replaced atomically."""
-    from hpc.rundir import write_json
-
-    record: dict[str, object] = {}
-    for key, value in dataclasses.asdict(result).items():
-        record.update(value if isinstance(value, Mapping) else {key: value})
-    write_json(path, {**record, "world_size": world.size, "job_id": world.info.job_id})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The training loop's state as checkpoint pieces, and back; resume and save on schedule.
+"""The training loop's state as checkpoint pieces, and back (``LoopState``, what ``hpc.run_session`` saves and resumes).
 
 Names in the checkpoint: ``model/<name>``, ``optim/<parameter name>/<key>`` and the per-rank
 ``rng/torch_cpu`` (and ``rng/torch_cuda`` on GPUs), as ``hpc/checkpoint/state.py`` writes them for
@@ -35,35 +35,28 @@ of the run's own, which ``checkpoint.resume`` finds first (a requeue), continues
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from hpc.checkpoint import Checkpointer, Piece, state
-from hpc.checkpoint.format import CheckpointError, CheckpointIndex, read_index
+from hpc.checkpoint import Piece, state
+from hpc.checkpoint.format import CheckpointError, CheckpointIndex
 from hpc.checkpoint.load import load_into, load_rank_state, open_checkpoint
-from hpc.checkpoint.state import restore_rng, rng_state
-from hpc.config import JobSpec, spec_to_dict
+from hpc.config import JobSpec
+from hpc.run_session import LAYOUT_AXES, RunSession, load_checkpoint, saved_layout
 from hpc.runtime.mesh import Mesh
 from parallel.optimizer import DistributedOptimizerMixin
 from parallel.tensor_parallel import tp_split_dims
 
 COMM = "comm/"
 SHARED_COMM = COMM + "steps_synchronized"
-LAYOUT_AXES = ("dp", "tp", "pp", "ep")
 
 
 def layout_attrs(mesh: Mesh, ep: int = 1) -> dict[str, int]:
-    """The layout a checkpoint records: ``layout_<axis>`` for each of :data:`LAYOUT_AXES`."""
-    return {"layout_dp": mesh.shape.dp, "layout_tp": mesh.shape.tp, "layout_pp": mesh.shape.pp, "layout_ep": ep}
-
-
-def saved_layout(attrs) -> tuple[int | None, ...]:
-    """The (dp, tp, pp, ep) a checkpoint was saved under; ep 1 when it predates expert parallelism."""
-    values = (attrs.get(f"layout_{axis}", 1 if axis == "ep" else None) for axis in LAYOUT_AXES)
-    return tuple(int(value) if value is not None else None for value in values)  # HDF5 gives numpy integers
+    """The layout a checkpoint records: ``layout_<axis>`` for each of ``hpc.run_session.LAYOUT_AXES``."""
+    sizes = {"dp": mesh.shape.dp, "tp": mesh.shape.tp, "pp": mesh.shape.pp, "ep": ep}
+    return {f"layout_{axis}": sizes[axis] for axis in LAYOUT_AXES}
 
 
 def model_pieces(model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1) -> list[Piece]:
@@ -77,10 +70,46 @@ def state_pieces(
     return state.state_pieces(model, optimizer, tp_split_dims(model), tp_rank, tp_size)
 
 
-def rank_state(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """This rank's private state: its RNG, and the communication state when ``optimizer`` is distributed."""
-    comm = optimizer.comm_state_dict() if isinstance(optimizer, DistributedOptimizerMixin) else {}
-    return {**rng_state(), **{COMM + key: value for key, value in comm.items()}}
+class LoopState:
+    """This rank's share of the model and optimizer under ``mesh``, and the DP optimizer's communication
+    state: the training loop's ``hpc.run_session.TrainingState``. ``mesh`` None: one process holding the whole
+    model, which takes rank ``rank``'s private state whatever the saved layout."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh | None = None,
+                 ep: int = 1, rank: int = 0) -> None:
+        self.model, self.optimizer, self.mesh, self.ep, self.rank = model, optimizer, mesh, ep, rank
+        self.tp = (mesh.index("tp"), mesh.size("tp")) if mesh else (0, 1)
+        self.distributed = isinstance(optimizer, DistributedOptimizerMixin)
+
+    def layout(self) -> dict[str, int]:
+        return layout_attrs(self.mesh, self.ep) if self.mesh else {}
+
+    def pieces(self) -> list[Piece]:
+        pieces = state_pieces(self.model, self.optimizer, *self.tp)
+        if self.distributed:  # ZeRO-3: each parameter written by its owner
+            others = {f"model/{name}" for name, p in self.model.named_parameters()
+                      if not self.optimizer.holds_parameter(p)}
+            pieces = [piece for piece in pieces if piece.name not in others]
+        return pieces
+
+    def private_state(self) -> dict[str, torch.Tensor]:
+        comm = self.optimizer.comm_state_dict() if self.distributed else {}
+        return {COMM + key: value for key, value in comm.items()}
+
+    def load(self, index: CheckpointIndex, same_layout: bool) -> None:
+        """The model and optimizer (under ZeRO only the optimizer state this rank owns), then the communication
+        state: this rank's own under the same layout, else only the ``steps_synchronized`` all ranks share."""
+        holds = self.optimizer.holds_state if self.distributed else None
+        with self.allocated():  # ZeRO-3: others' parameters dropped
+            state.load_state(index, self.model, self.optimizer, tp_split_dims(self.model), *self.tp, holds)
+        private = load_rank_state(index, self.rank) if same_layout else load_rank_state(index, 0, only=(SHARED_COMM,))
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))  # where the gradients are
+        comm = {key.removeprefix(COMM): value.to(device) for key, value in private.items() if key.startswith(COMM)}
+        if comm and self.distributed:
+            self.optimizer.load_comm_state_dict(comm)
+
+    def allocated(self) -> contextlib.AbstractContextManager:
+        return self.optimizer.parameters_allocated() if self.distributed else contextlib.nullcontext()
 
 
 def restore(
@@ -91,33 +120,12 @@ def restore(
     mesh: Mesh | None = None,
     ep: int = 1,
 ) -> int:
-    """Load a checkpoint into a freshly built model and optimizer; returns its step.
-
-    ``mesh`` places this rank's share (its TP shards; its stages are what ``model``
-    holds) and, with ``ep`` (``parallel.ep``), decides whether rank-private state applies; None
-    is one process holding the whole model, which takes rank ``rank``'s private state whatever
-    the saved layout.
-    A distributed optimizer (``parallel.optimizer``) gets its communication state back, and under
-    ZeRO (``parallel.zero``) reads only the optimizer state of the parameters this rank owns.
-    """
+    """Load a checkpoint into a freshly built model and optimizer outside a run session (as a resume would:
+    ``hpc.run_session.load_checkpoint``); returns its step. ``mesh``, ``ep``: as :class:`LoopState`'s."""
     index = open_checkpoint(step_dir)
-    tp_rank, tp_size = (mesh.index("tp"), mesh.size("tp")) if mesh else (0, 1)
-    distributed = isinstance(optimizer, DistributedOptimizerMixin)
-    holds = optimizer.holds_state if distributed else None
-    with optimizer.parameters_allocated() if distributed else contextlib.nullcontext():  # ZeRO-3: others' dropped
-        state.load_state(index, model, optimizer, tp_split_dims(model), tp_rank, tp_size, holds)
-    saved, current = saved_layout(index.attrs), saved_layout(layout_attrs(mesh, ep)) if mesh else None
-    same_layout = mesh is None or saved == current
-    private = load_rank_state(index, rank) if same_layout else load_rank_state(index, 0, only=(SHARED_COMM,))
-    if not same_layout and rank == 0:
-        print(f"note: {step_dir} was saved under (dp, tp, pp, ep) = {saved}, this run is {current}: "
-              "every rank starts with a fresh RNG and communication state (codec residuals, warm starts, "
-              "velocities)", flush=True)
-    restore_rng(private)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))  # where the gradients are
-    comm = {key.removeprefix(COMM): value.to(device) for key, value in private.items() if key.startswith(COMM)}
-    if comm and isinstance(optimizer, DistributedOptimizerMixin):
-        optimizer.load_comm_state_dict(comm)
+    loop_state = LoopState(model, optimizer, mesh, ep, rank)
+    load_checkpoint(index, loop_state, rank, mesh is None or saved_layout(index.attrs) == saved_layout(
+        loop_state.layout()))
     return index.step
 
 
@@ -160,79 +168,34 @@ def check_init_from(spec: JobSpec, model: torch.nn.Module | None = None) -> None
         raise CheckpointError(f"checkpoint.init_from={source}: {problem}")
 
 
-class TrainingCheckpoints:
-    """What ``jobs/train/loop.py`` asks of checkpointing: resume once, save on schedule, finish writing at exit."""
+def init_from(spec: JobSpec, loop_state: LoopState, group: dist.ProcessGroup) -> None:
+    """``checkpoint.init_from``: the model's weights from another run's checkpoint (collective); the optimizer,
+    RNG and communication state stay fresh and the run starts at step 0. A tensor of this model missing there,
+    or of another shape or dtype, is one error, the same on every rank."""
+    source = spec.checkpoint.init_from
+    if not source:
+        return
+    path = state.choose_resume(source, source, group, key="checkpoint.init_from")
+    index = open_checkpoint(path)
+    pieces = model_pieces(loop_state.model, *loop_state.tp)
+    problems: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, weights_problem(index, pieces), group=group)
+    problem = next((problem for problem in problems if problem is not None), None)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint.init_from={source}: {problem}")
+    with loop_state.allocated():  # ZeRO-3
+        load_into(index, pieces)
+    if dist.get_rank(group) == 0:
+        print(f"initialized the model from {path} (checkpoint.init_from): step 0, fresh optimizer state and "
+              "learning-rate schedule", flush=True)
 
-    def __init__(
-        self,
-        spec: JobSpec,
-        group: dist.ProcessGroup,
-        mesh: Mesh,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-    ) -> None:
-        self.spec, self.group, self.model, self.optimizer = spec, group, model, optimizer
-        self.mesh, self.rank = mesh, dist.get_rank(group)
-        self.resumed_loss: float | None = None  # the resumed checkpoint's last loss, when it recorded one
-        self.attrs = {**layout_attrs(mesh, spec.parallel.ep), "job_spec": json.dumps(spec_to_dict(spec))}
-        cfg = spec.checkpoint
-        self.checkpointer = (
-            Checkpointer(spec.checkpoint_path, group, keep=cfg.keep, async_save=cfg.async_save,
-                         commit_timeout_s=spec.parallel.timeout_s)
-            if cfg.every_steps
-            else None
-        )
 
-    def resume(self) -> int:
-        """The step to start from: the resumed checkpoint's (its schedule continues), or 0 (after taking the weights
-        of ``checkpoint.init_from``, if set). Rank 0 chooses, so all ranks agree."""
-        path = state.choose_resume(self.spec.checkpoint.resume, self.spec.checkpoint_path, self.group)
-        if path is None:
-            self.init_from()
-            return 0
-        step = restore(path, self.rank, self.model, self.optimizer, self.mesh, self.spec.parallel.ep)
-        loss = read_index(path).attrs.get("loss")
-        self.resumed_loss = None if loss is None else float(loss)
-        if self.rank == 0:
-            print(f"resumed from {path} at step {step}", flush=True)
-        return step
-
-    def init_from(self) -> None:
-        """``checkpoint.init_from``: the model's weights from another run's checkpoint (collective); the optimizer,
-        RNG and communication state stay fresh and the run starts at step 0. A tensor of this model missing there,
-        or of another shape or dtype, is one error, the same on every rank."""
-        source = self.spec.checkpoint.init_from
-        if not source:
-            return
-        path = state.choose_resume(source, source, self.group, key="checkpoint.init_from")
-        index = open_checkpoint(path)
-        pieces = model_pieces(self.model, self.mesh.index("tp"), self.mesh.size("tp"))
-        problems: list[str | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(problems, weights_problem(index, pieces), group=self.group)
-        problem = next((problem for problem in problems if problem is not None), None)
-        if problem is not None:
-            raise CheckpointError(f"checkpoint.init_from={source}: {problem}")
-        distributed = isinstance(self.optimizer, DistributedOptimizerMixin)
-        with self.optimizer.parameters_allocated() if distributed else contextlib.nullcontext():  # ZeRO-3
-            load_into(index, pieces)
-        if self.rank == 0:
-            print(f"initialized the model from {path} (checkpoint.init_from): step 0, fresh optimizer state and "
-                  "learning-rate schedule", flush=True)
-
-    def due(self, done: int, force: bool = False) -> bool:
-        """A save is due when ``done`` steps are a multiple of ``every_steps``, after the last one, or when forced."""
-        return self.checkpointer is not None and (
-            force or done % self.spec.checkpoint.every_steps == 0 or done == self.spec.train.steps)
-
-    def save(self, done: int, loss: float | None = None) -> None:
-        pieces = state_pieces(self.model, self.optimizer, self.mesh.index("tp"), self.mesh.size("tp"))
-        if isinstance(self.optimizer, DistributedOptimizerMixin):  # ZeRO-3: each parameter written by its owner
-            others = {f"model/{name}" for name, p in self.model.named_parameters()
-                      if not self.optimizer.holds_parameter(p)}
-            pieces = [piece for piece in pieces if piece.name not in others]
-        attrs = self.attrs if loss is None else {**self.attrs, "loss": loss}
-        self.checkpointer.save(done, pieces, rank_state(self.optimizer), attrs)
-
-    def finalize(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.finalize()
+def resume(spec: JobSpec, run: RunSession, loop_state: LoopState) -> tuple[int, float | None]:
+    """Collective: (the step to start from, the loss recorded with it). The checkpoint ``checkpoint.resume`` names
+    (its schedule continues), else step 0 after taking the weights of ``checkpoint.init_from``, if set."""
+    index = run.resume(loop_state, spec.checkpoint.resume)
+    if index is None:
+        init_from(spec, loop_state, dist.group.WORLD)
+        return 0, None
+    loss = index.attrs.get("loss")
+    return index.step, None if loss is None else float(loss)

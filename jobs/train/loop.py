@@ -17,7 +17,7 @@ import math
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,17 +26,17 @@ import torch.distributed as dist
 from hpc.config import JobSpec, TrainConfig
 from hpc.errors import ConfigError, DeviceOutOfMemoryError, LayoutError
 from hpc.observe.health import check_mesh
-from hpc.observe.metrics import RANK_TOTALS, MetricsLog, device_peak_flops, peak_memory_bytes, write_rank_totals
+from hpc.observe.metrics import RANK_TOTALS, device_peak_flops, peak_memory_bytes, write_rank_totals
 from hpc.observe.probe import Probe
 from hpc.observe.progress import Progress
 from hpc.observe.stall import StallWatch
 from hpc.observe.timeline import Timeline, merge_rank_files
-from hpc.rundir import METRICS_FILE
+from hpc.run_session import RunSession, spec_options
 from hpc.runtime.bootstrap import World
 from hpc.runtime.mesh import Mesh
 from hpc.runtime.placement import out_of_memory, queued_copy_to_host, to_device
-from hpc.runtime.preemption import Preempted, Preemption
-from jobs.train.checkpointing import TrainingCheckpoints
+from hpc.runtime.preemption import Preempted
+from jobs.train.checkpointing import LoopState, resume
 from jobs.train.layout import check_job_layout, uses_pipeline
 from jobs.train.optim import build_optimizer, freeze_parameters, learning_rate
 from jobs.train.workloads import Workload, counted_targets, sum_over_replicas, token_weighted
@@ -64,6 +64,13 @@ class TrainResult:
     start_step: int = 0  # the step a resume started from; 0 for a fresh run
     mfu: float | None = None  # model FLOPs utilization over the run; None where the device's peak is unknown
     peak_memory_bytes: int = 0  # this rank's: the CUDA allocator's peak on a GPU, else the resident set's
+
+    def as_record(self) -> dict[str, object]:
+        """Flat, as result.json holds it: the evaluation's measures at the top level."""
+        record: dict[str, object] = {}
+        for key, value in asdict(self).items():
+            record.update(value if isinstance(value, Mapping) else {key: value})
+        return record
 
 
 def base_learning_rate(cfg: TrainConfig, global_batch: int) -> float:
@@ -136,20 +143,27 @@ def watch_groups(probe: Probe, mesh: Mesh, workload: Workload) -> None:
 
 
 def train(
-    spec: JobSpec, world: World, mesh: Mesh, progress_mode: str = "off", preemption: Preemption | None = None
+    spec: JobSpec, world: World, mesh: Mesh, progress_mode: str = "off", run: RunSession | None = None
 ) -> tuple[TrainResult, torch.nn.Module]:
     """Train on this rank's share; returns the result (the same on every rank) and that share of the model.
 
-    Raises Preempted after a checkpoint when ``preemption`` caught a signal on any rank (hpc/runtime/preemption.py).
+    ``run``: the rank's run session (``hpc-rank`` starts it: ``hpc/run_session.py``), which resumes, saves, logs and
+    watches for Slurm's warning signals; None: a session of ``spec``'s settings attached to ``world`` for this
+    call. Raises Preempted after a checkpoint when the session's watch caught a signal on any rank.
     """
     check_job_layout(spec, mesh.shape)
     probe = build_probe(spec.train, world, spec.run_path)
-    with probe:  # the stall inspector's thread, and the groups it watches, for this run only
-        return _train(spec, world, mesh, progress_mode, preemption, probe)
+    attached = RunSession(world, spec.run_path, **spec_options(spec)) if run is None else None
+    try:
+        with probe:  # the stall inspector's thread, and the groups it watches, for this run only
+            return _train(spec, world, mesh, progress_mode, run or attached, probe)
+    finally:
+        if attached is not None:
+            attached.close()
 
 
 def _train(
-    spec: JobSpec, world: World, mesh: Mesh, progress_mode: str, preemption: Preemption | None, probe: Probe
+    spec: JobSpec, world: World, mesh: Mesh, progress_mode: str, run: RunSession, probe: Probe
 ) -> tuple[TrainResult, torch.nn.Module]:
     """Build the step's parts, resume, then run the steps from where the last checkpoint left off."""
     if spec.train.health_check and world.size > 1:
@@ -161,9 +175,9 @@ def _train(
     freeze(workload.model, spec.train.freeze, mesh)
     optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, probe, exclude=workload.expert_params)
     steps = StepRunner(spec, workload, mesh, probe, optimizer)
-    checkpoints = TrainingCheckpoints(spec, dist.group.WORLD, mesh, workload.model, steps.optimizer)
-    start_step = checkpoints.resume()
-    records = RunRecords(spec, world, workload, progress_mode, start_step, checkpoints.resumed_loss, probe)
+    state = LoopState(workload.model, steps.optimizer, mesh, spec.parallel.ep, world.rank)
+    start_step, resumed_loss = resume(spec, run, state)
+    records = RunRecords(spec, run, workload, progress_mode, start_step, resumed_loss, probe)
     if probe.timeline is not None:
         dist.barrier()  # time zero, the same instant on every rank
         probe.timeline.start()
@@ -173,9 +187,9 @@ def _train(
             report = steps.run(step)
             with probe.span("step report"):  # the step before's, once the device finished it (a GPU's runs on)
                 records.hold(report)
-            _checkpoint_or_stop(spec, step + 1, checkpoints, preemption, probe, records, start_step)
+            _checkpoint_or_stop(spec, step + 1, run, state, probe, records, start_step)
         records.settle()
-        checkpoints.finalize()
+        run.wait_for_saves()
         steps.optimizer.unshard()  # ZeRO-3: the model whole again for evaluation and the caller
     except torch.OutOfMemoryError:
         records.settle()  # the last step that fitted, which the loop held, is in the metrics
@@ -377,19 +391,18 @@ class StepRunner:
 class RunRecords:
     """What a run reports: the progress line, rank 0's metrics.jsonl, every rank's time totals."""
 
-    def __init__(self, spec: JobSpec, world: World, workload: Workload, progress_mode: str, start_step: int,
+    def __init__(self, spec: JobSpec, run: RunSession, workload: Workload, progress_mode: str, start_step: int,
                  loss: float | None = None, probe: Probe | None = None) -> None:
-        self.spec, self.world, self.unit, self.start_step = spec, world, workload.unit, start_step
+        self.spec, self.run, self.world, self.unit, self.start_step = spec, run, run.world, workload.unit, start_step
         self.probe = probe or Probe()  # where the host's wait for the device is registered (see settle)
-        is_reporter = world.rank == 0
+        is_reporter = run.rank == 0
         self.progress = Progress(spec.train.steps, spec.train.log_every, progress_mode if is_reporter else "off",
                                  self.unit, start_step=start_step)
-        self.metrics = MetricsLog(spec.run_path / METRICS_FILE) if is_reporter else None
         self.totals = dict.fromkeys(RANK_TOTALS, 0.0)
         self.items_per_step = spec.data.batch_size * workload.items_per_sample
         self.throughput = 0.0
         self.flops_per_item = workload.flops_per_item
-        self.peak_flops = device_peak_flops(world.device, spec.train.bf16_autocast)
+        self.peak_flops = device_peak_flops(run.device, spec.train.bf16_autocast)
         self.loss = loss  # the last step's; until one runs, the resumed checkpoint's (None: unknown)
         self.held: StepReport | None = None  # the step queued last, not yet reported
         self.clock = time.perf_counter()  # when the last step reported was seen done (or the loop started)
@@ -435,8 +448,8 @@ class RunRecords:
                    "comm_s": comm.reduce_seconds + outcome.pipeline_wait_s, "wait_s": wait}
         for key, value in timings.items():
             self.totals[key] += value
-        if self.metrics is not None:
-            self.metrics.write(
+        if self.world.rank == 0:
+            self.run.log(
                 {"step": step + 1, "loss": outcome.loss, "lr": outcome.lr, "grad_norm": outcome.grad_norm,
                  f"{self.unit}_per_s": rate, **timings,
                  "comm_bytes": comm.bytes_sent, "raw_bytes": comm.raw_bytes,
@@ -456,27 +469,26 @@ class RunRecords:
 
     def close(self) -> None:
         self.progress.close()
-        if self.metrics is not None:
-            self.metrics.close()
 
 
-def _checkpoint_or_stop(spec: JobSpec, done: int, checkpoints: TrainingCheckpoints, preemption: Preemption | None,
-                        probe: Probe, records: RunRecords, start_step: int) -> None:
+def _checkpoint_or_stop(spec: JobSpec, done: int, run: RunSession, state: LoopState, probe: Probe,
+                        records: RunRecords, start_step: int) -> None:
     """Save when due; when any rank caught a preemption signal, save now and raise Preempted on every rank."""
     stop = None
-    if preemption is not None and done < spec.train.steps:
+    if run.watcher is not None and done < spec.train.steps:
         with probe.collective("preemption check", "world", range(records.world.size)):
-            stop = preemption.agreed(dist.group.WORLD)
-    if checkpoints.due(done, force=stop is not None):  # preempted: save now, off schedule
+            stop = run.stop_signal()
+    every = spec.checkpoint.every_steps
+    if every and (stop is not None or done % every == 0 or done == spec.train.steps):  # preempted: now, off schedule
         records.settle()  # the step's loss goes into the checkpoint
         with probe.span("checkpoint"):
-            checkpoints.save(done, records.loss)
+            run.save(done, state, **({} if records.loss is None else {"loss": records.loss}))
         records.restart_clock()  # the next step's time leaves the save out
     if stop is not None:  # the requeued job resumes from this checkpoint
         records.settle()
-        checkpoints.finalize()
+        run.wait_for_saves()
         records.write(probe, done - start_step)
-        raise Preempted(done, stop, checkpointed=checkpoints.checkpointer is not None)
+        raise Preempted(done, stop, checkpointed=bool(every))
 
 
 def write_run_records(spec: JobSpec, world: World, probe: Probe, totals: dict[str, float], steps: int) -> None:
