@@ -211,7 +211,7 @@ class ParallelConfig:
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "where each rank computes: auto is its GPU when CUDA is "
                                                            "present (local rank modulo the GPUs), else the CPU")
     compression: Literal[CodecName] = _field(
-        "none", "the gradient codec inside the ring, with error feedback (README: gradient compression)")
+        "none", "the gradient codec inside the ring, with error feedback (docs/PARALLELISM.md: gradient compression)")
     topk_fraction: float = _field(0.01, "topk: the fraction of each gradient's entries sent", gt=0, max=1)
     powersgd_rank: int = _field(4, "powersgd: the rank of the P Q^T approximation", min=1)
     compression_warmup_steps: int = _field(0, "exact reduction for this many steps before compression starts", min=0)

@@ -145,7 +145,8 @@ def test_bench_gpu_records_a_row_out_of_time_and_goes_on() -> None:
 
 
 def test_bench_gpu_weighs_its_rows_against_the_issues_bars() -> None:
-    """The H200 rows of session 12 (docs/BENCHMARKS.md), as make bench-gpu kept them."""
+    """Rows as make bench-gpu keeps them (an H200's, from a session whose figures docs/BENCHMARKS.md has since
+    replaced)."""
     from jobs.bench.gpu import verdicts
 
     codecs = "\n".join(json.dumps({"bytes": size, "codec": codec, "vs_copy": ratio}) for size, codec, ratio in [

@@ -1,6 +1,6 @@
 """Horovod 0.28.1's own ``test/parallel/test_torch.py`` run against ``parallel.horovod`` on 2 ranks (issue 17).
 
-Why: the README claims a ``horovod.torch`` script runs with one line changed; Horovod's own suite
+Why: docs/PARALLELISM.md claims a ``horovod.torch`` script runs with one line changed; Horovod's own suite
 is the fairest judge of that claim. The files stay in ``../shared/third_party/horovod-0.28.1``
 (unchanged, with their license); this test builds a shim package in a temporary directory
 (``horovod/torch/__init__.py`` is ``from parallel.horovod import *`` and nothing more, so every

@@ -214,7 +214,7 @@ def test_bad_input_is_one_line(capsys, tmp_path: Path) -> None:
 
 
 ONE_T = ["--model", "layers=128,hidden=25600,heads=160,seq=2048,vocab=51200", "--batch", "3072",
-         "--cluster", "a100-superpod", "--no-overlap"]  # Megatron-LM's 1T run, as the README plans it
+         "--cluster", "a100-superpod", "--no-overlap"]  # Megatron-LM's 1T run, as docs/PLANNER.md plans it
 
 
 def test_hpc_plan_layout_predicts_the_one_layout_given(capsys) -> None:

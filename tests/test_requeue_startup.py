@@ -6,7 +6,7 @@ while the rank is still importing, before Python could install a handler; the sr
 with the signal blocked (``env --block-signal``), so it waits and reaches the handler (or, in the
 instant between slurmstepd starting the task and ``env`` blocking the signal, the rank dies of it and
 the batch script requeues the job: srun exits 128 + 10; and the one signalled as its step appears may
-find no task started yet, reach no process and run on, as the README says). Even
+find no task started yet, reach no process and run on, as docs/SLURM.md says). Even
 delays use ``scancel --signal=USR1 --full`` (the batch shell and srun get it too and must
 neither die nor requeue by themselves), odd ones ``scancel --signal=USR1``, the job's steps
 only, which is what ``#SBATCH --signal=USR1@T`` sends. One more job is signalled with
@@ -101,7 +101,7 @@ def test_a_warning_signal_at_any_moment_of_start_up_requeues_once_and_ends_equal
             continue
         if not preempted and names[job] == "after-0.0s":  # sent as the step appeared, before slurmstepd had
             assert log.count("Starting with JobEnvironment") == 1, log  # started the task: it reached no process
-            continue  # (README: what no trap can catch); the job ran once, and is compared below
+            continue  # (docs/SLURM.md: what no trap can catch); the job ran once, and is compared below
         # A delayed job's rank handles the signal; or, when the signal beat env --block-signal by an instant
         # (slurmstepd had started the task, env had not yet blocked it), the rank died and the script requeued.
         hows = (("SIGUSR1 before the ranks started;",) if job == early else

@@ -305,7 +305,8 @@ def test_a_model_entry_without_vocab_size_is_checked_by_its_input_embedding(prep
 
 @pytest.mark.slow
 def test_the_gpt_trains_on_a_prepared_set_under_hpc_run(tmp_path) -> None:
-    """The README's workflow: prepare the license texts with the example tokenizer, hpc run -n 1 the GPT on it."""
+    """docs/USER_MODELS.md's workflow: prepare the license texts with the example tokenizer, hpc run -n 1 the GPT
+    on it."""
     out = tmp_path / "licenses-bpe"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     hpc = [sys.executable, "-m", "hpc.cli.main"]

@@ -6,7 +6,7 @@ not by all-reduce time: every implementation trains the built-in GPT on the lice
 steps rank 0's held-out loss (the same fixed held-out windows each time) is recorded with
 the wall time spent training so far; evaluation itself is not counted. Implementations are
 ``jobs.bench.train``'s: ``ours-<transport>-<codec>`` and ``ddp``, ``ddp-powersgd``.
-The curves are what the README's plot shows; the first point at or under the target
+The curves are what docs/PARALLELISM.md's plot shows; the first point at or under the target
 is the time to loss.
 """
 
