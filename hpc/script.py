@@ -76,6 +76,7 @@ def session(
     timeout_s: float = 300.0,
     *,
     keep: int = 3,
+    async_save: bool = False,
     tensorboard: bool = False,
     environ: Mapping[str, str] | None = None,
 ) -> Session:
@@ -83,7 +84,9 @@ def session(
 
     In an srun task the preemption handlers go in first. Without OMP_NUM_THREADS, torch takes
     the threads every launcher gives a rank (``--cpus-per-task`` under srun). ``keep``: how many
-    checkpoints to keep; ``tensorboard``: also write TensorBoard scalars beside metrics.jsonl.
+    checkpoints to keep; ``async_save``: write checkpoints in the background, as ``checkpoint.async_save`` does
+    for a spec job (committed within ``timeout_s``); ``tensorboard``: also write TensorBoard scalars beside
+    metrics.jsonl.
     """
     from hpc import run_session
     from hpc.config import SlurmConfig
@@ -93,7 +96,7 @@ def session(
     return Session(run_session.start(
         run_path_for(environ, sys.argv[0]), backend=backend, init_timeout_s=init_timeout_s, timeout_s=timeout_s,
         environ=environ, run_dir_setting=RUN_PATH_ENV, max_requeues=max_requeues, keep=keep,
-        tensorboard=tensorboard))
+        async_save=async_save, tensorboard=tensorboard))
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:

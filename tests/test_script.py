@@ -85,6 +85,44 @@ def _train_a_little(world, run_path: str, steps: int, signal_on: int | None) -> 
     return step, code, {name: tensor.tolist() for name, tensor in model.module.state_dict().items()}  # exact floats
 
 
+def _script_rng_after_resume(world, run_path: str, save: bool) -> tuple:
+    """A script's session saving asynchronously at step 1 after seeding each rank apart, or resuming that save;
+    returns (the step resumed, the next draws of this rank's generator, the checkpoint's layout)."""
+    import torch
+
+    from hpc.checkpoint import find_latest, open_checkpoint
+    from hpc.run_session import RunSession
+    from hpc.script import Session
+
+    model = torch.nn.Linear(4, 3)
+    run = Session(RunSession(world, Path(run_path), environ={}, async_save=True))
+    step = run.resume(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if save:
+        torch.manual_seed(100 + world.rank)
+        run.save(1)
+    draws = torch.rand(3).tolist()
+    run.close()
+    torch.distributed.barrier()  # rank 0 commits the save
+    index = open_checkpoint(find_latest(Path(run_path) / "checkpoints"))
+    return step, draws, {key: int(value) for key, value in index.attrs.items() if key.startswith("layout_")}
+
+
+def test_a_script_saves_asynchronously_and_gets_its_generators_back_under_the_same_layout_as_a_spec_job(
+        tmp_path: Path) -> None:
+    """The run session's one rule for both launch paths: a rank's RNG comes back when the checkpoint's layout is
+    this run's (a script's: its world size), not otherwise; async saves commit for scripts too."""
+    from tests.ranks import run_ranks
+
+    saved = run_ranks(2, _script_rng_after_resume, str(tmp_path), True)
+    layout = {"layout_dp": 2, "layout_tp": 1, "layout_pp": 1, "layout_ep": 1}
+    assert [(step, attrs) for step, _, attrs in saved] == [(0, layout)] * 2
+    assert saved[0][1] != saved[1][1]  # each rank its own generator
+    resumed = run_ranks(2, _script_rng_after_resume, str(tmp_path), False)
+    assert resumed == [(1, draws, layout) for _, draws, _ in saved]
+    ((step, draws, _),) = run_ranks(1, _script_rng_after_resume, str(tmp_path), False)
+    assert step == 1 and draws not in [saved[0][1], saved[1][1]]  # another layout: a fresh generator
+
+
 @pytest.mark.slow
 def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step_and_the_run_resumes_exactly_in_any_world(
         tmp_path: Path) -> None:
