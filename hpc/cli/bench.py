@@ -1,9 +1,11 @@
-"""``hpc bench allreduce|pipeline|checkpoint|memory|train|alltoall``: starts ranks like ``hpc run``, prints
+"""``hpc bench allreduce|pipeline|checkpoint|memory|train|alltoall|codecs``: starts ranks like ``hpc run``, prints
 what they measure.
 
-The benchmarks live in ``jobs.bench``; every rank runs ``python -m jobs.bench.rank KIND``
-and rank 0 writes the rows to a file that this process prints, so table and JSON output
-carry no rank prefixes. Nothing heavy at module level (``hpc --help`` imports this).
+The benchmarks live in ``jobs.bench``, each one's own options in jobs/bench/options.py: every subcommand is built
+from them, with how its ranks start and how its rows print added here, and their values go on to every rank
+(``python -m jobs.bench.rank KIND``, which parses them with the same declarations). Rank 0 writes the rows to a
+file that this process prints, so table and JSON output carry no rank prefixes. ``codecs`` runs in this process.
+Nothing heavy at module level (``hpc --help`` imports this).
 """
 
 from __future__ import annotations
@@ -12,12 +14,24 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
 
-from hpc.config import CODEC_NAMES
-from jobs.bench.rank import TIME_TO_LOSS_DEFAULTS
+from hpc.errors import ConfigError
+from jobs.bench import options
+from jobs.bench.options import DDP_IMPLS, PIPELINE_SIZES
 
-DDP_IMPLS = ("ddp", "ddp-fp16", "ddp-powersgd")  # jobs.bench.train builds them; spelled here to keep torch out
+HELPS = {
+    "allreduce": "our ring with each codec against torch.distributed.all_reduce",
+    "pipeline": "bubble and activation memory of gpipe, 1f1b, interleaved 1f1b",
+    "checkpoint": "HDF5 (sync, async) against torch.save, DCP, the raw disk and a memory copy",
+    "memory": "per-rank bytes and step time of ZeRO 0-3 against ZeroRedundancyOptimizer (and FSDP2)",
+    "train": "training steps of our data-parallel optimizer against torch DDP (and its comm hooks)",
+    "alltoall": "expert parallelism's all-to-all with uneven splits against torch.distributed.all_to_all",
+    "codecs": "one device's encode and decode of each codec against a copy of the same tensor (in process)",
+}
+RANKS = {"allreduce": (4, "ranks"), "checkpoint": (2, "ranks"), "train": (2, "data-parallel ranks"),
+         "alltoall": (4, "ranks")}  # -n: its default and what it counts
+PLOTS = {"allreduce": "also write a PNG: bus bandwidth against message size, a line per implementation",
+         "train": "time to loss: also write a PNG: held-out loss against wall time"}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -26,57 +40,59 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "ZeRO memory (memory) and whole training steps against DDP (train)"
     )
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
-    allreduce = kinds.add_parser("allreduce", help="our ring with each codec against torch.distributed.all_reduce")
-    allreduce.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
-    allreduce.add_argument("--sizes", default="1K,64K,1M,16M,64M", help="comma list, e.g. 1K,64M (default %(default)s)")
-    allreduce.add_argument("--codecs", default=",".join(CODEC_NAMES),
-                           help="gradient codecs (default %(default)s)")
-    allreduce.add_argument("--transports", help="ring transports: torch, mpi (default: both under mpirun)")
-    allreduce.add_argument("--iters", type=int, default=5, help="timed iterations per row (default 5)")
-    _launch_options(allreduce)
-    allreduce.add_argument("--plot", metavar="PATH",
-                           help="also write a PNG: bus bandwidth against message size, a line per implementation")
-    allreduce.set_defaults(handler=cmd_bench)
-    pipeline = kinds.add_parser("pipeline", help="bubble and activation memory of gpipe, 1f1b, interleaved 1f1b")
-    pipeline.add_argument("--stages", default="2,4", help="pipeline ranks, one launch each (default %(default)s)")
-    pipeline.add_argument("--microbatches", default="4,8", help="comma list (default %(default)s)")
-    pipeline.add_argument("--schedules", default="gpipe,1f1b,interleaved", help="(default %(default)s)")
-    pipeline.add_argument("--virtual", type=int, default=2, help="chunks per rank, interleaved only (default 2)")
-    pipeline.add_argument("--layers", type=int, default=64, help="Linear+Tanh blocks in the model (default 64)")
-    pipeline.add_argument("--width", type=int, default=1024, help="features per block (default 1024)")
-    pipeline.add_argument("--rows", type=int, default=64, help="rows per microbatch (default 64)")
-    pipeline.add_argument("--steps", type=int, default=3, help="timed steps per row, after one warm-up (default 3)")
-    pipeline.add_argument("--transports", help="message transports: torch, mpi (default: both under mpirun)")
-    _launch_options(pipeline)
-    pipeline.set_defaults(handler=cmd_bench_pipeline)
-    _add_checkpoint_parser(kinds)
-    _add_memory_parser(kinds)
-    _add_train_parser(kinds)
-    _add_alltoall_parser(kinds)
-    _add_codecs_parser(kinds)
+    handlers = {"allreduce": cmd_bench, "pipeline": cmd_bench_pipeline, "checkpoint": cmd_bench_checkpoint,
+                "memory": cmd_bench_memory, "train": cmd_bench_train, "alltoall": cmd_bench_alltoall,
+                "codecs": cmd_bench_codecs}
+    for kind, what in HELPS.items():
+        parser = kinds.add_parser(kind, help=what, parents=[options.parser(kind)])
+        _launch_options(kind, parser)
+        parser.set_defaults(handler=handlers[kind])
 
 
-def _launch_options(bench: argparse.ArgumentParser) -> None:
-    """What every benchmark takes: how its ranks start and how its rows print."""
-    bench.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
-    bench.add_argument("--json", action="store_true", help="one JSON object per row")
+def _launch_options(kind: str, parser: argparse.ArgumentParser) -> None:
+    """What a benchmark takes besides its own options: its ranks and how they start, where it writes, how its rows
+    print."""
+    if kind == "pipeline":
+        parser.add_argument("--stages", default="2,4", help="pipeline ranks, one launch each (default %(default)s)")
+    elif kind == "memory":
+        parser.add_argument("-n", "--nprocs", default="2,4",
+                            help="data-parallel ranks, one launch each (default %(default)s)")
+    elif kind in RANKS:
+        default, what = RANKS[kind]
+        parser.add_argument("-n", "--nprocs", type=int, default=default, help=f"{what} (default {default})")
+    if kind == "checkpoint":
+        parser.add_argument("--dir", default="runs/bench-checkpoint", help="where to write (default %(default)s)")
+    if kind in PLOTS:
+        parser.add_argument("--plot", metavar="PATH", help=PLOTS[kind])
+    if kind != "codecs":
+        parser.add_argument("--launcher", choices=("local", "mpirun"), help="default: mpirun when installed")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row")
 
 
-def _add_alltoall_parser(kinds: argparse._SubParsersAction) -> None:
-    bench = kinds.add_parser(
-        "alltoall", help="expert parallelism's all-to-all with uneven splits against torch.distributed.all_to_all"
-    )
-    bench.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
-    bench.add_argument("--sizes", default="64K,1M,16M", help="bytes each rank sends (default %(default)s)")
-    bench.add_argument("--iters", type=int, default=10, help="timed iterations per row (default 10)")
-    bench.add_argument("--transports", help="ours over: torch, mpi (default: both under mpirun)")
-    _launch_options(bench)
-    bench.set_defaults(handler=cmd_bench_alltoall)
+def _launch(kind: str, args: argparse.Namespace, launcher: str, ranks: int, *extra: str) -> list[dict]:
+    """The rows of ``kind`` measured on ``ranks`` ranks, each given the benchmark's options as ``args`` has them."""
+    from hpc.runtime import launch
+    from jobs.bench.rank import rank_argv
+
+    return launch.launch_for_rows(ranks, launcher, rank_argv(kind, [*options.as_argv(kind, args), *extra]))
+
+
+def _print_rows(args: argparse.Namespace, rows: list[dict], format_table) -> None:
+    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+
+
+def _launcher(args: argparse.Namespace) -> str:
+    """--launcher, by default mpirun where installed; --transports checked against it, both where none was given."""
+    from hpc.runtime import launch
+
+    launcher = args.launcher or launch.default_launcher()
+    if "transports" in args:
+        args.transports = _transports(args.transports, launcher)
+    return launcher
 
 
 def _sizes(text: str) -> list[int]:
     """``--sizes``: a comma list of sizes (1K, 64M, ...) in bytes; one line naming the option when one is not."""
-    from hpc.errors import ConfigError
     from hpc.text import parse_size
 
     try:
@@ -85,38 +101,33 @@ def _sizes(text: str) -> list[int]:
         raise ConfigError(f"--sizes: {exc}") from None
 
 
-def cmd_bench_alltoall(args: argparse.Namespace) -> int:
-    from hpc.errors import ConfigError
-    from hpc.runtime import launch
-    from jobs.bench.alltoall import format_table
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hpc.observe.plots import bandwidth_figure, check_png_path, save_png
+    from jobs.bench.allreduce import format_table
 
-    sizes = _sizes(args.sizes)
-    if args.iters < 1 or args.nprocs < 2:
-        raise ConfigError("--iters must be at least 1 and -n at least 2")
-    launcher = args.launcher or launch.default_launcher()
-    options = ["--sizes", ",".join(map(str, sizes)), "--iters", str(args.iters),
-               "--transports", _transports(args.transports, launcher)]
-    rows = launch.launch_for_rows(args.nprocs, launcher, _bench_rank_argv("alltoall", options))
-    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    _sizes(args.sizes)
+    _check_codecs(args.codecs)
+    launcher = _launcher(args)
+    plot = check_png_path(args.plot) if args.plot else None
+    rows = _launch("allreduce", args, launcher, args.nprocs)
+    _print_rows(args, rows, format_table)
+    if plot:
+        save_png(bandwidth_figure(rows), plot)
+        print(f"wrote {plot}", file=sys.stderr if args.json else sys.stdout)  # --json: stdout stays JSON lines
     return 0
 
 
-def _add_codecs_parser(kinds: argparse._SubParsersAction) -> None:
-    bench = kinds.add_parser(
-        "codecs", help="one device's encode and decode of each codec against a copy of the same tensor (in process)"
-    )
-    bench.add_argument("--sizes", default="64M,256M", help="bytes of float32 input (default %(default)s)")
-    bench.add_argument("--codecs", default="fp16,bf16,int8,topk,powersgd", help="(default %(default)s)")
-    bench.add_argument("--iters", type=int, default=20, help="timed runs per op; the median (default 20)")
-    bench.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
-    bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                       help="auto is cuda where a GPU is visible (default %(default)s)")
-    bench.add_argument("--json", action="store_true", help="one JSON object per row")
-    bench.set_defaults(handler=cmd_bench_codecs)
+def cmd_bench_alltoall(args: argparse.Namespace) -> int:
+    from jobs.bench.alltoall import format_table
+
+    _sizes(args.sizes)
+    if args.iters < 1 or args.nprocs < 2:
+        raise ConfigError("--iters must be at least 1 and -n at least 2")
+    _print_rows(args, _launch("alltoall", args, _launcher(args), args.nprocs), format_table)
+    return 0
 
 
 def cmd_bench_codecs(args: argparse.Namespace) -> int:
-    from hpc.errors import ConfigError
     from jobs.bench.codecs import CODECS, bench_codecs, format_table
 
     sizes = _sizes(args.sizes)
@@ -126,99 +137,12 @@ def cmd_bench_codecs(args: argparse.Namespace) -> int:
                           "--iters must be at least 1, --warmup at least 0")
     rows = bench_codecs(sizes, args.codecs.split(","), args.iters, args.warmup,
                         None if args.device == "auto" else args.device)
-    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
-    return 0
-
-
-def _add_checkpoint_parser(kinds: argparse._SubParsersAction) -> None:
-    bench = kinds.add_parser(
-        "checkpoint", help="HDF5 (sync, async) against torch.save, DCP, the raw disk and a memory copy"
-    )
-    bench.add_argument("-n", "--nprocs", type=int, default=2, help="ranks (default 2)")
-    bench.add_argument("--size", default="256M", help="bytes of training state, e.g. 64M, 1G (default %(default)s)")
-    bench.add_argument("--iters", type=int, default=3, help="timed rounds; each row is the median (default 3)")
-    bench.add_argument("--dir", default="runs/bench-checkpoint", help="where to write (default %(default)s)")
-    bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                       help="where the state lives: auto is cuda where a GPU is visible (default %(default)s)")
-    _launch_options(bench)
-    bench.set_defaults(handler=cmd_bench_checkpoint)
-
-
-def _add_memory_parser(kinds: argparse._SubParsersAction) -> None:
-    bench = kinds.add_parser(
-        "memory", help="per-rank bytes and step time of ZeRO 0-3 against ZeroRedundancyOptimizer (and FSDP2)"
-    )
-    bench.add_argument("-n", "--nprocs", default="2,4",
-                       help="data-parallel ranks, one launch each (default %(default)s)")
-    bench.add_argument("--zero", default="0,1,2,3", help="our ZeRO stages (default %(default)s)")
-    bench.add_argument("--impls", default="ours,torch-zero,fsdp2", help="(default %(default)s)")
-    bench.add_argument("--steps", type=int, default=3, help="timed steps per row, after one warm-up (default 3)")
-    _launch_options(bench)
-    bench.set_defaults(handler=cmd_bench_memory)
-
-
-def _add_train_parser(kinds: argparse._SubParsersAction) -> None:
-    bench = kinds.add_parser(
-        "train", help="training steps of our data-parallel optimizer against torch DDP (and its comm hooks)"
-    )
-    bench.add_argument("-n", "--nprocs", type=int, default=2, help="data-parallel ranks (default 2)")
-    bench.add_argument("--transports", help="ring transports: torch, mpi (default: both under mpirun)")
-    bench.add_argument("--codecs", default="none", help="our gradient codecs (default %(default)s)")
-    bench.add_argument("--ddp", default="ddp", help=f"comma list of {', '.join(DDP_IMPLS)} (default %(default)s)")
-    bench.add_argument("--steps", type=int, default=20, help="timed steps per round (default 20)")
-    bench.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
-    bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds; steps/s is the median (default 3)")
-    loss = bench.add_argument_group("time to loss (on the license texts; every implementation trains to a target)")
-    loss.add_argument("--target-loss", type=float, help="train each implementation to this held-out loss")
-    helps = {"max-steps": "give up after this many steps", "eval-every": "steps between held-out losses",
-             "width": "GPT width", "layers": "GPT blocks", "batch": "sequences per rank per step"}
-    for option, default in TIME_TO_LOSS_DEFAULTS.items():
-        loss.add_argument(f"--{option}", type=int, default=default, help=f"{helps[option]} (default {default})")
-    loss.add_argument("--full", action="store_true",
-                      help="train every row all --max-steps (not to the target), so final losses compare")
-    loss.add_argument("--plot", metavar="PATH", help="also write a PNG: held-out loss against wall time")
-    _launch_options(bench)
-    bench.set_defaults(handler=cmd_bench_train)
-
-
-def _rank_args(args: argparse.Namespace, transports: str) -> list[str]:
-    return ["--sizes", args.sizes, "--codecs", args.codecs, "--transports", transports, "--iters", str(args.iters)]
-
-
-def _rank_command(kind: str, out: str, *options: str) -> tuple[str, ...]:
-    return ("-m", "jobs.bench.rank", kind, "--out", out, *options)
-
-
-def _bench_rank_argv(kind: str, options: Sequence[str]):
-    return lambda out, _scratch: _rank_command(kind, out, *options)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from hpc.errors import ConfigError
-    from hpc.observe.plots import bandwidth_figure, check_png_path, save_png
-    from hpc.runtime import launch
-    from hpc.text import parse_size
-    from jobs.bench.allreduce import format_table
-
-    try:
-        for size in args.sizes.split(","):
-            parse_size(size)
-    except ValueError as exc:
-        raise ConfigError(f"--sizes: {exc}") from None
-    _check_codecs(args.codecs)
-    launcher = args.launcher or launch.default_launcher()
-    transports = _transports(args.transports, launcher)
-    plot = check_png_path(args.plot) if args.plot else None
-    rows = launch.launch_for_rows(args.nprocs, launcher, _bench_rank_argv("allreduce", _rank_args(args, transports)))
-    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
-    if plot:
-        save_png(bandwidth_figure(rows), plot)
-        print(f"wrote {plot}", file=sys.stderr if args.json else sys.stdout)  # --json: stdout stays JSON lines
+    _print_rows(args, rows, format_table)
     return 0
 
 
 def _check_codecs(text: str) -> None:
-    from hpc.errors import ConfigError
+    from hpc.config import CODEC_NAMES
 
     unknown = set(text.split(",")) - set(CODEC_NAMES)
     if unknown:
@@ -226,8 +150,6 @@ def _check_codecs(text: str) -> None:
 
 
 def _transports(asked: str | None, launcher: str) -> str:
-    from hpc.errors import ConfigError
-
     transports = asked or ("torch,mpi" if launcher == "mpirun" else "torch")
     unknown = set(transports.split(",")) - {"torch", "mpi"}
     if unknown:
@@ -238,8 +160,6 @@ def _transports(asked: str | None, launcher: str) -> str:
 
 
 def _positive_ints(option: str, text: str) -> list[int]:
-    from hpc.errors import ConfigError
-
     try:
         values = [int(item) for item in text.split(",")]
     except ValueError:
@@ -251,62 +171,47 @@ def _positive_ints(option: str, text: str) -> list[int]:
 
 def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     """Every (stages, schedule, microbatches) is checked against the model before any launch."""
-    from hpc.runtime import launch
-    from jobs.bench.rank import PIPELINE_SIZES
+    from jobs.bench.pipeline import format_table
     from parallel.schedule import build_schedule, stage_bounds
 
     stages, microbatches = _positive_ints("--stages", args.stages), _positive_ints("--microbatches", args.microbatches)
     for option in PIPELINE_SIZES:
         _positive_ints(f"--{option}", str(getattr(args, option)))
-    schedules = args.schedules.split(",")
     for p in stages:
-        for name in schedules:
+        for name in args.schedules.split(","):
             v = args.virtual if name == "interleaved" else 1
             stage_bounds(args.layers, p, v)
             for m in microbatches:
                 build_schedule(name, p, m, v)
-    launcher = args.launcher or launch.default_launcher()
-    options = ["--microbatches", args.microbatches, "--schedules", args.schedules,
-               "--transports", _transports(args.transports, launcher),
-               *(arg for option in PIPELINE_SIZES for arg in (f"--{option}", str(getattr(args, option))))]
-    rows = [row for p in stages for row in launch.launch_for_rows(p, launcher, _bench_rank_argv("pipeline", options))]
-    if args.json:
-        print("\n".join(json.dumps(r) for r in rows))
-    else:
-        from jobs.bench.pipeline import format_table
-
-        print(format_table(rows))
+    launcher = _launcher(args)
+    _print_rows(args, [row for p in stages for row in _launch("pipeline", args, launcher, p)], format_table)
     return 0
 
 
 def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
-    from hpc.errors import ConfigError
     from hpc.runtime import launch
     from hpc.text import parse_size
     from jobs.bench.checkpoint import format_table
+    from jobs.bench.rank import rank_command
 
     try:
-        nbytes = parse_size(args.size)
+        parse_size(args.size)
     except ValueError as exc:
         raise ConfigError(f"--size: {exc}") from None
     if args.iters < 1 or args.nprocs < 1:
         raise ConfigError("--iters and -n must be at least 1")
-    launcher = args.launcher or launch.default_launcher()
+    launcher = _launcher(args)
     os.makedirs(args.dir, exist_ok=True)
 
-    def rank_argv(out: str, scratch: str) -> tuple[str, ...]:
+    def rank_argv(out: str, scratch: str) -> tuple[str, ...]:  # each run's files in its own scratch directory
         files = os.path.abspath(os.path.join(scratch, "files"))
-        return _rank_command("checkpoint", out, "--size", str(nbytes), "--iters", str(args.iters), "--dir", files,
-                             "--device", args.device)
+        return rank_command("checkpoint", out, *options.as_argv("checkpoint", args), "--files", files)
 
-    rows = launch.launch_for_rows(args.nprocs, launcher, rank_argv, parent=args.dir)
-    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    _print_rows(args, launch.launch_for_rows(args.nprocs, launcher, rank_argv, parent=args.dir), format_table)
     return 0
 
 
 def cmd_bench_memory(args: argparse.Namespace) -> int:
-    from hpc.errors import ConfigError
-    from hpc.runtime import launch
     from jobs.bench.memory import format_table
 
     ranks = _positive_ints("-n", args.nprocs)
@@ -315,17 +220,13 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     unknown = set(args.impls.split(",")) - {"ours", "torch-zero", "fsdp2"}
     if unknown:
         raise ConfigError(f"--impls: unknown {', '.join(sorted(unknown))} (valid: ours, torch-zero, fsdp2)")
-    launcher = args.launcher or launch.default_launcher()
-    options = ["--zero", args.zero, "--impls", args.impls, "--steps", str(args.steps)]
-    rows = [row for n in ranks for row in launch.launch_for_rows(n, launcher, _bench_rank_argv("memory", options))]
-    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    launcher = _launcher(args)
+    _print_rows(args, [row for n in ranks for row in _launch("memory", args, launcher, n)], format_table)
     return 0
 
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
-    from hpc.errors import ConfigError
     from hpc.observe.plots import check_png_path, save_png
-    from hpc.runtime import launch
 
     _check_codecs(args.codecs)
     hooks = [h for h in args.ddp.split(",") if h]
@@ -334,12 +235,10 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                           f"(valid: {', '.join(DDP_IMPLS)})")
     if args.nprocs < 2 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise ConfigError("-n must be at least 2, --steps and --rounds at least 1, --warmup at least 0")
-    launcher = args.launcher or launch.default_launcher()
-    options = ["--transports", _transports(args.transports, launcher), "--codecs", args.codecs,
-               "--ddp", ",".join(hooks), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--rounds", str(args.rounds), *_time_to_loss_options(args)]
+    launcher, args.ddp = _launcher(args), ",".join(hooks)
+    _check_time_to_loss(args)
     plot = check_png_path(args.plot) if args.plot else None
-    rows = launch.launch_for_rows(args.nprocs, launcher, _bench_rank_argv("train", options))
+    rows = _launch("train", args, launcher, args.nprocs)
     if args.target_loss is None:
         from jobs.bench.train import format_table
     else:
@@ -347,21 +246,17 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 
         if plot:
             save_png(loss_curves_figure(rows), plot)
-    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    _print_rows(args, rows, format_table)
     return 0
 
 
-def _time_to_loss_options(args: argparse.Namespace) -> list[str]:
-    from hpc.errors import ConfigError
-
+def _check_time_to_loss(args: argparse.Namespace) -> None:
     if args.target_loss is None:
         if args.plot or args.full:
             raise ConfigError(f"{'--plot' if args.plot else '--full'} is for time to loss: it needs --target-loss")
-        return []
+        return
     sizes = {"max-steps": args.max_steps, "eval-every": args.eval_every, "width": args.width,
              "layers": args.layers, "batch": args.batch}
     small = [f"--{name}" for name, value in sizes.items() if value < 1]
     if args.target_loss <= 0 or small:
         raise ConfigError(f"{', '.join(small) or '--target-loss'} must be positive")
-    full = ["--full"] if args.full else []
-    return ["--target-loss", str(args.target_loss), *full, *(f"--{name}={value}" for name, value in sizes.items())]

@@ -45,10 +45,10 @@ from hpc.checkpoint.load import load_into, open_checkpoint
 from hpc.checkpoint.pieces import Piece, plan_writes
 from hpc.checkpoint.save import Checkpointer, writeback_while_writing
 from hpc.rundir import fsync_path
+from jobs.bench.options import DEVICES
 
 IMPLS = ("hdf5", "hdf5-async", "torch.save", "dcp", "disk", "memcpy")
 CUDA_IMPLS = (*IMPLS, "memcpy-pageable")  # memcpy: into pinned memory
-DEVICES = ("auto", "cpu", "cuda")
 COLUMNS = ("impl", "op", "device", "bytes", "ranks", "time_s", "MBps", "stall_s", "stall_of_memcpy", "of_disk")
 HEADER = ("impl", "op", "device", "bytes", "ranks", "time(s)", "MB/s", "stall(s)", "of memcpy", "of disk")
 BLOCK = 16 << 20
