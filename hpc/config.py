@@ -215,6 +215,10 @@ class ParallelConfig:
     topk_fraction: float = _field(0.01, "topk: the fraction of each gradient's entries sent", gt=0, max=1)
     powersgd_rank: int = _field(4, "powersgd: the rank of the P Q^T approximation", min=1)
     compression_warmup_steps: int = _field(0, "exact reduction for this many steps before compression starts", min=0)
+    compression_scope: Literal["auto", "flat", "inter-node"] = _field(
+        "auto", "where the codec runs: flat, one ring over every DP rank; inter-node, reduce-scattered inside each "
+        "node uncompressed, the codec across nodes on each rank's shard, gathered inside the node "
+        "(parallel/hierarchy.py); auto: inter-node when the DP group spans several nodes and a codec is set")
     transport: Literal["torch", "mpi"] = _field(
         "torch", "the ring's and the pipeline's point-to-point messages: torch (Gloo/NCCL) or mpi (mpi4py; needs "
         "mpirun or srun; on CPU the faster: shared memory, no progress thread competing with compute)")

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from hpc.runtime.bootstrap import World
 
 CHECKPOINTS_DIR = "checkpoints"
-LAYOUT_AXES = ("dp", "tp", "pp", "ep")
+LAYOUT_AXES = ("dp", "tp", "pp", "ep", "nodes")  # nodes: those a hierarchical gradient exchange was cut by
 
 
 class TrainingState(Protocol):
@@ -58,8 +58,8 @@ class TrainingState(Protocol):
 
 
 def saved_layout(attrs: Mapping[str, Any]) -> tuple[int | None, ...]:
-    """The (dp, tp, pp, ep) a checkpoint was saved under; ep 1 when it predates expert parallelism."""
-    values = (attrs.get(f"layout_{axis}", 1 if axis == "ep" else None) for axis in LAYOUT_AXES)
+    """The (dp, tp, pp, ep, nodes) a checkpoint was saved under; ep and nodes 1 when it predates them."""
+    values = (attrs.get(f"layout_{axis}", 1 if axis in ("ep", "nodes") else None) for axis in LAYOUT_AXES)
     return tuple(int(value) if value is not None else None for value in values)  # HDF5 gives numpy integers
 
 
@@ -191,7 +191,7 @@ class RunSession:
         load_checkpoint(index, state, self.rank, same_layout)
         if self.rank == 0:
             if not same_layout:
-                print(f"note: {path} was saved under (dp, tp, pp, ep) = {saved}, this run is {current}: "
+                print(f"note: {path} was saved under (dp, tp, pp, ep, nodes) = {saved}, this run is {current}: "
                       "every rank starts with a fresh RNG and communication state (codec residuals, warm starts, "
                       "velocities)", flush=True)
             print(f"resumed from {path} at step {index.step}", flush=True)

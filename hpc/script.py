@@ -114,7 +114,7 @@ class ScriptState:
         self.model, self.optimizer, self.world_size = _unwrapped(model), optimizer, world_size
 
     def layout(self) -> dict[str, int]:
-        return {"layout_dp": self.world_size, "layout_tp": 1, "layout_pp": 1, "layout_ep": 1}
+        return {"layout_dp": self.world_size, "layout_tp": 1, "layout_pp": 1, "layout_ep": 1, "layout_nodes": 1}
 
     def pieces(self) -> list[Piece]:
         from hpc.checkpoint.state import state_pieces

@@ -83,6 +83,7 @@ FULL = {
         "topk_fraction": 0.05,
         "powersgd_rank": 2,
         "compression_warmup_steps": 10,
+        "compression_scope": "inter-node",
         "transport": "mpi",
         "bucket_mb": 4.0,
         "overlap": False,

@@ -114,7 +114,7 @@ def test_a_script_saves_asynchronously_and_gets_its_generators_back_under_the_sa
     from tests.ranks import run_ranks
 
     saved = run_ranks(2, _script_rng_after_resume, str(tmp_path), True)
-    layout = {"layout_dp": 2, "layout_tp": 1, "layout_pp": 1, "layout_ep": 1}
+    layout = {"layout_dp": 2, "layout_tp": 1, "layout_pp": 1, "layout_ep": 1, "layout_nodes": 1}
     assert [(step, attrs) for step, _, attrs in saved] == [(0, layout)] * 2
     assert saved[0][1] != saved[1][1]  # each rank its own generator
     resumed = run_ranks(2, _script_rng_after_resume, str(tmp_path), False)

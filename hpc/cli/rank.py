@@ -70,7 +70,7 @@ def train_rank(spec_path: str, overrides: Sequence[str], site: FailureSite | Non
     run = run_session.start(spec.run_path, backend=par.backend, init_timeout_s=par.init_timeout_s,
                             timeout_s=par.timeout_s, device=par.device, **run_session.spec_options(spec))
     shape = resolve_layout(par.dp, par.tp, par.pp, run.size)
-    mesh = build_mesh(shape, run.rank, run.device, par.timeout_s)
+    mesh = build_mesh(shape, run.rank, run.device, par.timeout_s, run.world.info.node_rank)
     try:
         result, _ = train(spec, run.world, mesh, progress_mode(), run)
     except preemption.Preempted as stop:

@@ -91,6 +91,7 @@ class Mesh:
     members: dict[Axis, tuple[int, ...]]
     device: torch.device
     timeout_s: float | None = None  # each group's collective timeout (None: the backend's default, 30 minutes)
+    nodes: tuple[int, ...] = ()  # the node each global rank runs on, as its launcher says (empty: all on one)
 
     def index(self, axis: Axis) -> int:
         return self.shape.coords(self.rank)[axis]
@@ -102,11 +103,13 @@ class Mesh:
         return self.groups[axis]
 
 
-def build_mesh(shape: MeshShape, rank: int, device: torch.device | str = "cpu", timeout_s: float | None = None) -> Mesh:
+def build_mesh(shape: MeshShape, rank: int, device: torch.device | str = "cpu", timeout_s: float | None = None,
+               node_rank: int | None = None) -> Mesh:
     """Create one process group per axis group; every rank must call this (collective). ``device``: the
     rank's (``World.device``); ``timeout_s``: each group's collective timeout (``parallel.timeout_s``): torch
     gives a new group the backend's 30 minutes, not the world's, so a hang in a TP or pipeline collective
-    would otherwise go unnamed for half an hour."""
+    would otherwise go unnamed for half an hour. ``node_rank``: the node this rank runs on, as its launcher
+    says (``RankInfo.node_rank``), gathered from every rank into ``Mesh.nodes``; None: one node."""
     import datetime
 
     import torch
@@ -122,8 +125,12 @@ def build_mesh(shape: MeshShape, rank: int, device: torch.device | str = "cpu", 
             group = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
                 groups[axis], members[axis] = group, ranks
+    nodes: list[int] = []
+    if node_rank is not None:
+        nodes = [0] * shape.size
+        dist.all_gather_object(nodes, node_rank)
     return Mesh(shape=shape, rank=rank, groups=groups, members=members, device=torch.device(device),
-                timeout_s=timeout_s)
+                timeout_s=timeout_s, nodes=tuple(nodes))
 
 
 def expert_group_ranks(shape: MeshShape, ep: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:

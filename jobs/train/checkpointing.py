@@ -14,12 +14,13 @@ instead of in the optimizer) and ``comm/steps_synchronized``, which decides when
 parameters. Under ZeRO stage 1 a rank holds, and so writes, only the optimizer state of the
 parameters it owns; the index still shows each state tensor whole.
 And the attributes ``layout_dp``, ``layout_tp``,
-``layout_pp``, ``layout_ep`` (absent before expert parallelism: 1), ``job_spec`` (JSON) and ``loss``, the
+``layout_pp``, ``layout_ep`` (absent before expert parallelism: 1), ``layout_nodes`` (the nodes a hierarchical
+gradient exchange was cut by; absent before it: 1), ``job_spec`` (JSON) and ``loss``, the
 global loss of the last step before the save (absent from older checkpoints; a resume with no steps left reports it).
 
 The data position is the step itself: a batch is a pure function of (seed, step)
 (``jobs.data.datasets.global_batch_indices``). A rank restores its own RNG and communication
-state when the checkpoint was saved under the same (dp, tp, pp, ep) layout; under another one
+state when the checkpoint was saved under the same (dp, tp, pp, ep, nodes) layout; under another one
 the ranks keep their fresh state, since rank r no longer holds what rank r held (its
 residuals and velocities describe other buckets), except ``steps_synchronized``, which
 every rank shares and which is taken from rank 0. ep counts as much as dp: at ep > 1 the
@@ -53,9 +54,10 @@ COMM = "comm/"
 SHARED_COMM = COMM + "steps_synchronized"
 
 
-def layout_attrs(mesh: Mesh, ep: int = 1) -> dict[str, int]:
-    """The layout a checkpoint records: ``layout_<axis>`` for each of ``hpc.run_session.LAYOUT_AXES``."""
-    sizes = {"dp": mesh.shape.dp, "tp": mesh.shape.tp, "pp": mesh.shape.pp, "ep": ep}
+def layout_attrs(mesh: Mesh, ep: int = 1, nodes: int = 1) -> dict[str, int]:
+    """The layout a checkpoint records: ``layout_<axis>`` for each of ``hpc.run_session.LAYOUT_AXES`` (``nodes``:
+    those the gradient exchange was cut by, whose shards the codec's residuals are of; 1 when flat)."""
+    sizes = {"dp": mesh.shape.dp, "tp": mesh.shape.tp, "pp": mesh.shape.pp, "ep": ep, "nodes": nodes}
     return {f"layout_{axis}": sizes[axis] for axis in LAYOUT_AXES}
 
 
@@ -82,7 +84,8 @@ class LoopState:
         self.distributed = isinstance(optimizer, DistributedOptimizerMixin)
 
     def layout(self) -> dict[str, int]:
-        return layout_attrs(self.mesh, self.ep) if self.mesh else {}
+        groups = getattr(getattr(self.optimizer, "reducer", None), "groups", None)  # a hierarchical exchange's
+        return layout_attrs(self.mesh, self.ep, groups.nodes if groups is not None else 1) if self.mesh else {}
 
     def pieces(self) -> list[Piece]:
         pieces = state_pieces(self.model, self.optimizer, *self.tp)

@@ -43,6 +43,7 @@ from jobs.train.workloads import Workload, counted_targets, sum_over_replicas, t
 from parallel.clip import clip_grad_norm_, scaled_step
 from parallel.compression.registry import make_reducer
 from parallel.ep import ExpertGroups, reduce_expert_gradients
+from parallel.hierarchy import HierarchicalReducer, build_node_groups, dp_nodes, resolve_scope
 from parallel.optimizer import CommStats, distributed_optimizer
 from parallel.pipeline import StepStats, run_pipeline_step
 from parallel.schedule import Action, build_schedule, lockstep_deadlock
@@ -246,11 +247,14 @@ def build_data_parallel_optimizer(spec: JobSpec, model: torch.nn.Module, mesh: M
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     tp_split = [p for name, p in trainable if name in split]
     excluded = {id(p) for p in exclude or ()}
+    reducer = make_reducer(par.compression, par.topk_fraction, par.powersgd_rank)
+    if resolve_scope(par.compression_scope, par.compression, dp_nodes(mesh)) == "inter-node":
+        reducer = HierarchicalReducer(reducer, build_node_groups(mesh, par.transport))
     return distributed_optimizer(
         build_optimizer(spec.train, [p for _, p in trainable], mesh.group("tp"), tp_split),
         make_transport(par.transport, mesh.group("dp")),
         named_parameters=[(name, p) for name, p in trainable if id(p) not in excluded],
-        reducer=make_reducer(par.compression, par.topk_fraction, par.powersgd_rank),
+        reducer=reducer,
         bucket_bytes=int(par.bucket_mb * 2**20),
         backward_passes_per_step=par.microbatches if uses_pipeline(par) else 1,  # each microbatch adds to .grad
         overlap=par.overlap,

@@ -100,6 +100,7 @@ class Reducer(ABC):
 
     name: str
     supports_reduce_scatter = False  # ring codecs: ``reduce_scatter(key, flat, transport, average)`` (ZeRO stage 2)
+    whole_tensors = False  # compresses each tensor as a matrix (PowerSGD): a flat shard would cut them
 
     @abstractmethod
     def reduce(self, key: str, tensors: Sequence[torch.Tensor], transport: Transport, average: bool) -> int:

@@ -72,6 +72,7 @@ class PowerSGDReducer(WithErrorFeedback):
     """Matrices as P Q^T (two ring all-reduces per bucket, of all P's then all Q's); vectors exact."""
 
     name = "powersgd"
+    whole_tensors = True
 
     def __init__(self, rank: int = 4):
         super().__init__()

@@ -1,0 +1,187 @@
+"""The gradient exchange cut by node: fast and exact inside a node, compressed across nodes, every NIC busy.
+
+A flat ring over every DP rank sends each hop through the codec and crosses each node boundary through
+one rank's link. Inside a node the links are 10-50x faster (NVLink against the network), so the
+hierarchical exchange (Horovod's hierarchical all-reduce; DeepSpeed ZeRO++'s qgZ) runs in three stages:
+
+1. reduce-scatter inside the node, uncompressed, with the backend's own collective: local rank i holds
+   the node's sum of shard i of the bucket (the bucket padded to a multiple of the node's ranks);
+2. the codec across nodes among the ranks holding the same shard (local rank i of every node: one ring
+   per local rank, in parallel, each NIC carrying 1/g of the node's bytes), with its error feedback per
+   shard, as the flat ring keeps it per bucket;
+3. all-gather inside the node, uncompressed.
+
+One rank per node makes stages 1 and 3 nothing and stage 2 the flat ring itself; one node makes stage 2
+nothing: no codec runs where nothing crosses a node. Node membership is what the launcher says
+(``RankInfo.node_rank``: Slurm's node id, mpirun's hosts), gathered once by ``build_mesh``. Torch has
+no compressed stage, and the flat ring (``parallel/ring.py``) is what crosses the nodes here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from hpc.runtime.placement import carries_cuda
+from parallel.compression.base import MomentumCorrection, Reducer, flatten, unflatten_into
+from parallel.transport import Transport, make_transport
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from hpc.runtime.mesh import Mesh
+
+# torch 2.13's names for the one-tensor collectives, else the older ones (torch 2.11 on the GPU machine)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def split_by_node(group: Sequence[int], node_of: Sequence[int]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """``group``'s ranks on each node (in rank order, nodes in order of first appearance) and the cross-node
+    groups: the i-th rank of every node. Raises ValueError when the nodes hold different numbers of them."""
+    by_node: dict[int, list[int]] = {}
+    for rank in group:
+        by_node.setdefault(node_of[rank], []).append(rank)
+    node_groups = [tuple(ranks) for ranks in by_node.values()]
+    sizes = sorted({len(ranks) for ranks in node_groups})
+    if len(sizes) > 1:
+        spread = ", ".join(f"node {node}: {len(ranks)}" for node, ranks in by_node.items())
+        raise ValueError(f"the DP group {list(group)} has different numbers of ranks on its nodes ({spread})")
+    return node_groups, [tuple(ranks[i] for ranks in node_groups) for i in range(sizes[0])]
+
+
+def resolve_scope(scope: str, compression: str, nodes: int) -> str:
+    """``parallel.compression_scope``: ``auto`` is ``inter-node`` when the DP group spans several nodes and a
+    codec is set, else ``flat``."""
+    if scope == "auto":
+        return "inter-node" if nodes > 1 and compression != "none" else "flat"
+    return scope
+
+
+def dp_nodes(mesh: Mesh) -> int:
+    """The most nodes any DP group spans (the same number on every rank: every rank takes the same branch)."""
+    if not mesh.nodes:
+        return 1
+    return max(len({mesh.nodes[rank] for rank in ranks}) for ranks in mesh.shape.group_ranks("dp"))
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """This rank's part of its DP group cut by node: its node's ranks (``node``) and the ranks holding the
+    same shard on every node (``cross``), each a process group and a transport over it."""
+
+    node: ProcessGroup
+    cross: Transport
+    local_rank: int
+    local_size: int
+    nodes: int
+
+
+def build_node_groups(mesh: Mesh, transport: str = "torch") -> NodeGroups:
+    """Collective over the world: every DP group's node groups, then its cross-node groups, created in the
+    same order on every rank; this rank's. ``mesh.nodes`` says where each rank runs."""
+    import datetime
+
+    timeout = None if mesh.timeout_s is None else datetime.timedelta(seconds=mesh.timeout_s)
+    mine: dict[str, tuple[ProcessGroup, tuple[int, ...]]] = {}
+    for dp_ranks in mesh.shape.group_ranks("dp"):
+        node_groups, cross_groups = split_by_node(dp_ranks, mesh.nodes)
+        for kind, groups in (("node", node_groups), ("cross", cross_groups)):
+            for ranks in groups:
+                group = dist.new_group(list(ranks), timeout=timeout)
+                if mesh.rank in ranks:
+                    mine[kind] = (group, ranks)
+    (node, node_ranks), (cross, cross_ranks) = mine["node"], mine["cross"]
+    return NodeGroups(node, make_transport(transport, cross), node_ranks.index(mesh.rank), len(node_ranks),
+                      len(cross_ranks))
+
+
+def owners(tensors: Sequence[torch.Tensor], g: int) -> list[int]:
+    """The local rank that compresses each tensor across nodes: the largest first, each to the least loaded."""
+    load, owner = [0] * g, [0] * len(tensors)
+    for i in sorted(range(len(tensors)), key=lambda i: -tensors[i].numel()):
+        owner[i] = min(range(g), key=load.__getitem__)
+        load[owner[i]] += tensors[i].numel()
+    return owner
+
+
+def _all_reduce(output: torch.Tensor, given: torch.Tensor, group: ProcessGroup) -> None:
+    dist.all_reduce(output, group=group)
+
+
+class HierarchicalReducer(Reducer):
+    """``inner``'s codec across nodes only, on the shard this rank holds after the node's reduce-scatter (see
+    the module); its state (residuals per shard) is ``inner``'s."""
+
+    def __init__(self, inner: Reducer, groups: NodeGroups) -> None:
+        self.inner, self.groups, self.name = inner, groups, inner.name
+
+    def reduce(self, key: str, tensors: Sequence[torch.Tensor], transport: Transport, average: bool) -> int:
+        if self.inner.whole_tensors:
+            return self._reduce_by_tensor(key, tensors, average)
+        flat = flatten(tensors)
+        g = self.groups.local_size
+        padded = flat if flat.numel() % g == 0 else torch.cat([flat, flat.new_zeros(g - flat.numel() % g)])
+        shard = padded.new_empty(padded.numel() // g) if g > 1 else padded
+        sent = 0
+        if g > 1:
+            self._within_node(REDUCE_SCATTER, shard, padded)
+            sent += (g - 1) * shard.nbytes
+        if self.groups.nodes > 1:  # averaged over the nodes as the flat ring averages: one rank a node is that ring
+            sent += self.inner.reduce(f"{key}/node-shard", [shard], self.groups.cross, average=average)
+        if average and g > 1:
+            shard.div_(g)
+        if g > 1:
+            self._within_node(ALL_GATHER, padded, shard)
+            sent += (g - 1) * shard.nbytes
+        if padded is not flat:
+            flat.copy_(padded[: flat.numel()])
+        unflatten_into(flat, tensors)
+        return sent
+
+    def _reduce_by_tensor(self, key: str, tensors: Sequence[torch.Tensor], average: bool) -> int:
+        """A codec of whole matrices (PowerSGD): summed inside the node, each tensor compressed across nodes by
+        one local rank (its share by size), then each tensor's result summed inside the node with zeros from the
+        others, which copies it exactly."""
+        flat = flatten(tensors)
+        g, nbytes = self.groups.local_size, flat.nbytes
+        self._within_node(_all_reduce, flat, flat)
+        unflatten_into(flat, tensors)
+        mine = [t for t, owner in zip(tensors, owners(tensors, g), strict=True) if owner == self.groups.local_rank]
+        sent = 2 * (g - 1) * nbytes // g
+        if self.groups.nodes > 1 and mine:
+            sent += self.inner.reduce(key, mine, self.groups.cross, average=average)  # one rank a node: the flat one
+        if g == 1:
+            return sent
+        for tensor in tensors:
+            if not any(tensor is t for t in mine):
+                tensor.zero_()
+            elif average:
+                tensor.div_(g)
+        flat = flatten(tensors)
+        self._within_node(_all_reduce, flat, flat)
+        unflatten_into(flat, tensors)
+        return sent + 2 * (g - 1) * nbytes // g
+
+    def _within_node(self, collective, output: torch.Tensor, given: torch.Tensor) -> None:
+        """The node's collective on the tensors themselves where its backend takes their memory (NCCL on a GPU,
+        Gloo on the host), else on host copies (ranks sharing a GPU over Gloo, as the tests run them)."""
+        if not output.is_cuda or carries_cuda(self.groups.node):
+            collective(output, given, group=self.groups.node)
+            return
+        host = output.cpu()
+        collective(host, given.cpu(), group=self.groups.node)
+        output.copy_(host)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.inner.load_state_dict(state)
+
+    def momentum_correction(self, optimizer: torch.optim.Optimizer) -> MomentumCorrection | None:
+        return self.inner.momentum_correction(optimizer)
