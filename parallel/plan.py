@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from parallel.cluster import Cluster, Dtype
@@ -194,6 +194,7 @@ class Training:
     grad_bytes: int = 2  # per gradient element (what the DP all-reduce sends before the codec)
     optimizer_bytes: int = 12  # fp32 master weights and Adam's two moments
     wire_ratio: float = 1.0  # the codec's bytes on the wire over grad_bytes
+    compression_scope: str = "auto"  # flat | inter-node | auto: the faster of the two (parallel/hierarchy.py)
     dp_overlap: bool = True  # DP communication runs behind backward (parallel/optimizer.py)
     bucket_bytes: float = 25 * 2**20  # gradients fused per all-reduce (parallel.bucket_mb; DDP's default too)
     # Megatron-LM's scatter/gather: each of a stage's tp ranks sends 1/tp of the activation (ibid. section 4.1);
@@ -216,13 +217,15 @@ class Layout:
     checkpointing: bool = False
     zero: int = 0
     ep: int = 1  # expert parallelism: each MoE layer's experts spread over ep ranks of the dp group
+    scope: str = "flat"  # of the DP gradient exchange; estimate() sets the one it predicts
 
     def label(self) -> str:
         sched = f"interleaved/{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
         zero = f" z{self.zero}" if self.zero else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
+        scope = " inter-node" if self.scope == "inter-node" else ""
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} m={self.microbatches} {sched}"
-                f"{' ckpt' if self.checkpointing else ''}{zero}{ep}")
+                f"{' ckpt' if self.checkpointing else ''}{zero}{ep}{scope}")
 
 
 @dataclass(frozen=True)
@@ -309,6 +312,29 @@ def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay:
     return compute, tp, p2p
 
 
+def dp_ranks_per_node(cluster: Cluster, lay: Layout) -> int:
+    """How many ranks of a DP group share a node: its ranks are tp apart (hpc/runtime/mesh.py)."""
+    return min(lay.dp, max(1, cluster.devices_per_node // lay.tp))
+
+
+def gradient_exchange_s(n: float, train: Training, cluster: Cluster, lay: Layout) -> tuple[float, str]:
+    """(seconds, scope) of the DP group's exchange of ``n`` gradients: the flat ring, the codec on every hop (ZeRO-2
+    and 3: its reduce-scatter alone), or cut by node (parallel/hierarchy.py): an uncompressed reduce-scatter and
+    all-gather inside the node, the codec across the nodes on 1/g of the bytes, the g rings in parallel, each on
+    its own link. ``train.compression_scope`` auto, with a codec: the faster (a run's auto cuts by node wherever a
+    codec crosses nodes: hpc plan says where that pays)."""
+    flat = ring_allreduce_s(n * train.grad_bytes * train.wire_ratio, lay.dp, cluster.link(lay.dp * lay.tp))
+    flat /= 2 if lay.zero >= 2 else 1
+    g = dp_ranks_per_node(cluster, lay)
+    scope = train.compression_scope
+    if scope == "flat" or g >= lay.dp or (scope == "auto" and train.wire_ratio >= 1):  # auto: a codec's, as a run's
+        return flat, "flat"
+    inside = ring_allreduce_s(n * train.grad_bytes, g, cluster.link(g * lay.tp))
+    across = ring_allreduce_s(n * train.grad_bytes * train.wire_ratio / g, lay.dp // g, cluster.link(lay.dp * lay.tp))
+    cut = inside + across  # all-reduced, then ZeRO-2/3 drop what they do not own
+    return (cut, "inter-node") if train.compression_scope == "inter-node" or cut < flat else (flat, "flat")
+
+
 def dp_comm_s(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> tuple[float, float]:
     """(seconds that may run behind backward, seconds that cannot) of the DP group's traffic by ZeRO stage
     (parallel/zero.py): 0 and 1 all-reduce the gradients, 2 and 3 reduce-scatter them (half the ring's volume);
@@ -318,11 +344,11 @@ def dp_comm_s(model: Transformer, train: Training, cluster: Cluster, lay: Layout
     experts = stage_expert_params(model, lay)
     dense, link = stage_params(model, lay) - experts, cluster.link(lay.dp * lay.tp)
     parts = [(dense, lay.dp), *([(experts, lay.dp // lay.ep)] if experts else [])]  # experts: over their replicas
-    allreduce = sum(ring_allreduce_s(n * train.grad_bytes * train.wire_ratio, ranks, link) for n, ranks in parts)
+    reduce = gradient_exchange_s(dense, train, cluster, lay)[0]  # experts: parallel/ep.py, over their replicas
+    reduce += ring_allreduce_s(experts * train.grad_bytes * train.wire_ratio, lay.dp // lay.ep, link) / (
+        2 if lay.zero >= 2 else 1)
     gather = sum(ring_allreduce_s(n * train.param_bytes, ranks, link) / 2 for n, ranks in parts)
-    if lay.zero <= 1:
-        return allreduce, gather if lay.zero == 1 else 0.0
-    return allreduce / 2, gather * (1 if lay.zero == 2 else 2)
+    return reduce, 0.0 if lay.zero == 0 else gather * (2 if lay.zero == 3 else 1)
 
 
 def stage_tensors(model: Transformer, lay: Layout) -> float:
@@ -407,8 +433,10 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     layer_flops = model.layers * model.layer_flops(tokens) + model.moe_layers * model.moe_extra_flops(tokens)
     model_flops = 3 * (layer_flops + model.logit_flops(tokens))
     executed = model_flops + (layer_flops if lay.checkpointing else 0.0)
+    scope = gradient_exchange_s(stage_params(model, lay) - stage_expert_params(model, lay), train, cluster, lay)[1]
     return Estimate(
-        layout=lay, step_s=step, compute_s=m * compute, tp_s=m * tp, pp_s=m * p2p + bubble, dp_s=dp, ep_s=m * a2a,
+        layout=replace(lay, scope=scope), step_s=step, compute_s=m * compute, tp_s=m * tp, pp_s=m * p2p + bubble,
+        dp_s=dp, ep_s=m * a2a,
         optimizer_s=optimizer, overhead_s=overhead, memory_bytes=memory_bytes(model, train, cluster, lay),
         tokens_per_s=tokens / step,
         tflops_per_gpu=executed / step / ranks / 1e12, mfu=model_flops / step / ranks / cluster.peak_flops(train.dtype),
@@ -542,7 +570,8 @@ SPEC_LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep", 
 PLANNED_KEYS = ("model.kind", "model.entry", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len",
                 "model.moe_experts", "model.moe_top_k", "model.moe_every", "data.batch_size", "train.optimizer",
                 "train.momentum", "train.bf16_autocast", "parallel.compression", "parallel.topk_fraction",
-                "parallel.powersgd_rank", "parallel.overlap", "parallel.bucket_mb", *SPEC_LAYOUT_KEYS)
+                "parallel.powersgd_rank", "parallel.compression_scope", "parallel.overlap", "parallel.bucket_mb",
+                *SPEC_LAYOUT_KEYS)
 
 
 def spec_gpt(spec: JobSpec) -> Transformer:
@@ -561,7 +590,8 @@ def spec_training(spec: JobSpec, hidden: int, batch: int | None = None, overlap:
     ratio = wire_ratio(par.compression, 4, par.topk_fraction, par.powersgd_rank, (hidden, hidden))
     return Training(batch=spec.data.batch_size if batch is None else batch, dtype="bf16" if half else "fp32",
                     act_bytes=2 if half else 4, param_bytes=4, grad_bytes=4, optimizer_bytes=state, wire_ratio=ratio,
-                    dp_overlap=par.overlap and overlap, bucket_bytes=par.bucket_mb * 2**20, p2p_split_over_tp=False)
+                    dp_overlap=par.overlap and overlap, bucket_bytes=par.bucket_mb * 2**20, p2p_split_over_tp=False,
+                    compression_scope=par.compression_scope)
 
 
 def spec_layout(spec: JobSpec, ranks: int) -> Layout:

@@ -537,3 +537,26 @@ def test_plan_of_an_moe_spec_counts_experts_and_names_its_ep(capsys) -> None:
     out = capsys.readouterr().out
     assert "2.68M-parameter GPT" in out and "8 experts top-2 every 2 layers" in out
     assert re.search(r"the spec's layout, dp=4 tp=1 pp=1 m=1 1f1b ep=4: number \d+ of", out), out
+
+
+def test_the_plan_cuts_the_gradient_exchange_by_node_only_where_it_pays() -> None:
+    """int8 across 2 nodes of 4: the node's 4 shards cross in parallel, each on its own link, uncompressed inside;
+    one device a node, or inside one node, it is the flat ring; with links inside a node no faster than between
+    nodes it does not pay, and auto keeps the flat ring."""
+    from parallel.plan import gradient_exchange_s
+
+    model, grads = Transformer(8, 1024, 16, 1024, 51200), 1e9
+    cluster = replace(load_cluster("a100-superpod"), devices_per_node=4, intra_gbps=100.0, inter_gbps=1.0)
+    int8, lay = Training(batch=64, grad_bytes=4, wire_ratio=0.254), Layout(8, 1, 1, 1)
+    cut, scope = gradient_exchange_s(grads, int8, cluster, lay)
+    flat, _ = gradient_exchange_s(grads, replace(int8, compression_scope="flat"), cluster, lay)
+    inside, across = 2 * 3 / 4 * 4e9 / 100e9, 2 * 1 / 2 * 4e9 * 0.254 / 4 / 1e9  # the alphas are microseconds
+    assert scope == "inter-node" and cut == pytest.approx(inside + across, rel=1e-3) and cut < flat / 3
+    assert estimate(model, int8, cluster, lay).layout.label().endswith(" inter-node")
+    assert gradient_exchange_s(grads, Training(batch=64, grad_bytes=4), cluster, lay)[1] == "flat"  # no codec
+    assert gradient_exchange_s(grads, int8, replace(cluster, devices_per_node=1), lay) == (flat, "flat")
+    assert gradient_exchange_s(grads, int8, cluster, Layout(4, 1, 1, 1))[1] == "flat"  # one node: nothing crosses
+    slow_inside = replace(cluster, intra_gbps=0.2)
+    assert gradient_exchange_s(grads, int8, slow_inside, lay)[1] == "flat"
+    assert gradient_exchange_s(grads, replace(int8, compression_scope="inter-node"), slow_inside, lay)[1] == \
+        "inter-node"
