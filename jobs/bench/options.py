@@ -56,6 +56,8 @@ def _memory(parser: argparse.ArgumentParser) -> None:
 def _train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", help=f"ring transports: torch, mpi {TRANSPORTS}")
     parser.add_argument("--codecs", default="none", help="our gradient codecs (default %(default)s)")
+    parser.add_argument("--scopes", default="flat", help="where our codecs run: flat, inter-node (cut by the nodes "
+                                                         "the launcher names) (default %(default)s)")
     parser.add_argument("--ddp", default="ddp", help=f"comma list of {', '.join(DDP_IMPLS)} (default %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")

@@ -100,7 +100,7 @@ def _train(args: argparse.Namespace, group) -> list[dict]:
         from jobs.bench.time_to_loss import bench_time_to_loss
 
         size = {**GPT_SIZE, "d_model": args.width, "n_layers": args.layers}
-        runs = implementations(_transports(args), args.codecs.split(","), ddp, group, size)
+        runs = implementations(_transports(args), args.codecs.split(","), ddp, group, size, args.scopes.split(","))
         return bench_time_to_loss(group, runs, args.target_loss, args.max_steps, args.eval_every, args.batch,
                                   GPT_SIZE["seq_len"], full=args.full)
     return bench_train(group, _transports(args), args.codecs.split(","), ddp,

@@ -21,7 +21,8 @@ from torch.distributed import ProcessGroup
 
 from hpc import text
 
-HEADER = ("impl", "ranks", "time to loss (s)", "vs ddp", "steps", "final held-out", "vs ddp final", "s/step")
+HEADER = ("impl", "ranks", "time to loss (s)", "vs ddp", "steps", "final held-out", "vs ddp final", "s/step",
+          "comm s/step")
 HELD_OUT_WINDOWS = 64
 
 
@@ -57,9 +58,10 @@ def _held_out_loss(model: torch.nn.Module, held_out: tuple[torch.Tensor, torch.T
 
 
 def train_curve(build: Callable[[], tuple], batches: Sequence[tuple], held_out: tuple, eval_every: int,
-                target: float | None, group: ProcessGroup) -> list[tuple[float, int, float]]:
+                target: float | None, group: ProcessGroup, comm: list[float] | None = None) -> list[tuple]:
     """(training seconds so far, step, held-out loss) every ``eval_every`` steps, until the target (None: all
-    the batches) or the end."""
+    the batches) or the end. ``comm``: our optimizer's seconds inside reductions each step are appended to it
+    (``parallel.optimizer.CommStats``; DDP reports none)."""
     from jobs.models.gpt import lm_loss
 
     model, forward, optimizer = build()
@@ -73,6 +75,8 @@ def train_curve(build: Callable[[], tuple], batches: Sequence[tuple], held_out: 
         lm_loss(forward(inputs), targets).backward()
         optimizer.step()
         trained += time.perf_counter() - started
+        if comm is not None and hasattr(optimizer, "stats"):
+            comm.append(optimizer.stats.reduce_seconds)
         if step % eval_every and step != len(batches):
             continue
         curve.append((trained, step, _held_out_loss(model, held_out)))
@@ -96,13 +100,22 @@ def bench_time_to_loss(group: ProcessGroup, runs: dict[str, Callable[[], tuple]]
     held_out = _held_out(seq_len)
     rows = []
     for name, build in runs.items():
-        curve = train_curve(build, batches, held_out, eval_every, None if full else target, group)
+        comm: list[float] = []
+        curve = train_curve(build, batches, held_out, eval_every, None if full else target, group, comm)
         reached = next(((t, s) for t, s, loss in curve if loss <= target), None)
         rows.append({"impl": name, "ranks": n, "target_loss": target, "curve": curve,
                      "time_to_loss_s": reached[0] if reached else None, "steps": curve[-1][1],
-                     "final_loss": curve[-1][2], "s_per_step": curve[-1][0] / max(curve[-1][1], 1)})
+                     "final_loss": curve[-1][2], "s_per_step": curve[-1][0] / max(curve[-1][1], 1),
+                     "comm_s_per_step": _slowest_mean(comm, group)})
     _compare(rows)
     return rows
+
+
+def _slowest_mean(seconds: list[float], group: ProcessGroup) -> float | None:
+    """The mean of ``seconds`` on the rank where it is largest (None where no rank recorded any: DDP)."""
+    mean = torch.tensor([sum(seconds) / len(seconds) if seconds else -1.0], dtype=torch.float64)
+    dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=group)
+    return None if mean.item() < 0 else mean.item()
 
 
 def _compare(rows: list[dict]) -> None:
@@ -118,8 +131,9 @@ def format_table(rows: Sequence[dict]) -> str:
     def cells(r: dict) -> tuple:
         reached = "not reached" if r["time_to_loss_s"] is None else f"{r['time_to_loss_s']:.1f}"
         ratio = "-" if r["time_vs_reference"] is None else f"{r['time_vs_reference']:.2f}x"
+        comm = "-" if r.get("comm_s_per_step") is None else f"{r['comm_s_per_step']:.3f}"
         return (r["impl"], r["ranks"], reached, ratio, r["steps"], f"{r['final_loss']:.4f}",
-                f"{r['final_vs_reference']:.3f}", f"{r['s_per_step']:.3f}")
+                f"{r['final_vs_reference']:.3f}", f"{r['s_per_step']:.3f}", comm)
 
     return text.format_table(HEADER, [cells(r) for r in rows], right=True)
 

@@ -49,13 +49,14 @@ def _model(size: dict) -> torch.nn.Module:
     return gpt(**size)
 
 
-def _ours(transport: str, codec: str, mesh, size: dict) -> tuple[torch.nn.Module, Callable, torch.optim.Optimizer]:
+def _ours(transport: str, codec: str, mesh, size: dict,
+          scope: str = "flat") -> tuple[torch.nn.Module, Callable, torch.optim.Optimizer]:
     from hpc.config import spec_from_dict
     from hpc.observe.probe import Probe
     from jobs.train.loop import build_data_parallel_optimizer
 
     spec = spec_from_dict({"train": {"optimizer": "adam", "lr": LR},
-                           "parallel": {"transport": transport, "compression": codec,
+                           "parallel": {"transport": transport, "compression": codec, "compression_scope": scope,
                                         "powersgd_rank": POWERSGD_RANK,
                                         "compression_warmup_steps": COMPRESSION_WARMUP}})
     model = _model(size)
@@ -126,17 +127,23 @@ def _single_steps_per_s(group: ProcessGroup, batches, warmup: int) -> float:
 
 
 def implementations(transports: Sequence[str], codecs: Sequence[str], ddp: Sequence[str], group: ProcessGroup,
-                    size: dict | None = None) -> dict[str, Callable[[], tuple]]:
-    """Name -> builder of (model, forward, optimizer) for each implementation asked for, on the GPT of ``size``."""
+                    size: dict | None = None, scopes: Sequence[str] = ("flat",)) -> dict[str, Callable[[], tuple]]:
+    """Name -> builder of (model, forward, optimizer) for each implementation asked for, on the GPT of ``size``;
+    ours under each of ``scopes`` (``-inter-node`` in the name: the exchange cut by the launcher's nodes)."""
+    import os
+
+    from hpc.runtime.env import detect_rank_info
     from hpc.runtime.mesh import MeshShape, build_mesh
 
     size = size or GPT_SIZE
     n = dist.get_world_size(group)
-    mesh = build_mesh(MeshShape(n, 1, 1), dist.get_rank(group))
+    mesh = build_mesh(MeshShape(n, 1, 1), dist.get_rank(group), node_rank=detect_rank_info(os.environ).node_rank)
     runs: dict[str, Callable[[], tuple]] = {}
     for transport in transports:
         for codec in codecs:
-            runs[f"ours-{transport}-{codec}"] = lambda t=transport, c=codec: _ours(t, c, mesh, size)
+            for scope in scopes:
+                name = f"ours-{transport}-{codec}" + ("" if scope == "flat" else f"-{scope}")
+                runs[name] = lambda t=transport, c=codec, s=scope: _ours(t, c, mesh, size, s)
     for hook in ddp:
         runs[hook] = lambda h=hook: _ddp(h, group, size)
     return runs

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Benchmarks on a bandwidth-limited testbed: for each host count, N virtual hosts
 # (network namespaces, slurm/testbed/netns.py) whose links are shaped to RATE in both directions,
-# one rank per host started torchrun-style, rank 0 of host 0 as the rendezvous. Prints the
+# RANKS_PER_HOST ranks per host (default 1) started torchrun-style (a host is a node: its ranks talk over its
+# loopback, unshaped), rank 0 of host 0 as the rendezvous. Prints the
 # rows of `hpc bench allreduce` (KIND=allreduce) or of `hpc bench train --target-loss`
 # (KIND=train: time to a held-out loss per codec against DDP; TRAIN_ARGS are that command's
 # time-to-loss options, PLOT a PNG of the curves) and removes every namespace it made, also
@@ -10,6 +11,7 @@
 #   slurm/testbed/bench.sh [HOSTS...]          default: 2 4
 #   RATE=1gbit SIZES=64M CODECS=none,fp16,int8 ITERS=3 SUBNET=10.77.2 PREFIX=hpcbench
 #   KIND=train CODECS=none,powersgd DDP=ddp,ddp-powersgd TRAIN_ARGS="--target-loss 2.5 --width 512" PLOT=x.png
+#   RANKS_PER_HOST=2 SCOPES=flat,inter-node: ours also cut by node (parallel.compression_scope)
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -24,6 +26,8 @@ KIND=${KIND:-allreduce}
 DDP=${DDP:-ddp,ddp-powersgd}
 TRAIN_ARGS=${TRAIN_ARGS:---target-loss 2.5}
 PLOT=${PLOT:-}
+RANKS_PER_HOST=${RANKS_PER_HOST:-1}
+SCOPES=${SCOPES:-flat}
 HOSTS=("$@")
 [[ $# -gt 0 ]] || HOSTS=(2 4)
 
@@ -31,7 +35,8 @@ netns() { "$PYTHON" -m slurm.testbed.netns --prefix "$PREFIX" "$@"; }
 rank_options() {  # the options of `python -m jobs.bench.rank KIND` after --out
     if [[ $KIND == train ]]; then
         # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
-        echo --transports torch --codecs "$CODECS" --ddp "$DDP" --steps 1 --warmup 0 --rounds 1 $TRAIN_ARGS
+        echo --transports torch --codecs "$CODECS" --scopes "$SCOPES" --ddp "$DDP" --steps 1 --warmup 0 --rounds 1 \
+            $TRAIN_ARGS
     else
         echo --sizes "$SIZES" --codecs "$CODECS" --transports torch --iters "$ITERS"
     fi
@@ -51,12 +56,16 @@ for n in "${HOSTS[@]}"; do
     netns create "$n" --rate "$RATE" --subnet "$SUBNET"
     rows="$scratch/rows-$n.json"
     ranks=()
+    world=$((n * RANKS_PER_HOST))
     for ((i = 0; i < n; i++)); do
-        # One rank per host, each host a node; exec sets GLOO_SOCKET_IFNAME to the host's interface.
-        RANK=$i WORLD_SIZE=$n LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 GROUP_RANK=$i GROUP_WORLD_SIZE=$n \
-            MASTER_ADDR="$SUBNET.1" MASTER_PORT=$MASTER_PORT OMP_NUM_THREADS=1 \
-            "$PYTHON" -m slurm.testbed.netns --prefix "$PREFIX" exec "$i" -- "$PYTHON" -m jobs.bench.rank "$KIND" --out "$rows" "${options[@]}" &
-        ranks+=($!)
+        for ((j = 0; j < RANKS_PER_HOST; j++)); do
+            # Each host a node; exec sets GLOO_SOCKET_IFNAME to the host's interface.
+            RANK=$((i * RANKS_PER_HOST + j)) WORLD_SIZE=$world LOCAL_RANK=$j LOCAL_WORLD_SIZE=$RANKS_PER_HOST \
+                GROUP_RANK=$i GROUP_WORLD_SIZE=$n MASTER_ADDR="$SUBNET.1" MASTER_PORT=$MASTER_PORT OMP_NUM_THREADS=1 \
+                "$PYTHON" -m slurm.testbed.netns --prefix "$PREFIX" exec "$i" -- \
+                "$PYTHON" -m jobs.bench.rank "$KIND" --out "$rows" "${options[@]}" &
+            ranks+=($!)
+        done
     done
     for pid in "${ranks[@]}"; do wait "$pid"; done
     ranks=()
