@@ -173,14 +173,16 @@ class Transformer:
         """The logits' forward: 2 b s h V."""
         return 2.0 * tokens * self.hidden * self.vocab
 
-    def activation_bytes(self, tokens: int, tp: int, act_bytes: int) -> float:
+    def activation_bytes(self, tokens: int, tp: int, act_bytes: int, scores: bool = True) -> float:
         """Bytes one layer keeps for backward: s b h (10 + 24/t + 5 a s / (h t)) with 16-bit activations
         (Korthikanti et al., eq. 1 and section 4.1), scaled for 4-byte ones. Of the 24: Q, K, V and the output
         projection's input 8 (4 (a + k) d / h with k KV heads), the MLP's 16 (4 ffn / h: its first layer's output
-        and the activation's; gated, 8 ffn / h: the gate's and up's outputs, the activation's and the product)."""
+        and the activation's; gated, 8 ffn / h: the gate's and up's outputs, the activation's and the product).
+        ``scores=False``: a fused attention kernel (SDPA, flash) keeps no a s^2 scores, only its output's
+        statistics: the 5 a s / (h t) term goes."""
         h, a, s = self.hidden, self.heads, self.attended
         split = (4 * (a + self.kv) * self.dim + (8 if self.gated else 4) * self.intermediate) / h
-        return tokens * h * (10 + split / tp + 5 * a * s / (h * tp)) * act_bytes / 2
+        return tokens * h * (10 + split / tp + scores * 5 * a * s / (h * tp)) * act_bytes / 2
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,8 @@ class Training:
     optimizer_bytes: int = 12  # fp32 master weights and Adam's two moments
     wire_ratio: float = 1.0  # the codec's bytes on the wire over grad_bytes
     compression_scope: str = "auto"  # flat | inter-node | auto: the faster of the two (parallel/hierarchy.py)
+    fused_attention: bool = False  # SDPA / flash attention: no scores kept (our models; Megatron-LM of SC21 kept them)
+    compiled: bool = True  # elementwise work fused into kernels (Megatron-LM's; ours under train.compile), else eager
     dp_overlap: bool = True  # DP communication runs behind backward (parallel/optimizer.py)
     bucket_bytes: float = 25 * 2**20  # gradients fused per all-reduce (parallel.bucket_mb; DDP's default too)
     # Megatron-LM's scatter/gather: each of a stage's tp ranks sends 1/tp of the activation (ibid. section 4.1);
@@ -276,6 +280,13 @@ def microbatch_all_to_all_s(model: Transformer, train: Training, cluster: Cluste
     return model.moe_layers / lay.pp * 4 * all_to_all_s(sent, lay.ep, cluster.link(lay.dp * lay.tp))
 
 
+def kept_bytes(model: Transformer, train: Training, cluster: Cluster, tokens: int, tp: int) -> float:
+    """What one layer keeps for backward in this training: Korthikanti's count, without the scores under a fused
+    attention kernel, times the cluster's ``eager_kept`` in eager PyTorch."""
+    kept = model.activation_bytes(tokens, tp, train.act_bytes, scores=not train.fused_attention)
+    return kept * (1 if train.compiled else cluster.eager_kept)
+
+
 def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay: Layout,
                      head: bool = True) -> tuple[float, float, float]:
     """(compute, TP, point-to-point) seconds of one microbatch on the last stage, all its chunks: the slowest, as it
@@ -288,7 +299,8 @@ def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay:
     flops = passes * (layers * model.layer_flops(tokens) + moe) + 3 * head * model.logit_flops(tokens)
     matmul = flops / lay.tp / rate
     # Elementwise work: forward writes the kept activations, backward reads them and writes as much again.
-    moved = (passes - 1) * layers * model.activation_bytes(tokens, lay.tp, train.act_bytes)
+    moved = (passes - 1) * layers * model.activation_bytes(tokens, lay.tp, train.act_bytes, not train.fused_attention)
+    moved *= 1 if train.compiled else cluster.eager_traffic  # unfused: each op reads and writes its tensors again
     # Gradient accumulation: every microbatch after the first adds its weight gradients to the stage's (torch's
     # AccumulateGrad; Megatron-LM's main_grad.add_), reading both and writing the sum: (m-1)/m adds per microbatch.
     moved += (1 - 1 / lay.microbatches) * stage_params(model, lay) * 3 * train.grad_bytes
@@ -392,7 +404,7 @@ def memory_bytes(model: Transformer, train: Training, cluster: Cluster, lay: Lay
                        + train.grad_bytes / (lay.dp if lay.zero >= 2 else 1)
                        + train.optimizer_bytes / (lay.dp if lay.zero >= 1 else 1))
     tokens = train.batch // (lay.dp * lay.microbatches) * model.seq_len
-    layer = model.activation_bytes(tokens, lay.tp, train.act_bytes)
+    layer = kept_bytes(model, train, cluster, tokens, lay.tp)
     kept = tokens * model.hidden * train.act_bytes if lay.checkpointing else layer  # per layer and microbatch
     p, m, v = lay.pp, lay.microbatches, lay.virtual_stages
     in_flight = {"gpipe": m, "1f1b": min(m, p), "interleaved": min(m, p + (p - 1) / v)}[lay.schedule]
@@ -569,9 +581,9 @@ SPEC_LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep", 
                     "parallel.schedule", "parallel.virtual_stages", "train.activation_checkpointing")
 PLANNED_KEYS = ("model.kind", "model.entry", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len",
                 "model.moe_experts", "model.moe_top_k", "model.moe_every", "data.batch_size", "train.optimizer",
-                "train.momentum", "train.bf16_autocast", "parallel.compression", "parallel.topk_fraction",
-                "parallel.powersgd_rank", "parallel.compression_scope", "parallel.overlap", "parallel.bucket_mb",
-                *SPEC_LAYOUT_KEYS)
+                "train.momentum", "train.bf16_autocast", "train.compile", "parallel.compression",
+                "parallel.topk_fraction", "parallel.powersgd_rank", "parallel.compression_scope", "parallel.overlap",
+                "parallel.bucket_mb", *SPEC_LAYOUT_KEYS)
 
 
 def spec_gpt(spec: JobSpec) -> Transformer:
@@ -591,7 +603,7 @@ def spec_training(spec: JobSpec, hidden: int, batch: int | None = None, overlap:
     return Training(batch=spec.data.batch_size if batch is None else batch, dtype="bf16" if half else "fp32",
                     act_bytes=2 if half else 4, param_bytes=4, grad_bytes=4, optimizer_bytes=state, wire_ratio=ratio,
                     dp_overlap=par.overlap and overlap, bucket_bytes=par.bucket_mb * 2**20, p2p_split_over_tp=False,
-                    compression_scope=par.compression_scope)
+                    compression_scope=par.compression_scope, fused_attention=True, compiled=spec.train.compile)
 
 
 def spec_layout(spec: JobSpec, ranks: int) -> Layout:

@@ -560,3 +560,22 @@ def test_the_plan_cuts_the_gradient_exchange_by_node_only_where_it_pays() -> Non
     assert gradient_exchange_s(grads, int8, slow_inside, lay)[1] == "flat"
     assert gradient_exchange_s(grads, replace(int8, compression_scope="inter-node"), slow_inside, lay)[1] == \
         "inter-node"
+
+
+# make bench-gpu on an H200, session 17 (docs/BENCHMARKS.md): the 0.72B Llama of jobs/bench/llama_bench.toml
+MEASURED_GPU = {False: (0.2250, 39.5e9), True: (0.1598, 29.6e9)}  # train.compile -> (step s, peak bytes)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_llama_bench_step_and_memory_are_within_15_percent_of_the_gpu_rows(capsys, compiled) -> None:
+    """Eager and compiled are planner inputs (train.compile; the cluster's eager terms, fitted to these two rows):
+    step time and peak memory within 15% of what make bench-gpu measured."""
+    spec = REPO / "jobs" / "bench" / "llama_bench.toml"
+    assert main(["plan", str(spec), "--cluster", "h100-dgx", "--gpus", "1", "--layout", "dp=1,tp=1,pp=1,m=1",
+                 "--set", f"train.compile={str(compiled).lower()}", "--json"]) == 0
+    plan_json = json.loads(capsys.readouterr().out)
+    predicted = plan_json["recommended"]
+    assert predicted["layout"]["microbatches"] == 1 and plan_json["training"]["compiled"] is compiled
+    step_s, peak = MEASURED_GPU[compiled]
+    assert predicted["step_s"] == pytest.approx(step_s, rel=0.15)
+    assert predicted["memory_bytes"] == pytest.approx(peak, rel=0.15)
