@@ -163,6 +163,7 @@ class DistributedOptimizerMixin:
         zero: int = 0,
         module: torch.nn.Module | None = None,
         bucket_views: bool = False,
+        owned_first: list[torch.nn.Parameter] | None = None,
     ) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -198,7 +199,7 @@ class DistributedOptimizerMixin:
         self._idle = self._alone and self._momentum is None
         # ZeRO (parallel/zero.py): stage 2 assigns owners per bucket, so each bucket reduce-scatters to them
         buckets = [bucket.params for bucket in self.buckets] if zero >= 2 else ()
-        self.zero = ZeroShards(params, transport.group, buckets) if zero else None
+        self.zero = ZeroShards(params, transport.group, buckets, owned_first or ()) if zero else None
         self.zero_stage, self.sharded = zero, None
         if zero >= 3 and not self._alone:  # alone, a rank owns everything: nothing to gather
             if module is None:
@@ -393,6 +394,7 @@ def distributed_optimizer(
     zero: int = 0,
     module: torch.nn.Module | None = None,
     bucket_views: bool = False,
+    owned_first: list[torch.nn.Parameter] | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so its gradients are reduced over ``transport``'s group (the DP group).
 
@@ -404,7 +406,8 @@ def distributed_optimizer(
     each bucket reduce-scattered to its owners; ``zero=3`` the parameters of ``module`` too, each bucket
     gathered by hooks on its modules when forward or backward needs it (call ``unshard()`` after the last step).
     ``bucket_views`` keeps the gradients as views of the buckets (``BucketViews``; ignored at zero >= 2):
-    ``zero_grad`` then zeroes them rather than setting them to None.
+    ``zero_grad`` then zeroes them rather than setting them to None. ``owned_first``: parameters the group's
+    rank 0 owns under ZeRO whatever their size (tied copies on two pipeline stages: ``parallel.tied``).
     """
     if named_parameters is not None:
         params = [p for _, p in named_parameters if p.requires_grad]
@@ -427,5 +430,6 @@ def distributed_optimizer(
         zero,
         module,
         bucket_views,
+        owned_first,
     )
     return wrapped

@@ -82,15 +82,19 @@ class ZeroShards:
 
     def __init__(
         self, params: Sequence[torch.Tensor], group: ProcessGroup, buckets: Sequence[Sequence[torch.Tensor]] = (),
+        owned_first: Sequence[torch.Tensor] = (),
     ) -> None:
-        """``buckets`` (stage 2): assign owners within each bucket rather than over all ``params``."""
+        """``buckets`` (stage 2): assign owners within each bucket rather than over all ``params``.
+        ``owned_first``: parameters rank 0 owns whatever their size (tied copies: ``parallel.tied``)."""
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.params = list(params)
-        owner_of: dict[int, int] = {}
+        pinned = {id(p) for p in owned_first} & {id(p) for p in self.params}
+        owner_of: dict[int, int] = dict.fromkeys(pinned, 0)
         # each bucket's greedy starts from what the others gave, those with the largest first (none: a rank
         # whose parameters are all frozen)
-        totals = [0] * self.size
-        for part in sorted(buckets or [self.params], key=lambda part: -max((p.numel() for p in part), default=0)):
+        totals = [sum(p.numel() for p in self.params if id(p) in pinned), *[0] * (self.size - 1)]
+        parts = [[p for p in part if id(p) not in pinned] for part in buckets or [self.params]]
+        for part in sorted(parts, key=lambda part: -max((p.numel() for p in part), default=0)):
             owners = assign_owners([p.numel() for p in part], self.size, totals)
             owner_of.update(zip((id(p) for p in part), owners, strict=True))
             for p, owner in zip(part, owners, strict=True):
