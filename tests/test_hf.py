@@ -146,16 +146,32 @@ def test_the_plan_names_real_modules_and_the_tp_checks_name_the_keys() -> None:
         check_pipeline(adapter, 3, "parallel.pp")
 
 
-def test_tied_embeddings_stay_whole_under_tp_and_one_under_pp() -> None:
+def test_tied_embeddings_split_alike_under_tp_and_sit_on_both_ends_of_a_pipeline() -> None:
+    from jobs.models.protocol import check_tp, tied_across_stages
     from jobs.train.parallelize import keep_stages
 
     adapter, reference = _both(tie_word_embeddings=True)
     assert adapter.lm_head.weight is adapter.model.embed_tokens.weight
     torch.testing.assert_close(adapter(_ids()), reference(input_ids=_ids()).logits, rtol=0, atol=1e-6)
-    assert adapter.tp_plan["lm_head"] == adapter.tp_plan["model.embed_tokens"] == "replicate"
+    # both split over the vocabulary, alike (parallelize_tp then ties the shards as the whole weights were)
+    assert adapter.tp_plan["lm_head"] == "colwise_gather_output"
+    assert adapter.tp_plan["model.embed_tokens"] == "embedding_rowwise"
+    assert tied_across_stages(adapter) == ["model.embed_tokens.weight"]
     assert len(keep_stages(adapter, 1, 0, 1, False, True)) == 1  # one stage (recomputed blocks): the weight stays one
-    with pytest.raises(LayoutError, match=r"share (lm_head|model\.embed_tokens)\.weight \(tied embeddings\)"):
-        keep_stages(adapter, 2, 0, 1, False, False)
+    held = {}
+    for rank in range(4):  # pp = 4: the first and the last stage each hold a copy, the middle ones none
+        share, _ = _both(tie_word_embeddings=True)
+        keep_stages(share, 4, rank, 1, False, False)
+        held[rank] = {name for name, _ in share.named_parameters()}
+        if rank in (0, 3):
+            assert share.lm_head.weight is share.model.embed_tokens.weight  # one parameter on the rank
+    assert [rank for rank in held if "model.embed_tokens.weight" in held[rank]] == [0, 3]
+    assert "model.layers.0.self_attn.q_proj.weight" in held[0] and "model.norm.weight" in held[3]
+    spec = spec_from_dict({"model": {"entry": ENTRY, "args": {**TINY, "tie_word_embeddings": True}, "seq_len": SEQ,
+                                     "tp_plan": {"lm_head": "replicate"}}, "data": {"name": "licenses"}})
+    with pytest.raises(LayoutError, match=r"model.embed_tokens \(split on dim 0\), lm_head \(whole\) share one "
+                                          r"weight \(tied embeddings\): split them alike"):
+        check_tp(adapter, spec, 2)
 
 
 def test_the_model_builds_on_the_meta_device_for_the_pre_launch_check() -> None:
@@ -398,7 +414,8 @@ def test_the_hf_export_of_a_tp_pp_checkpoint_gives_the_trained_models_logits(tra
          "model.args.num_key_value_heads=2 is not divisible by parallel.tp=4"),
         (["--set", "model.args.model_type=nosuch"], "model.args.model_type='nosuch' is not a transformers model type"),
         (["--set", "model.args.num_hidden_layers=3"], "the model's 3 blocks cannot be cut into parallel.pp"),
-        (["--set", "model.args.tie_word_embeddings=true"], "model.args.tie_word_embeddings = false"),
+        (["--set", "model.args.tie_word_embeddings=true", "--set", "model.tp_plan.lm_head=replicate"],
+         "share one weight (tied embeddings): split them alike"),
     ],
 )
 def test_a_layout_the_llama_cannot_take_is_one_line_before_launch(capsys, args, message) -> None:

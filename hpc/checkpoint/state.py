@@ -3,10 +3,12 @@
 Names in the checkpoint:
 
 - ``model/<name>``: every entry of ``model.state_dict()``, named as in the single-device
-  model. A tensor-parallel shard is a piece at its offsets in the global tensor: the caller
-  passes ``split_dims`` (state-dict name -> the dimension split over the TP group) and this
-  rank's ``tp_rank`` of ``tp_size``; without them every tensor is whole. Replicas (DP ranks,
-  and TP ranks for unsplit tensors) hold the same piece, which one of them writes;
+  model, a tensor held under two names (tied weights) once, under its first. A tensor-parallel
+  shard is a piece at its offsets in the global tensor: the caller passes ``split_dims``
+  (state-dict name -> the dimension split over the TP group) and this rank's ``tp_rank`` of
+  ``tp_size``; without them every tensor is whole. Replicas (DP ranks, TP ranks for unsplit
+  tensors, the two pipeline stages holding a copy of a tied weight) hold the same piece, which
+  one of them writes;
 - ``optim/<parameter name>/<key>``: every tensor of the optimizer's per-parameter state
   (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``); one shaped like
   its parameter is placed like it;
@@ -54,9 +56,15 @@ def placed(name: str, tensor: torch.Tensor, split_dim: int | None, tp_rank: int,
 def model_pieces(
     model: torch.nn.Module, split_dims: Mapping[str, int] = NO_SPLIT, tp_rank: int = 0, tp_size: int = 1
 ) -> list[Piece]:
-    """The model's tensors (sharing its memory) as pieces of the single-device model's tensors."""
-    return [placed(f"model/{name}", tensor, split_dims.get(name), tp_rank, tp_size)
-            for name, tensor in model.state_dict().items()]
+    """The model's tensors (sharing its memory) as pieces of the single-device model's tensors; a tensor held
+    under several names (tied embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``) once, under the
+    first, as transformers saves it (loading it fills every module holding it)."""
+    pieces, seen = [], set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            pieces.append(placed(f"model/{name}", tensor.detach(), split_dims.get(name), tp_rank, tp_size))
+    return pieces
 
 
 def state_pieces(

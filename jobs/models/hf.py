@@ -244,8 +244,9 @@ class CausalLM(nn.Module):
         self.rotary = RotaryTables(self.model.rotary_emb)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.tp_plan = dict(getattr(hf_model, "_tp_plan", None) or {})
-        if self.tied:  # split separately, the shared weight would become two: keep both whole and shared
-            self.tp_plan.update({"model.embed_tokens": "replicate", "lm_head": "replicate"})
+        if self.tied:  # both split over the vocabulary alike: their shards stay one tensor (jobs.train.parallelize)
+            self.tp_plan["model.embed_tokens"] = "embedding_rowwise"
+            self.tp_plan.setdefault("lm_head", "colwise_gather_output")
         heads = config.num_attention_heads
         self.tp_divisors = {"model.args.num_attention_heads": heads,
                             "model.args.num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads}
@@ -304,6 +305,7 @@ def export_hf(step_dir: str | Path, dest: str | Path, spec: JobSpec, max_shard_b
     from hpc.checkpoint.export import MAX_SHARD_BYTES, check_destination, export_model_dir
     from hpc.checkpoint.format import CheckpointError
     from hpc.checkpoint.load import open_checkpoint
+    from hpc.checkpoint.state import model_pieces
     if not is_hf_entry(spec):
         model = f"model.entry={spec.model.entry!r}" if spec.model.entry else f"model.kind={spec.model.kind!r}"
         raise ConfigError(f"{step_dir}: its {model} is not model.entry={ENTRY!r}: --format hf exports "
@@ -311,9 +313,11 @@ def export_hf(step_dir: str | Path, dest: str | Path, spec: JobSpec, max_shard_b
     config = hf_config(spec.model.args)
     with torch.device("meta"):
         built = CausalLM(_from_config(import_transformers(), config))
-    expected = {f"model/{name}": tuple(t.shape) for name, t in built.state_dict().items()}
+    expected = {piece.name: tuple(piece.tensor.shape) for piece in model_pieces(built)}  # a tied weight once
+    aliases = {f"model/{name}" for name in built.state_dict()} - expected.keys()  # older checkpoints hold both
     index = open_checkpoint(step_dir)
-    stored = {name: tuple(record.shape) for name, record in index.tensors.items() if name.startswith("model/")}
+    stored = {name: tuple(record.shape) for name, record in index.tensors.items()
+              if name.startswith("model/") and name not in aliases}
     if stored != expected:
         differ = sorted(set(stored.items()) ^ set(expected.items()))[0][0]
         raise CheckpointError(f"{index.path}: its model tensors do not match model.args "

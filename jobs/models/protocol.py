@@ -10,7 +10,8 @@ A model is a single-device ``nn.Module`` (built under ``torch.manual_seed(job.se
 - ``pipeline_parts() -> (first, blocks, last)`` (for ``parallel.pp > 1``): ``first``
   runs before the first block on the first stage (embeddings), ``blocks`` are equal
   modules mapping one activation shape to itself (cut into ``pp * virtual_stages``
-  chunks), ``last`` runs after the last block on the last stage (norm, head);
+  chunks), ``last`` runs after the last block on the last stage (norm, head); a weight ``first`` and
+  ``last`` share (tied embeddings) is held by both stages and kept equal (``parallel.tied``);
 - ``tp_plan`` (for ``parallel.tp > 1``): module-name patterns (``*`` stands for one
   name, e.g. ``layers.*.mlp.up_proj``) to a style of ``TP_STYLES``, the spelling of the
   ``base_model_tp_plan`` that ``transformers`` configs carry; ``[model.tp_plan]`` in the
@@ -147,6 +148,7 @@ def check_tp(model: nn.Module, spec: JobSpec, tp: int) -> None:
     if not plan:
         raise LayoutError(f"parallel.tp={tp}, but the model has no tp_plan: give one in [model.tp_plan] "
                           f"(module-name patterns to {', '.join(TP_STYLES)})")
+    check_tied_split(model, plan)
     for name_pattern, style, module, name in plan_targets(model, plan):
         if style == "replicated_with_grad_allreduce":
             continue  # nothing split
@@ -164,21 +166,50 @@ def check_pipeline(model: nn.Module, chunks: int, key_hint: str) -> None:
     if parts is None:
         raise LayoutError(f"{key_hint} = {chunks} pipeline chunks, but the model has no pipeline_parts(): "
                           "it cannot be cut into stages (docs/USER_MODELS.md)")
-    first, blocks, last = parts()
+    _, blocks, _ = parts()
     if len(blocks) < chunks or len(blocks) % chunks:
         raise LayoutError(f"the model's {len(blocks)} blocks cannot be cut into {key_hint} = {chunks} equal "
                           "pipeline chunks")
-    shared = shared_parameters(model, first, last)
-    if shared:
-        raise LayoutError(f"{key_hint} = {chunks} pipeline chunks, but the model's first and last pipeline parts "
-                          f"share {', '.join(shared)} (tied embeddings): they cannot sit on different pipeline ranks; "
-                          "untie them (a transformers model: model.args.tie_word_embeddings = false)")
 
 
 def shared_parameters(model: nn.Module, first: nn.Module, last: nn.Module) -> list[str]:
     """Names of the parameters both ``first`` and ``last`` use."""
     both = {id(param) for param in first.parameters()} & {id(param) for param in last.parameters()}
     return [name for name, param in model.named_parameters() if id(param) in both]
+
+
+def tied_across_stages(model: nn.Module) -> list[str]:
+    """Names of the parameters the first and the last pipeline part share (tied embeddings): under
+    ``parallel.pp > 1`` the first and the last stage each hold a copy, kept equal over the embedding group
+    (``parallel.tied``). Empty for a model without ``pipeline_parts()``."""
+    parts = getattr(model, "pipeline_parts", None)
+    if parts is None:
+        return []
+    first, _, last = parts()
+    return shared_parameters(model, first, last)
+
+
+def split_dim(module: nn.Module, style: str | None) -> int | None:
+    """The dimension of ``module.weight`` a plan style splits (None: whole)."""
+    if style in (None, "replicate", "replicated_with_grad_allreduce"):
+        return None
+    return 1 if style == "rowwise" else 0
+
+
+def check_tied_split(model: nn.Module, plan: Mapping[str, str]) -> None:
+    """Raise when modules sharing a weight (tied embeddings) would split it differently: their shards are tied
+    as the whole weights were (``jobs.train.parallelize``), so every holder must cut it alike."""
+    styles = {name: style for _, style, _, name in plan_targets(model, plan)}
+    holders: dict[int, list[tuple[str, int | None]]] = {}
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            holders.setdefault(id(weight), []).append((name, split_dim(module, styles.get(name))))
+    for held in holders.values():
+        if len({dim for _, dim in held}) > 1:
+            cuts = ", ".join(f"{name} ({'whole' if dim is None else f'split on dim {dim}'})" for name, dim in held)
+            raise LayoutError(f"model.tp_plan: {cuts} share one weight (tied embeddings): split them alike "
+                              "(e.g. embedding_rowwise and colwise_gather_output, or replicate both)")
 
 
 def check_model_layout(spec: JobSpec, tp: int, pp: int, virtual: int) -> nn.Module:

@@ -48,6 +48,7 @@ from parallel.optimizer import CommStats, distributed_optimizer
 from parallel.pipeline import StepStats, run_pipeline_step
 from parallel.schedule import Action, build_schedule, lockstep_deadlock
 from parallel.tensor_parallel import tp_split_dims
+from parallel.tied import owned_first
 from parallel.transport import Transport, make_transport
 
 __all__ = ["StepReport", "StepRunner", "TrainResult", "base_learning_rate", "clip_gradients", "forward_backward",
@@ -80,18 +81,21 @@ def base_learning_rate(cfg: TrainConfig, global_batch: int) -> float:
 
 
 def clip_gradients(model: torch.nn.Module, mesh: Mesh, max_norm: float, optimizer=None,
-                   experts: tuple[ExpertGroups, list[torch.nn.Parameter]] | None = None) -> torch.Tensor:
+                   experts: tuple[ExpertGroups, list[torch.nn.Parameter]] | None = None,
+                   uncounted: Sequence[torch.nn.Parameter] = ()) -> torch.Tensor:
     """Clip to the single-device model's global norm: TP shards counted on every TP rank, tensors
     replicated over TP on TP rank 0 only, summed over TP and PP. Under ZeRO-2 (``optimizer.zero_stage``)
     each DP rank holds only its owners' gradients: it counts those, and the sum goes over DP too.
     With sharded ``experts`` (their groups and this rank's expert parameters) each EP rank counts its
     experts and EP rank 0 the dense rest, summed over the EP group too. Returns the norm before clipping, a 0-dim
     tensor on the gradients' device. A fused Adam/AdamW ``optimizer`` takes the clip factor into its next step,
-    which must run inside ``parallel.clip.scaled_step`` (``parallel.clip``)."""
+    which must run inside ``parallel.clip.scaled_step`` (``parallel.clip``). ``uncounted``: copies another
+    pipeline stage counts (tied embeddings' last-stage copy, ``parallel.tied``)."""
     split = tp_split_dims(model)
     sharded = optimizer is not None and getattr(optimizer, "zero_stage", 0) >= 2
-    own = {id(p) for p in experts[1]} if experts else set()
-    counted = [p for name, p in model.named_parameters() if p.requires_grad and (name in split or mesh.index("tp") == 0)
+    own, skip = ({id(p) for p in experts[1]} if experts else set()), {id(p) for p in uncounted}
+    counted = [p for name, p in model.named_parameters() if p.requires_grad and id(p) not in skip
+               and (name in split or mesh.index("tp") == 0)
                and (not sharded or optimizer.holds_gradient(p))
                and (not experts or id(p) in own or experts[0].ep_rank == 0)]
     groups = (mesh.group("tp"), mesh.group("pp"), *((mesh.group("dp"),) if sharded else ()),
@@ -174,7 +178,8 @@ def _train(
     workload = Workload(spec, mesh)
     watch_groups(probe, mesh, workload)
     freeze(workload.model, spec.train.freeze, mesh)
-    optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, probe, exclude=workload.expert_params)
+    optimizer = build_data_parallel_optimizer(spec, workload.model, mesh, probe, exclude=workload.expert_params,
+                                              owned_first=owned_first(workload.embedding_group, workload.model))
     steps = StepRunner(spec, workload, mesh, probe, optimizer)
     state = LoopState(workload.model, steps.optimizer, mesh, spec.parallel.ep, world.rank)
     start_step, resumed_loss = resume(spec, run, state)
@@ -238,10 +243,12 @@ def freeze(model: torch.nn.Module, patterns: Sequence[str], mesh: Mesh) -> None:
 
 
 def build_data_parallel_optimizer(spec: JobSpec, model: torch.nn.Module, mesh: Mesh, probe: Probe,
-                                  exclude: list[torch.nn.Parameter] | None = None):
+                                  exclude: list[torch.nn.Parameter] | None = None,
+                                  owned_first: list[torch.nn.Parameter] | None = None):
     """The spec's optimizer, its gradients averaged over the DP group through the ring and the codec,
     except those of ``exclude`` (sharded experts: ``parallel.ep`` reduces them over their replicas). Frozen
-    parameters (``train.freeze``) are in neither the optimizer nor a bucket (their hooks would never fire)."""
+    parameters (``train.freeze``) are in neither the optimizer nor a bucket (their hooks would never fire).
+    ``owned_first``: what ZeRO gives the DP group's rank 0 (tied copies, ``parallel.tied``)."""
     par = spec.parallel
     split = tp_split_dims(model)
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -263,6 +270,7 @@ def build_data_parallel_optimizer(spec: JobSpec, model: torch.nn.Module, mesh: M
         zero=par.zero,
         module=model,
         bucket_views=True,
+        owned_first=owned_first,
     )
 
 
@@ -345,9 +353,14 @@ class StepRunner:
         if groups is not None:
             with probe.collective("expert gradient all-reduce", "expert-grad", groups.replica_members):
                 reduce_expert_gradients(self.expert_params, groups)
+        tied, model = self.workload.embedding_group, self.workload.model
+        if tied is not None:  # the first and last stage's copies of tied embeddings: one gradient, before clipping
+            with probe.collective("tied gradient all-reduce", "embedding", tied.members):
+                tied.reduce_gradients(model, optimizer.holds_gradient)
         with probe.collective("gradient norm", "grad-norm", self.grad_norm_peers):
-            grad_norm = clip_gradients(self.workload.model, self.mesh, cfg.grad_clip or math.inf, optimizer,
-                                       (groups, self.expert_params) if groups is not None else None)
+            grad_norm = clip_gradients(model, self.mesh, cfg.grad_clip or math.inf, optimizer,
+                                       (groups, self.expert_params) if groups is not None else None,
+                                       tied.uncounted(model) if tied is not None else ())
         with probe.span("optimizer step"), optimizer.skip_synchronize(), scaled_step(optimizer):
             optimizer.step()
         if step + 1 < cfg.steps:  # read and copied while the device runs this step, not after its end

@@ -5,10 +5,11 @@ matching ``nn.Linear`` or ``nn.Embedding`` is swapped, in place, for the layer o
 ``parallel.tensor_parallel`` holding this rank's slice (taken from the full module,
 so a seed means the same weights under every layout). Pipeline cuts follow the
 model's ``pipeline_parts()``: the blocks split into ``pp * virtual_stages`` equal
-chunks, ``first`` joining stage 0 and ``last`` the last stage. Modules a rank does not
-hold become ``Elsewhere`` placeholders, so the parameters it keeps have their
-single-device names, and checkpoints and comparisons speak of the same tensors under
-every layout.
+chunks, ``first`` joining stage 0 and ``last`` the last stage; a weight both use (tied
+embeddings) stays on both, one copy each (``parallel.tied`` keeps them equal), and the TP
+shards of a weight shared whole are shared alike. Modules a rank does not hold become
+``Elsewhere`` placeholders, so the parameters it keeps have their single-device names, and
+checkpoints and comparisons speak of the same tensors under every layout.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from hpc.errors import LayoutError
 from hpc.observe.probe import group_collective
 from jobs.models.moe import moe_layers
-from jobs.models.protocol import check_pipeline, plan_targets
+from jobs.models.protocol import check_pipeline, check_tied_split, plan_targets
 from parallel.ep import ExpertGroups
 from parallel.pipeline import split_into_stages
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -55,11 +56,17 @@ def _sum_over_tp(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def parallelize_tp(model: nn.Module, plan: Mapping[str, str], group: ProcessGroup) -> bool:
     """Swap the plan's modules for tensor-parallel ones (collective-free). True when the model's
     output stays split over the vocabulary (a ``vocab`` Linear): its loss then needs ``tp_group``."""
+    check_tied_split(model, plan)
     split_output = False
+    swapped: dict[int, nn.Module] = {}  # id of a whole weight -> the first TP layer made of it
     for _, style, module, name in plan_targets(model, plan):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, _tp_layer(module, style, group))
+        layer = _tp_layer(module, style, group)
+        tied = swapped.setdefault(id(getattr(module, "weight", layer)), layer)
+        if tied is not layer:  # a weight shared whole (tied embeddings): the shards are shared alike
+            layer.weight = tied.weight
+        setattr(parent, child, layer)
         split_output |= style == "vocab" and isinstance(module, nn.Linear)
     return split_output
 

@@ -29,10 +29,11 @@ from jobs.data.datasets import DataSplits, dp_shard, global_batch_indices
 from jobs.data.protocol import build_data
 from jobs.models.materialize import NotReplayable, build_on_meta
 from jobs.models.moe import expert_parameters, moe_layers
-from jobs.models.protocol import build_model, tp_plan
+from jobs.models.protocol import build_model, tied_across_stages, tp_plan
 from jobs.train.parallelize import Stage, keep_stages, parallelize_ep, parallelize_tp
 from parallel.ep import ExpertGroups, build_expert_groups
 from parallel.tensor_parallel import IGNORE_INDEX
+from parallel.tied import EmbeddingGroup, build_embedding_group
 from parallel.transport import TorchTransport, Transport, make_transport
 
 EVAL_SAMPLES = 256  # held-out samples evaluated, spread evenly over the whole held-out set
@@ -77,6 +78,9 @@ class Workload:
         self.pp_transport = make_transport(par.transport, mesh.group("pp"))
         self.expert_groups: ExpertGroups | None = (
             build_expert_groups(mesh, par.ep, par.transport) if par.ep > 1 else None)
+        # tied embeddings under pp > 1: a copy on the first and the last stage, kept equal (parallel/tied.py)
+        tied = tied_across_stages(model) if mesh.size("pp") > 1 else []
+        self.embedding_group: EmbeddingGroup | None = build_embedding_group(mesh, tied)
         self.built_on = "meta" if replay is not None else "host"  # where the model was built, and why
         self._cut_share(model)
         if replay is not None:
