@@ -344,3 +344,21 @@ def test_the_llama_trains_under_nccls_rules_like_one_process(tmp_path) -> None:
         params = assemble([per_rank[number] for per_rank in got])
         assert_trained_close(params, ref, optimizer="adam", lr=LR, steps=STEPS, name=name)
         assert np.isfinite(sum(float(np.abs(v).sum()) for v in params.values()))
+
+
+def test_a_tied_llama_trains_under_nccls_rules_like_one_process(tmp_path) -> None:
+    """Tied embeddings under pp = 2: the embedding group's all-reduce after the DP reduction (ZeRO-2's owners
+    among them), issued in one order on every rank with TP's and the pipeline's collectives."""
+    from tests.test_tied import _train_tied
+
+    cases = [("tied-tp2-pp2", (1, 2, 2), {"microbatches": 2}),
+             ("tied-dp2-pp2-zero2", (2, 1, 2), {"microbatches": 2, "zero": 2})]
+    (((single, _),),) = run_ranks(1, _train_tied, str(tmp_path), [("single", (1, 1, 1), {})], timeout=120)
+    ref = assemble([single])
+    got = _under_rules(4, _train_tied, str(tmp_path), cases, timeout=600)
+    for number, (name, *_) in enumerate(cases):
+        assert _losses_from(tmp_path / name) == pytest.approx(_losses_from(tmp_path / "single"), rel=LOSS_RTOL)
+        params = assemble([per_rank[number][0] for per_rank in got])
+        assert_trained_close(params, ref, optimizer="adam", lr=LR, steps=STEPS, name=name)
+        holders = [per_rank[number][1] for per_rank in got if per_rank[number][1][0] is not None]
+        assert len(holders) == 4 and all(all(checks) for checks in holders), name  # copies bitwise equal
