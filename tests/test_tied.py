@@ -34,7 +34,7 @@ MASKED = {"entry": "tests.test_finetune:masked_licenses", "args": {"seq_len": SE
 
 def tied_spec(run_dir: str, name: str, layout, model_type: str = "llama", steps: int = 10, microbatches: int = 1,
               schedule: str = "1f1b", virtual: int = 1, zero: int = 0, freeze=(), masked: bool = False,
-              every: int = 0, resume: str = "never"):
+              every: int = 0, resume: str = "never", device: str = "cpu"):
     dp, tp, pp = layout
     return spec_from_dict({
         "job": {"run_dir": run_dir, "name": name, "seed": 5},
@@ -44,7 +44,8 @@ def tied_spec(run_dir: str, name: str, layout, model_type: str = "llama", steps:
         "train": {"steps": steps, "lr": LR, "optimizer": "adam", "grad_clip": CLIP, "log_every": 100,
                   "freeze": list(freeze)},
         "parallel": {"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "microbatches": microbatches,
-                     "virtual_stages": virtual, "zero": zero},
+                     "virtual_stages": virtual, "zero": zero,
+                     **({"device": device, "backend": "gloo"} if device != "cpu" else {})},
         "checkpoint": {"every_steps": every, "keep": 5, "resume": resume},
     })
 
@@ -60,8 +61,8 @@ def _copies_equal(runner) -> bool | None:
     held = [p for p in group.parameters(model) if runner.optimizer.holds_parameter(p)]
     equal = []
     for param in held:
-        both = [torch.empty_like(param), torch.empty_like(param)]
-        dist.all_gather(both, param.detach().contiguous(), group=group.group)
+        both = [torch.empty_like(param, device="cpu"), torch.empty_like(param, device="cpu")]
+        dist.all_gather(both, param.detach().cpu(), group=group.group)  # on the host: Gloo, a shared GPU
         equal.append(torch.equal(both[0], both[1]))
     return all(equal) if held else None
 
@@ -99,9 +100,10 @@ def _step_dir(run_dir: Path, name: str, step: int) -> Path:
     return run_dir / name / "checkpoints" / f"step-{step:08d}"
 
 
-def _run(ranks: int, run_dir: Path, cases) -> dict[str, tuple[dict[str, np.ndarray], list[list[bool | None]]]]:
+def _run(ranks: int, run_dir: Path, cases,
+         device: str = "cpu") -> dict[str, tuple[dict[str, np.ndarray], list[list[bool | None]]]]:
     """{name: (assembled parameters, each rank's per-step copy checks)}."""
-    per_rank = run_ranks(ranks, _train_tied, str(run_dir), cases, timeout=600)
+    per_rank = run_ranks(ranks, _train_tied, str(run_dir), cases, timeout=600, device=device)
     return {name: (assemble([results[number][0] for results in per_rank]),
                    [results[number][1] for results in per_rank])
             for number, (name, *_) in enumerate(cases)}
@@ -247,3 +249,14 @@ def test_zero_gives_the_tied_copies_to_dp_rank_0_whatever_their_size() -> None:
     """At ZeRO-2 and 3 only the owner keeps the gradient: both stages' copies must be the same DP index's."""
     for owners in run_ranks(2, _owners):
         assert owners == [[1, 0, 1], [0, 1, 0], [1, 0, 1], [0, 1, 0]]  # the rest balanced around it
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_tied_llama_under_pp2_trains_like_one_cpu_process(tmp_path) -> None:
+    """Two pipeline ranks sharing the GPU (over Gloo): the embedding group's all-reduce of CUDA gradients."""
+    gpu_rtol = 1e-4  # float32 on the GPU against the CPU: other summation orders (tests/test_cuda.py)
+    single = _run(1, tmp_path, [("single", (1, 1, 1), {})])
+    gpu = _run(2, tmp_path, [("gpu-pp2", (1, 1, 2), {"microbatches": 2, "device": "cuda"})], device="cuda")
+    assert _metrics(tmp_path, "gpu-pp2")[0] == pytest.approx(_metrics(tmp_path, "single")[0], rel=gpu_rtol)
+    assert_trained_close(gpu["gpu-pp2"][0], single["single"][0], optimizer="adam", lr=LR, steps=10, name="gpu-pp2")
+    assert all(all(rank) for rank in gpu["gpu-pp2"][1])  # both ranks hold a copy, bitwise equal every step
