@@ -43,7 +43,8 @@ class Cluster:
     inter_alpha_us: float = _field(10.0, "inter-node link: latency of one message, microseconds", min=0)
     inter_gbps: float = _field(25.0, "inter-node link: bandwidth per device and direction, GB/s", gt=0)
     eager_kept: float = _field(1.0, "eager PyTorch (no train.compile): activations kept for backward over the fused "
-                                    "count (autocast's copies, unfused intermediates); 1 where calibrated with it", gt=0)
+                                    "count (autocast's copies, unfused intermediates); 1 where calibrated with it",
+                               gt=0)
     eager_traffic: float = _field(1.0, "eager PyTorch: elementwise bytes moved over the fused kernels'", gt=0)
     # CPU terms (docs/PLANNER.md, "CPU ranks"): zero on GPU clusters, where they vanish behind the kernels.
     cores_per_node: int = _field(0, "CPU cores the ranks of a node share (0: every device computes on its own); a rank "
