@@ -579,3 +579,14 @@ def test_the_llama_bench_step_and_memory_are_within_15_percent_of_the_gpu_rows(c
     step_s, peak = MEASURED_GPU[compiled]
     assert predicted["step_s"] == pytest.approx(step_s, rel=0.15)
     assert predicted["memory_bytes"] == pytest.approx(peak, rel=0.15)
+
+
+def test_a_tied_head_is_counted_once_on_one_stage_and_as_a_copy_on_the_last_of_a_pipeline() -> None:
+    """Issue 43: under pp > 1 the last stage holds its own copy of a tied embedding (parallel/tied.py), with its
+    gradient and optimizer state: as much as an untied head. On one stage the tensor is one."""
+    tied, untied = Transformer(8, 1024, 16, 1024, 51200), Transformer(8, 1024, 16, 1024, 51200, tied=False)
+    one, two = Layout(1, 2, 1, 1), Layout(1, 2, 2, 1)
+    assert stage_params(untied, one) - stage_params(tied, one) == 51200 * 1024 / 2
+    assert stage_params(tied, two) == stage_params(untied, two)
+    cluster = load_cluster("h100-dgx")
+    assert memory_bytes(tied, MIXED_ADAM, cluster, two) == memory_bytes(untied, MIXED_ADAM, cluster, two)
