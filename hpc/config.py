@@ -185,6 +185,10 @@ class TrainConfig:
     stall_abort_s: float = _field(240.0, "past this wait the job aborts with that report instead of hanging", gt=0)
     health_check: bool = _field(False, "test every group of the mesh (all-reduce, ring of messages) before training")
     health_check_timeout_s: float = _field(30.0, "how long the health check waits for each group", gt=0)
+    straggler_every: int = _field(0, "every this many steps the ranks compare their step compute times "
+                                     "(hpc/observe/straggler.py); 0 = off", min=0)
+    straggler_threshold: float = _field(1.25, "a rank computing above this many times the median rank's step, two "
+                                              "comparisons running, is named as a straggler", gt=1)
 
     def field_conflict(self) -> tuple[str, str] | None:
         if self.stall_abort_s <= self.stall_warn_s:

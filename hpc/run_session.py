@@ -91,12 +91,13 @@ def write_result(path: Path, record: Mapping[str, Any], world: World) -> None:
 
 def spec_options(spec: JobSpec) -> dict[str, Any]:
     """A spec job's session settings: its checkpoint directory, retention, async saves and commit timeout, its
-    requeue limit, and its spec recorded with every checkpoint (``hpc ckpt export`` reads it)."""
+    requeue limit, TensorBoard scalars beside metrics.jsonl (where tensorboard is installed), and its spec
+    recorded with every checkpoint (``hpc ckpt export`` reads it)."""
     from hpc.config import spec_to_dict
 
     cfg = spec.checkpoint
     return {"checkpoint_path": spec.checkpoint_path, "keep": cfg.keep, "async_save": cfg.async_save,
-            "commit_timeout_s": spec.parallel.timeout_s, "max_requeues": spec.slurm.max_requeues,
+            "commit_timeout_s": spec.parallel.timeout_s, "max_requeues": spec.slurm.max_requeues, "tensorboard": True,
             "attrs": {"job_spec": json.dumps(spec_to_dict(spec))}}
 
 

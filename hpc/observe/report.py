@@ -128,7 +128,18 @@ def summary(run: Run) -> list[tuple[str, str]]:
     whose = "largest rank" if run.ranks else "rank 0"  # metrics.jsonl is rank 0's
     peaks = [r["peak_memory_bytes"] for r in run.ranks or run.steps if r.get("peak_memory_bytes") is not None]
     rows.append((f"peak memory ({whose})", human_bytes(max(peaks)) if peaks else "-"))
-    return rows + moe_rows(run.steps)
+    return rows + straggler_rows(run.steps) + moe_rows(run.steps)
+
+
+def straggler_rows(steps: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The ranks named as stragglers (hpc/observe/straggler.py): host, first step named, the largest slowdown."""
+    named: dict[int, tuple[str, int, float]] = {}
+    for record in steps:
+        for s in record.get("stragglers", ()):
+            host, first, worst = named.get(s["rank"], (s["host"], record["step"], 0.0))
+            named[s["rank"]] = (host, first, max(worst, s["slowdown"]))
+    return [(f"straggler: rank {rank}", f"on {host}, from step {first}, up to {worst:.2f}x the median rank's step")
+            for rank, (host, first, worst) in sorted(named.items())]
 
 
 def moe_rows(steps: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:

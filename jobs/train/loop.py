@@ -30,6 +30,7 @@ from hpc.observe.metrics import RANK_TOTALS, device_peak_flops, peak_memory_byte
 from hpc.observe.probe import Probe
 from hpc.observe.progress import Progress
 from hpc.observe.stall import StallWatch
+from hpc.observe.straggler import Straggler, StragglerWatch
 from hpc.observe.timeline import Timeline, merge_rank_files
 from hpc.run_session import RunSession, spec_options
 from hpc.runtime.bootstrap import World
@@ -194,6 +195,7 @@ def _train(
             with probe.span("step report"):  # the step before's, once the device finished it (a GPU's runs on)
                 records.hold(report)
             _checkpoint_or_stop(spec, step + 1, run, state, probe, records, start_step)
+            records.name_stragglers(step + 1)
         records.settle()
         run.wait_for_saves()
         steps.optimizer.unshard()  # ZeRO-3: the model whole again for evaluation and the caller
@@ -423,6 +425,10 @@ class RunRecords:
         self.loss = loss  # the last step's; until one runs, the resumed checkpoint's (None: unknown)
         self.held: StepReport | None = None  # the step queued last, not yet reported
         self.clock = time.perf_counter()  # when the last step reported was seen done (or the loop started)
+        train = spec.train
+        self.watch = StragglerWatch(train.straggler_every, train.straggler_threshold, run.device) \
+            if train.straggler_every else None  # collective: every rank makes it
+        self.stragglers: list[Straggler] = []  # named at the last comparison, for the next metrics record
         self.last_ready: object | None = None  # that step's event on a GPU; None: time the next on the host
 
     def restart_clock(self) -> float:
@@ -465,14 +471,28 @@ class RunRecords:
                    "comm_s": comm.reduce_seconds + outcome.pipeline_wait_s, "wait_s": wait}
         for key, value in timings.items():
             self.totals[key] += value
+        if self.watch is not None:
+            self.watch.add(timings["compute_s"])
         if self.world.rank == 0:
             self.run.log(
                 {"step": step + 1, "loss": outcome.loss, "lr": outcome.lr, "grad_norm": outcome.grad_norm,
                  f"{self.unit}_per_s": rate, **timings,
                  "comm_bytes": comm.bytes_sent, "raw_bytes": comm.raw_bytes,
                  "compression_ratio": comm.raw_bytes / comm.bytes_sent if comm.bytes_sent else None,
-                 "peak_memory_bytes": peak_memory_bytes(self.world.device), "mfu": self.mfu(rate), **outcome.moe}
+                 "peak_memory_bytes": peak_memory_bytes(self.world.device), "mfu": self.mfu(rate), **outcome.moe,
+                 **({"stragglers": [s.record() for s in self.stragglers]} if self.stragglers else {})}
             )
+            self.stragglers = []
+
+    def name_stragglers(self, done: int) -> None:
+        """When a comparison is due after ``done`` steps: every rank's step compute compared (collective), and rank 0
+        names the stragglers, on its output now and in the next metrics record."""
+        if self.watch is None or not self.watch.due(done):
+            return
+        named = self.watch.check()
+        if self.world.rank == 0 and named:
+            self.stragglers = named
+            print("\n".join(f"[step {done}] {s.line()}" for s in named), flush=True)
 
     def mfu(self, items_per_s: float) -> float | None:
         """Model FLOPs utilization at a global rate: the model's FLOPs over every rank's device peak (ranks
