@@ -118,7 +118,7 @@ class HierarchicalReducer(Reducer):
     the module); its state (residuals per shard) is ``inner``'s."""
 
     def __init__(self, inner: Reducer, groups: NodeGroups) -> None:
-        self.inner, self.groups, self.name = inner, groups, inner.name
+        self.inner, self.groups, self.name, self.nodes = inner, groups, inner.name, groups.nodes
 
     def reduce(self, key: str, tensors: Sequence[torch.Tensor], transport: Transport, average: bool) -> int:
         if self.inner.whole_tensors:

@@ -84,8 +84,8 @@ class LoopState:
         self.distributed = isinstance(optimizer, DistributedOptimizerMixin)
 
     def layout(self) -> dict[str, int]:
-        groups = getattr(getattr(self.optimizer, "reducer", None), "groups", None)  # a hierarchical exchange's
-        return layout_attrs(self.mesh, self.ep, groups.nodes if groups is not None else 1) if self.mesh else {}
+        nodes = self.optimizer.reducer.nodes if self.distributed else 1
+        return layout_attrs(self.mesh, self.ep, nodes) if self.mesh else {}
 
     def pieces(self) -> list[Piece]:
         pieces = state_pieces(self.model, self.optimizer, *self.tp)

@@ -101,6 +101,7 @@ class Reducer(ABC):
     name: str
     supports_reduce_scatter = False  # ring codecs: ``reduce_scatter(key, flat, transport, average)`` (ZeRO stage 2)
     whole_tensors = False  # compresses each tensor as a matrix (PowerSGD): a flat shard would cut them
+    nodes = 1  # the nodes the exchange is cut by (parallel/hierarchy.py), whose shards its state is of
 
     @abstractmethod
     def reduce(self, key: str, tensors: Sequence[torch.Tensor], transport: Transport, average: bool) -> int:
