@@ -69,3 +69,14 @@ def test_a_rank_slowed_on_purpose_is_named_with_its_host_and_ranks_alike_are_not
     assert report["straggler: rank 1"].startswith(f"on {socket.gethostname()}, from step 9, up to ")
     assert Straggler(1, "node7", 4.2).line() == "straggler: rank 1 on node7 computes 4.20x the median rank's step"
     assert not any("stragglers" in record for record in run_ranks(3, _train, str(tmp_path), False)[0])
+
+
+def test_the_comparison_keeps_nccl_rules_on_three_ranks(tmp_path) -> None:
+    """The comparison's all-gather runs at the same step on every rank, on the main thread, between the step's
+    collectives: three ranks train to the end under tests/nccl_rules.py (which raises on a deadlock or on
+    collectives met in another order). Under its inline reductions a fast rank's wait for the slow one is not
+    told apart from compute on the CPU, so naming is checked over Gloo above."""
+    from tests.nccl_rules import BACKEND
+
+    records = run_ranks(3, _train, str(tmp_path), True, backend=BACKEND)[0]
+    assert [record["step"] for record in records] == list(range(1, 13))
