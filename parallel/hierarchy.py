@@ -4,12 +4,15 @@ A flat ring over every DP rank sends each hop through the codec and crosses each
 one rank's link. Inside a node the links are 10-50x faster (NVLink against the network), so the
 hierarchical exchange (Horovod's hierarchical all-reduce; DeepSpeed ZeRO++'s qgZ) runs in three stages:
 
-1. reduce-scatter inside the node, uncompressed, with the backend's own collective: local rank i holds
-   the node's sum of shard i of the bucket (the bucket padded to a multiple of the node's ranks);
+1. reduce-scatter inside the node, uncompressed: each local rank holds the node's sum of one shard of the
+   bucket (the bucket padded to a multiple of the node's ranks). NCCL's own collective where it carries the
+   tensors; on the host our ring (parallel/ring.py) without a codec, since Gloo's reduce-scatter is an
+   all-reduce and a copy (24.5 ms for 16 MB on 2 ranks where its all-reduce takes 14.2 and the ring's one
+   exchange of halves 6.3);
 2. the codec across nodes among the ranks holding the same shard (local rank i of every node: one ring
    per local rank, in parallel, each NIC carrying 1/g of the node's bytes), with its error feedback per
    shard, as the flat ring keeps it per bucket;
-3. all-gather inside the node, uncompressed.
+3. all-gather inside the node, uncompressed (NCCL's, or the ring's on the host).
 
 One rank per node makes stages 1 and 3 nothing and stage 2 the flat ring itself; one node makes stage 2
 nothing: no codec runs where nothing crosses a node. Node membership is what the launcher says
@@ -28,6 +31,7 @@ import torch.distributed as dist
 
 from hpc.runtime.placement import carries_cuda
 from parallel.compression.base import MomentumCorrection, Reducer, flatten, unflatten_into
+from parallel.ring import ring_allgather, ring_reduce_scatter
 from parallel.transport import Transport, make_transport
 
 if TYPE_CHECKING:
@@ -72,9 +76,10 @@ def dp_nodes(mesh: Mesh) -> int:
 @dataclass(frozen=True)
 class NodeGroups:
     """This rank's part of its DP group cut by node: its node's ranks (``node``) and the ranks holding the
-    same shard on every node (``cross``), each a process group and a transport over it."""
+    same shard on every node (``cross``): the node's process group and a transport over each."""
 
     node: ProcessGroup
+    inside: Transport
     cross: Transport
     local_rank: int
     local_size: int
@@ -96,8 +101,8 @@ def build_node_groups(mesh: Mesh, transport: str = "torch") -> NodeGroups:
                 if mesh.rank in ranks:
                     mine[kind] = (group, ranks)
     (node, node_ranks), (cross, cross_ranks) = mine["node"], mine["cross"]
-    return NodeGroups(node, make_transport(transport, cross), node_ranks.index(mesh.rank), len(node_ranks),
-                      len(cross_ranks))
+    return NodeGroups(node, make_transport(transport, node), make_transport(transport, cross),
+                      node_ranks.index(mesh.rank), len(node_ranks), len(cross_ranks))
 
 
 def owners(tensors: Sequence[torch.Tensor], g: int) -> list[int]:
@@ -107,10 +112,6 @@ def owners(tensors: Sequence[torch.Tensor], g: int) -> list[int]:
         owner[i] = min(range(g), key=load.__getitem__)
         load[owner[i]] += tensors[i].numel()
     return owner
-
-
-def _all_reduce(output: torch.Tensor, given: torch.Tensor, group: ProcessGroup) -> None:
-    dist.all_reduce(output, group=group)
 
 
 class HierarchicalReducer(Reducer):
@@ -126,17 +127,14 @@ class HierarchicalReducer(Reducer):
         flat = flatten(tensors)
         g = self.groups.local_size
         padded = flat if flat.numel() % g == 0 else torch.cat([flat, flat.new_zeros(g - flat.numel() % g)])
-        shard = padded.new_empty(padded.numel() // g) if g > 1 else padded
-        sent = 0
-        if g > 1:
-            self._within_node(REDUCE_SCATTER, shard, padded)
-            sent += (g - 1) * shard.nbytes
+        shard = self._reduce_scatter_in_node(padded) if g > 1 else padded
+        sent = (g - 1) * shard.nbytes
         if self.groups.nodes > 1:  # averaged over the nodes as the flat ring averages: one rank a node is that ring
             sent += self.inner.reduce(f"{key}/node-shard", [shard], self.groups.cross, average=average)
         if average and g > 1:
             shard.div_(g)
         if g > 1:
-            self._within_node(ALL_GATHER, padded, shard)
+            self._all_gather_in_node(padded, shard)
             sent += (g - 1) * shard.nbytes
         if padded is not flat:
             flat.copy_(padded[: flat.numel()])
@@ -149,7 +147,7 @@ class HierarchicalReducer(Reducer):
         others, which copies it exactly."""
         flat = flatten(tensors)
         g, nbytes = self.groups.local_size, flat.nbytes
-        self._within_node(_all_reduce, flat, flat)
+        self._all_reduce_in_node(flat)
         unflatten_into(flat, tensors)
         mine = [t for t, owner in zip(tensors, owners(tensors, g), strict=True) if owner == self.groups.local_rank]
         sent = 2 * (g - 1) * nbytes // g
@@ -163,19 +161,38 @@ class HierarchicalReducer(Reducer):
             elif average:
                 tensor.div_(g)
         flat = flatten(tensors)
-        self._within_node(_all_reduce, flat, flat)
+        self._all_reduce_in_node(flat)
         unflatten_into(flat, tensors)
         return sent + 2 * (g - 1) * nbytes // g
 
-    def _within_node(self, collective, output: torch.Tensor, given: torch.Tensor) -> None:
-        """The node's collective on the tensors themselves where its backend takes their memory (NCCL on a GPU,
-        Gloo on the host), else on host copies (ranks sharing a GPU over Gloo, as the tests run them)."""
-        if not output.is_cuda or carries_cuda(self.groups.node):
-            collective(output, given, group=self.groups.node)
+    def _native(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda and carries_cuda(self.groups.node)
+
+    def _reduce_scatter_in_node(self, padded: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the node's sum: shard ``local_rank`` by NCCL, else the ring's ``local_rank + 1``
+        (a view into ``padded``); the same shard index on every node, so the cross-node groups pair alike."""
+        if not self._native(padded):
+            return ring_reduce_scatter(padded, self.groups.inside)
+        shard = padded.new_empty(padded.numel() // self.groups.local_size)
+        REDUCE_SCATTER(shard, padded, group=self.groups.node)
+        return shard
+
+    def _all_gather_in_node(self, padded: torch.Tensor, shard: torch.Tensor) -> None:
+        """``padded`` made of every local rank's reduced shard, where :meth:`_reduce_scatter_in_node` put them."""
+        if self._native(padded):
+            ALL_GATHER(padded, shard, group=self.groups.node)
             return
-        host = output.cpu()
-        collective(host, given.cpu(), group=self.groups.node)
-        output.copy_(host)
+        ring_allgather(shard, self.groups.inside, out=padded.view(self.groups.local_size, -1), shift=1)
+
+    def _all_reduce_in_node(self, flat: torch.Tensor) -> None:
+        """The node's sum in place, on the tensor itself where the backend takes its memory (NCCL on a GPU, Gloo on
+        the host), else on a host copy (ranks sharing a GPU over Gloo, as the tests run them)."""
+        if self._native(flat) or not flat.is_cuda:
+            dist.all_reduce(flat, group=self.groups.node)
+            return
+        host = flat.cpu()
+        dist.all_reduce(host, group=self.groups.node)
+        flat.copy_(host)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.inner.state_dict()

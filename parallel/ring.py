@@ -38,18 +38,22 @@ from parallel.transport import PointToPoint, Transport
 IDENTITY = Codec()
 
 
-def ring_allgather(payload: torch.Tensor, transport: Transport, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Every rank's equal-sized 1-D ``payload``, stacked in rank order: n-1 forwarding steps. ``out``
-    (``[n, payload.numel()]``, contiguous) receives them in place (ZeRO-3 gathers into a bucket's buffer)."""
+def ring_allgather(payload: torch.Tensor, transport: Transport, out: torch.Tensor | None = None,
+                   shift: int = 0) -> torch.Tensor:
+    """Every rank's equal-sized 1-D ``payload``, stacked in rank order (rank r's in row (r + shift) % n: the
+    reduce-scatter leaves rank r chunk r + 1): n-1 forwarding steps. ``out`` (``[n, payload.numel()]``,
+    contiguous) receives them in place (ZeRO-3 gathers into a bucket's buffer); ``payload`` may be its own row."""
     n, rank = dist.get_world_size(transport.group), dist.get_rank(transport.group)
     gathered = payload.new_empty((n, payload.numel())) if out is None else out
-    gathered[rank] = payload
+    row = (rank + shift) % n
+    if gathered[row].data_ptr() != payload.data_ptr():
+        gathered[row] = payload
     if n == 1 or payload.numel() == 0:
         return gathered
     left, right = (rank - 1) % n, (rank + 1) % n
     for step in range(n - 1):  # each step's receive and send in one batch: NCCL runs them together
-        _wait(transport.post([PointToPoint(False, gathered[(rank - step - 1) % n], left),
-                              PointToPoint(True, gathered[(rank - step) % n], right)]))
+        _wait(transport.post([PointToPoint(False, gathered[(row - step - 1) % n], left),
+                              PointToPoint(True, gathered[(row - step) % n], right)]))
     return gathered
 
 

@@ -89,6 +89,33 @@ def test_rate_limit_holds_each_way(testbed, source, target) -> None:
     assert 0.85 * RATE_BITS < measured < 1.02 * RATE_BITS
 
 
+def test_each_nic_is_a_link_of_its_own() -> None:
+    """Two NICs a host: a stream to each of the other host's addresses at once, each at the rate (one shared link
+    would halve them), and ``exec --nic 1`` names the second interface to Gloo."""
+    import threading
+
+    bed = netns.Testbed(PREFIX, 2, SUBNET, f"{RATE_BITS // 10**6}mbit", nics=2)
+    netns.create(bed)
+    try:
+        assert {"hpctestv0", "hpctestv0n1", "hpctestv1", "hpctestv1n1"} <= _links()
+        measured: dict[int, float] = {}
+        streams = [threading.Thread(target=lambda k=k: measured.__setitem__(k, netns.throughput(bed, 0, 1, 25 * 10**6,
+                                                                                                  nic=k)))
+                   for k in (0, 1)]
+        for stream in streams:
+            stream.start()
+        for stream in streams:
+            stream.join()
+        assert all(0.85 * RATE_BITS < measured[k] < 1.02 * RATE_BITS for k in (0, 1)), measured
+        proc = _cli("exec", "--nic", "1", "1", "--", "sh", "-c", 'echo "$GLOO_SOCKET_IFNAME"; ip -o -4 addr show eth1')
+        assert proc.returncode == 0, proc.stderr
+        ifname, address = proc.stdout.splitlines()
+        assert ifname == "eth1" and "10.77.10.2/24" in address
+    finally:
+        netns.destroy(PREFIX)
+    assert not {n for n in _namespaces() | _links() if n.startswith(PREFIX)}
+
+
 def test_without_a_rate_the_link_is_not_shaped() -> None:
     bed = netns.Testbed(PREFIX, 2, SUBNET, None)
     netns.create(bed)
@@ -102,6 +129,7 @@ def test_without_a_rate_the_link_is_not_shaped() -> None:
     (["create", "2", "--rate", "fast"], "rate 'fast' is not like 100mbit or 1gbit"),
     (["create", "2", "--subnet", "10.300.1"], "subnet '10.300.1' must be the first three octets"),
     (["exec", "0", "--", "true"], "no testbed 'hpctest'"),
+    (["create", "2", "--nics", "0"], "NIC count 0 must be between 1 and 8"),
 ])
 def test_bad_input_is_one_line(argv, message) -> None:
     proc = _cli(*argv)

@@ -6,7 +6,9 @@ to the next, as in training, so their error column is one step's error, large by
 design (the residual is sent later), not a bound. Each iteration restores the input, synchronises the
 ranks, and times one all-reduce; a row's time is the slowest rank's mean.
 busbw = algbw * 2(n-1)/n is the per-link bandwidth a ring needs, comparable
-across rank counts. Sizes are the uncompressed float32 bytes.
+across rank counts. Sizes are the uncompressed float32 bytes. With ``scopes`` holding ``inter-node``, each
+codec also runs cut by the launcher's nodes (parallel/hierarchy.py; impl ``cut``): uncompressed inside the
+node, the codec across nodes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from hpc import text
 from parallel.compression.registry import RING_CODECS, make_codec, make_reducer
+from parallel.hierarchy import HierarchicalReducer, NodeGroups, build_node_groups
 from parallel.ring import ring_allreduce
 from parallel.transport import make_transport
 
@@ -44,16 +47,34 @@ def _time_op(op, reset, iters: int, warmup: int) -> float:
 
 
 def bench_allreduce(
-    sizes: Sequence[int], codecs: Sequence[str], transports: Sequence[str], iters: int = 5, warmup: int = 1
+    sizes: Sequence[int], codecs: Sequence[str], transports: Sequence[str], iters: int = 5, warmup: int = 1,
+    scopes: Sequence[str] = ("flat",),
 ) -> list[dict]:
     transports_by_name = {name: make_transport(name, None) for name in transports}
+    unknown = set(scopes) - {"flat", "inter-node"}
+    if unknown:
+        raise ValueError(f"scopes {sorted(unknown)}: valid are flat, inter-node")
+    node_groups = {name: _node_groups(name) for name in transports} if "inter-node" in scopes else {}
     rows = []
     for nbytes in sizes:
-        rows += _bench_size(nbytes, codecs, transports_by_name, iters, warmup)
+        rows += _bench_size(nbytes, codecs, transports_by_name, iters, warmup, "flat" in scopes, node_groups)
     return rows
 
 
-def _bench_size(nbytes: int, codecs: Sequence[str], transports: dict, iters: int, warmup: int) -> list[dict]:
+def _node_groups(transport: str) -> NodeGroups:
+    """This rank's groups cut by the nodes the launcher names (one DP group of every rank)."""
+    import os
+
+    from hpc.runtime.env import detect_rank_info
+    from hpc.runtime.mesh import MeshShape, build_mesh
+
+    mesh = build_mesh(MeshShape(dist.get_world_size(), 1, 1), dist.get_rank(),
+                      node_rank=detect_rank_info(os.environ).node_rank)
+    return build_node_groups(mesh, transport)
+
+
+def _bench_size(nbytes: int, codecs: Sequence[str], transports: dict, iters: int, warmup: int, flat: bool,
+                node_groups: dict[str, NodeGroups]) -> list[dict]:
     n = dist.get_world_size()
     numel = nbytes // 4
     source = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -74,13 +95,18 @@ def _bench_size(nbytes: int, codecs: Sequence[str], transports: dict, iters: int
     rows = [row("torch", dist.get_backend(), "none", _time_op(partial(dist.all_reduce, buffer), reset, iters, warmup))]
     for transport_name, transport in transports.items():
         for codec_name in codecs:
-            if codec_name in RING_CODECS:
+            if flat and codec_name in RING_CODECS:
                 reduce = partial(ring_allreduce, buffer, transport, codec=make_codec(codec_name))
-            else:  # top-k and PowerSGD see the buffer as a weight matrix, as they would a layer's gradient
-                reducer = make_reducer(codec_name)
+                rows.append(row("ring", transport_name, codec_name, _time_op(reduce, reset, iters, warmup)))
+            elif flat:  # top-k and PowerSGD see the buffer as a weight matrix, as they would a layer's gradient
                 matrix = buffer.view(_rows(numel), -1)
-                reduce = partial(reducer.reduce, "bench", [matrix], transport, False)
-            rows.append(row("ring", transport_name, codec_name, _time_op(reduce, reset, iters, warmup)))
+                reduce = partial(make_reducer(codec_name).reduce, "bench", [matrix], transport, False)
+                rows.append(row("ring", transport_name, codec_name, _time_op(reduce, reset, iters, warmup)))
+            if transport_name in node_groups:
+                cut = HierarchicalReducer(make_reducer(codec_name), node_groups[transport_name])
+                shape = (numel,) if codec_name in RING_CODECS else (_rows(numel), -1)
+                reduce = partial(cut.reduce, "bench", [buffer.view(shape)], transport, False)
+                rows.append(row("cut", transport_name, codec_name, _time_op(reduce, reset, iters, warmup)))
     return rows
 
 

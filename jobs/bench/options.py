@@ -26,6 +26,12 @@ def _allreduce(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codecs", default=",".join(CODEC_NAMES), help="gradient codecs (default %(default)s)")
     parser.add_argument("--transports", help=f"ring transports: torch, mpi {TRANSPORTS}")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per row (default 5)")
+    _scopes(parser)
+
+
+def _scopes(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scopes", default="flat", help="where our codecs run: flat, inter-node (cut by the nodes "
+                                                         "the launcher names) (default %(default)s)")
 
 
 def _pipeline(parser: argparse.ArgumentParser) -> None:
@@ -56,8 +62,7 @@ def _memory(parser: argparse.ArgumentParser) -> None:
 def _train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", help=f"ring transports: torch, mpi {TRANSPORTS}")
     parser.add_argument("--codecs", default="none", help="our gradient codecs (default %(default)s)")
-    parser.add_argument("--scopes", default="flat", help="where our codecs run: flat, inter-node (cut by the nodes "
-                                                         "the launcher names) (default %(default)s)")
+    _scopes(parser)
     parser.add_argument("--ddp", default="ddp", help=f"comma list of {', '.join(DDP_IMPLS)} (default %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")

@@ -6,12 +6,14 @@
 # rows of `hpc bench allreduce` (KIND=allreduce) or of `hpc bench train --target-loss`
 # (KIND=train: time to a held-out loss per codec against DDP; TRAIN_ARGS are that command's
 # time-to-loss options, PLOT a PNG of the curves) and removes every namespace it made, also
-# on failure or ^C. Traffic only ever uses the testbed's own addresses (SUBNET.0/24).
+# on failure or ^C. Traffic only ever uses the testbed's own addresses (SUBNET.0/24, and with NICS the
+# next NICS-1 /24s).
 #
 #   slurm/testbed/bench.sh [HOSTS...]          default: 2 4
 #   RATE=1gbit SIZES=64M CODECS=none,fp16,int8 ITERS=3 SUBNET=10.77.2 PREFIX=hpcbench
 #   KIND=train CODECS=none,powersgd DDP=ddp,ddp-powersgd TRAIN_ARGS="--target-loss 2.5 --width 512" PLOT=x.png
 #   RANKS_PER_HOST=2 SCOPES=flat,inter-node: ours also cut by node (parallel.compression_scope)
+#   NICS=2: each host has 2 links, each shaped to RATE; a host's rank j talks on NIC j % NICS (a NIC per GPU)
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -28,6 +30,7 @@ TRAIN_ARGS=${TRAIN_ARGS:---target-loss 2.5}
 PLOT=${PLOT:-}
 RANKS_PER_HOST=${RANKS_PER_HOST:-1}
 SCOPES=${SCOPES:-flat}
+NICS=${NICS:-1}
 HOSTS=("$@")
 [[ $# -gt 0 ]] || HOSTS=(2 4)
 
@@ -38,7 +41,7 @@ rank_options() {  # the options of `python -m jobs.bench.rank KIND` after --out
         echo --transports torch --codecs "$CODECS" --scopes "$SCOPES" --ddp "$DDP" --steps 1 --warmup 0 --rounds 1 \
             $TRAIN_ARGS
     else
-        echo --sizes "$SIZES" --codecs "$CODECS" --transports torch --iters "$ITERS"
+        echo --sizes "$SIZES" --codecs "$CODECS" --scopes "$SCOPES" --transports torch --iters "$ITERS"
     fi
 }
 read -r -a options <<<"$(rank_options)"
@@ -53,16 +56,16 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 for n in "${HOSTS[@]}"; do
-    netns create "$n" --rate "$RATE" --subnet "$SUBNET"
+    netns create "$n" --rate "$RATE" --subnet "$SUBNET" --nics "$NICS"
     rows="$scratch/rows-$n.json"
     ranks=()
     world=$((n * RANKS_PER_HOST))
     for ((i = 0; i < n; i++)); do
         for ((j = 0; j < RANKS_PER_HOST; j++)); do
-            # Each host a node; exec sets GLOO_SOCKET_IFNAME to the host's interface.
+            # Each host a node; exec sets GLOO_SOCKET_IFNAME to the rank's interface.
             RANK=$((i * RANKS_PER_HOST + j)) WORLD_SIZE=$world LOCAL_RANK=$j LOCAL_WORLD_SIZE=$RANKS_PER_HOST \
                 GROUP_RANK=$i GROUP_WORLD_SIZE=$n MASTER_ADDR="$SUBNET.1" MASTER_PORT=$MASTER_PORT OMP_NUM_THREADS=1 \
-                "$PYTHON" -m slurm.testbed.netns --prefix "$PREFIX" exec "$i" -- \
+                "$PYTHON" -m slurm.testbed.netns --prefix "$PREFIX" exec --nic $((j % NICS)) "$i" -- \
                 "$PYTHON" -m jobs.bench.rank "$KIND" --out "$rows" "${options[@]}" &
             ranks+=($!)
         done

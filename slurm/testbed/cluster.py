@@ -376,7 +376,7 @@ def _start_mariadb(starter: Starter, port: int, password: str) -> None:
 def _node_files(layout: Layout, testbed: netns.Testbed, controller: str) -> None:
     """Each node's /etc/hosts names every node and the controller by their bridge addresses."""
     hosts = ["127.0.0.1 localhost", *(f"{testbed.address(i)} {n}" for i, n in enumerate(testbed.names)),
-             f"{testbed.bridge_address} {controller}"]
+             f"{testbed.bridge_address()} {controller}"]
     for name in testbed.names:
         node_dir = layout.state / "nodes" / name
         (node_dir / "tmp").mkdir(parents=True)
@@ -462,7 +462,7 @@ def _start_all(starter: Starter, nodes: int, rate: str | None, gpus: int) -> Non
     ports = {name: _free_port() for name in ("db_port", "dbd_port", "ctld_port", "slurmd_port")}
     controller = socket.gethostname().split(".")[0]
     testbed = netns.Testbed(NODE_PREFIX, nodes, NODE_SUBNET, rate) if nodes > 1 else None
-    ctld_addr = testbed.bridge_address if testbed else "127.0.0.1"
+    ctld_addr = testbed.bridge_address() if testbed else "127.0.0.1"
     if testbed is None:
         addresses = {controller: "127.0.0.1"}
     else:

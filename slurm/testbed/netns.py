@@ -1,12 +1,15 @@
 """Virtual hosts on one machine: network namespaces joined by a bridge, links rate-limited with tc.
 
-``python -m slurm.testbed.netns create N [--rate 1gbit] [--prefix hpcnet] [--subnet 10.77.0]`` makes,
-for a prefix P and a /24 subnet S:
+``python -m slurm.testbed.netns create N [--rate 1gbit] [--nics G] [--prefix hpcnet] [--subnet 10.77.0]``
+makes, for a prefix P and a /24 subnet S:
 
 - namespaces ``P0 .. P(N-1)``, each with loopback up and one interface ``eth0`` = ``S.(i+1)/24``;
 - a bridge ``Pbr`` in the root namespace with address ``S.254``: the hosts reach each other
   through it, and daemons in the root namespace (slurmctld) are reachable from every host;
 - a veth pair per host, ``Pv<i>`` (root side, on the bridge) to ``eth0`` (inside);
+- with ``--nics G``, G such links a host, as a GPU node has a NIC per GPU: ``eth<k>`` on the subnet whose
+  third octet is S's plus k (``Pv<i>n<k>`` its root side), so traffic to a host's k-th address leaves by the
+  k-th link and G rank pairs talking address to address each have a link of their own;
 - with ``--rate``, a tbf qdisc on *both* ends of every veth: tbf shapes only egress, so the
   root side limits what enters a host and ``eth0`` what leaves it. (This kernel has no netem:
   rates only, no delay or loss.)
@@ -16,8 +19,8 @@ for a prefix P and a /24 subnet S:
 Processes still inside a namespace at destroy time were started through it (``exec``, the
 testbed, a node's slurmd) and are stopped by PID first, or the namespace would outlive us.
 ``exec I -- CMD`` runs CMD in host I with ``nsenter --net`` (not ``ip netns exec``, which
-remounts /sys and hides /sys/fs/cgroup) and ``GLOO_SOCKET_IFNAME=eth0``. ``throughput`` sends
-bytes over TCP between two hosts (or the root namespace) and prints the rate it measured.
+remounts /sys and hides /sys/fs/cgroup) and ``GLOO_SOCKET_IFNAME=eth0`` (``exec --nic K I``: ``eth<k>``).
+``throughput`` sends bytes over TCP between two hosts (or the root namespace) and prints the rate it measured.
 
 Hand-written on iproute2 and ctypes' setns rather than pyroute2: a few ``ip``/``tc`` commands
 do not justify a dependency, and ``slurm`` stays standard-library only.
@@ -47,7 +50,7 @@ from slurm.testbed import run_command
 
 STATE_DIR = Path("/run/hpc-netns")
 NETNS_DIR = Path("/run/netns")
-INTERFACE = "eth0"
+INTERFACE = "eth{nic}"
 BRIDGE_HOST = 254
 CLONE_NEWNET = 0x40000000
 RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
@@ -65,23 +68,27 @@ class Testbed:
     hosts: int
     subnet: str
     rate: str | None
+    nics: int = 1
 
     def namespace(self, index: int) -> str:
         return f"{self.prefix}{index}"
 
-    def address(self, index: int) -> str:
-        return f"{self.subnet}.{index + 1}"
+    def nic_subnet(self, nic: int) -> str:
+        first, second, third = self.subnet.split(".")
+        return f"{first}.{second}.{int(third) + nic}"
 
-    def root_link(self, index: int) -> str:
-        return f"{self.prefix}v{index}"
+    def address(self, index: int, nic: int = 0) -> str:
+        return f"{self.nic_subnet(nic)}.{index + 1}"
+
+    def root_link(self, index: int, nic: int = 0) -> str:
+        return f"{self.prefix}v{index}" + (f"n{nic}" if nic else "")
 
     @property
     def bridge(self) -> str:
         return f"{self.prefix}br"
 
-    @property
-    def bridge_address(self) -> str:
-        return f"{self.subnet}.{BRIDGE_HOST}"
+    def bridge_address(self, nic: int = 0) -> str:
+        return f"{self.nic_subnet(nic)}.{BRIDGE_HOST}"
 
     @property
     def names(self) -> list[str]:
@@ -101,11 +108,15 @@ def check_testbed(testbed: Testbed) -> None:
         raise TestbedError(f"prefix {testbed.prefix!r} must be lower-case letters and digits, starting with a letter")
     if not 1 <= testbed.hosts < BRIDGE_HOST:
         raise TestbedError(f"host count {testbed.hosts} must be between 1 and {BRIDGE_HOST - 1}")
-    if len(testbed.root_link(testbed.hosts - 1)) > 15:
+    if not 1 <= testbed.nics <= 8:
+        raise TestbedError(f"NIC count {testbed.nics} must be between 1 and 8")
+    if len(testbed.root_link(testbed.hosts - 1, testbed.nics - 1)) > 15:
         raise TestbedError(f"prefix {testbed.prefix!r} is too long for interface names (15 characters)")
     octets = testbed.subnet.split(".")
     if len(octets) != 3 or not all(o.isdigit() and int(o) < 256 for o in octets):
         raise TestbedError(f"subnet {testbed.subnet!r} must be the first three octets of a /24, e.g. 10.77.0")
+    if int(octets[2]) + testbed.nics > 256:
+        raise TestbedError(f"subnet {testbed.subnet!r} leaves no room for {testbed.nics} NICs' subnets after it")
     if testbed.rate is not None:
         rate_bits(testbed.rate)
 
@@ -158,24 +169,29 @@ def _plan(testbed: Testbed) -> Iterator[tuple[list[str], list[list[str]]]]:
     ns = ["ip", "-n"]
     yield ["link", testbed.bridge], [
         ["ip", "link", "add", testbed.bridge, "type", "bridge"],
-        ["ip", "addr", "add", f"{testbed.bridge_address}/24", "dev", testbed.bridge],
+        *(["ip", "addr", "add", f"{testbed.bridge_address(k)}/24", "dev", testbed.bridge] for k in range(testbed.nics)),
         ["ip", "link", "set", testbed.bridge, "up"],
     ]
     for i, name in enumerate(testbed.names):
-        yield ["netns", name], [["ip", "netns", "add", name], [*ns, name, "link", "set", "lo", "up"]]
-        link = testbed.root_link(i)
-        steps = [
-            ["ip", "link", "add", link, "type", "veth", "peer", "name", INTERFACE, "netns", name],
-            ["ip", "link", "set", link, "master", testbed.bridge, "up"],
-            [*ns, name, "addr", "add", f"{testbed.address(i)}/24", "dev", INTERFACE],
-            [*ns, name, "link", "set", INTERFACE, "up"],
-        ]
-        if testbed.rate is not None:
-            steps += [
-                ["tc", "qdisc", "add", "dev", link, "root", *_tbf(testbed.rate)],
-                ["tc", "-n", name, "qdisc", "add", "dev", INTERFACE, "root", *_tbf(testbed.rate)],
+        # A host answers ARP for any of its addresses on any link: with several NICs on one bridge, the k-th
+        # address must be reached by the k-th link only (arp_ignore 1, arp_announce 2: each link speaks for itself).
+        arp = [["ip", "netns", "exec", name, "sysctl", "-q", "-w", f"net.ipv4.conf.all.{key}={value}"]
+               for key, value in (("arp_ignore", 1), ("arp_announce", 2))] if testbed.nics > 1 else []
+        yield ["netns", name], [["ip", "netns", "add", name], [*ns, name, "link", "set", "lo", "up"], *arp]
+        for k in range(testbed.nics):
+            link, inside = testbed.root_link(i, k), INTERFACE.format(nic=k)
+            steps = [
+                ["ip", "link", "add", link, "type", "veth", "peer", "name", inside, "netns", name],
+                ["ip", "link", "set", link, "master", testbed.bridge, "up"],
+                [*ns, name, "addr", "add", f"{testbed.address(i, k)}/24", "dev", inside],
+                [*ns, name, "link", "set", inside, "up"],
             ]
-        yield ["link", link], steps
+            if testbed.rate is not None:
+                steps += [
+                    ["tc", "qdisc", "add", "dev", link, "root", *_tbf(testbed.rate)],
+                    ["tc", "-n", name, "qdisc", "add", "dev", inside, "root", *_tbf(testbed.rate)],
+                ]
+            yield ["link", link], steps
 
 
 def create(testbed: Testbed) -> bool:
@@ -249,9 +265,9 @@ def exec_argv(testbed: Testbed, index: int, argv: Sequence[str]) -> list[str]:
     return ["nsenter", f"--net={NETNS_DIR / testbed.namespace(index)}", "--", *argv]
 
 
-def host_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+def host_env(environ: dict[str, str] | None = None, nic: int = 0) -> dict[str, str]:
     """Gloo picks its interface from the hostname otherwise, which names no namespace."""
-    return {**(os.environ if environ is None else environ), "GLOO_SOCKET_IFNAME": INTERFACE}
+    return {**(os.environ if environ is None else environ), "GLOO_SOCKET_IFNAME": INTERFACE.format(nic=nic)}
 
 
 @contextlib.contextmanager
@@ -280,10 +296,11 @@ def inside(namespace: str | None) -> Iterator[None]:
         os.close(back)
 
 
-def throughput(testbed: Testbed, source: int | None, target: int | None, nbytes: int) -> float:
-    """Bits per second of one TCP stream from host ``source`` to ``target`` (None: the root namespace)."""
+def throughput(testbed: Testbed, source: int | None, target: int | None, nbytes: int, nic: int = 0) -> float:
+    """Bits per second of one TCP stream from host ``source`` to ``target`` (None: the root namespace), to the
+    target's ``nic``-th address (which the source reaches through its own ``nic``-th link)."""
     name = {i: testbed.namespace(i) for i in range(testbed.hosts)}
-    address = testbed.bridge_address if target is None else testbed.address(target)
+    address = testbed.bridge_address(nic) if target is None else testbed.address(target, nic)
     with inside(name.get(target)):
         server = socket.create_server((address, 0))
     with inside(name.get(source)):
@@ -328,15 +345,19 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("hosts", type=int)
     make.add_argument("--rate", help="tc rate of every link, both directions, e.g. 1gbit (default: unlimited)")
     make.add_argument("--subnet", default="10.77.0", help="first three octets of the /24 (default %(default)s)")
+    make.add_argument("--nics", type=int, default=1,
+                      help="links a host, each shaped to the rate, NIC k on the subnet's third octet + k (default 1)")
     commands.add_parser("destroy", help="remove what create made (no-op when nothing)")
     commands.add_parser("show", help="print the testbed as JSON")
     run = commands.add_parser("exec", help="run a command in host I: exec I -- CMD...")
     run.add_argument("index", type=int)
+    run.add_argument("--nic", type=int, default=0, help="GLOO_SOCKET_IFNAME=eth<NIC> (default 0)")
     run.add_argument("argv", nargs=argparse.REMAINDER)
     measure = commands.add_parser("throughput", help="TCP throughput from host A to host B ('root': bridge)")
     measure.add_argument("source", type=_host)
     measure.add_argument("target", type=_host)
     measure.add_argument("--mbytes", type=int, default=128, help="bytes to send, in MiB (default %(default)s)")
+    measure.add_argument("--nic", type=int, default=0, help="through each host's NIC k (default 0)")
     return parser
 
 
@@ -344,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
 
     def create_command(args: argparse.Namespace) -> None:
-        testbed = Testbed(args.prefix, args.hosts, args.subnet, args.rate)
+        testbed = Testbed(args.prefix, args.hosts, args.subnet, args.rate, args.nics)
         made = create(testbed)
         print(f"{'created' if made else 'already exists:'} {', '.join(testbed.names)} on {testbed.bridge}")
 
@@ -358,12 +379,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         if not command:
             parser.error("exec needs a command: exec I -- CMD...")
-        full = exec_argv(require(args.prefix), args.index, command)
-        os.execvpe(full[0], full, host_env())
+        testbed = require(args.prefix)
+        if not 0 <= args.nic < testbed.nics:
+            raise TestbedError(f"NIC {args.nic} is not in 0..{testbed.nics - 1}", prefix=args.prefix)
+        full = exec_argv(testbed, args.index, command)
+        os.execvpe(full[0], full, host_env(nic=args.nic))
 
     def throughput_command(args: argparse.Namespace) -> None:
         testbed = require(args.prefix)
-        bits = throughput(testbed, args.source, args.target, args.mbytes << 20)
+        bits = throughput(testbed, args.source, args.target, args.mbytes << 20, args.nic)
         ends = ["root" if end is None else testbed.namespace(end) for end in (args.source, args.target)]
         print(f"{bits / 1e6:.0f} Mbit/s from {ends[0]} to {ends[1]} (rate {testbed.rate or 'unlimited'})")
 
