@@ -303,6 +303,10 @@ class SlurmConfig:
     signal_delay_s: int = _field(120, "SIGUSR1 this many seconds before the time limit: checkpoint and requeue",
                                  min=0)
     max_requeues: int = _field(3, "requeues after a warning signal before the job just stops", min=0)
+    max_restarts: int = _field(0, "times a failed or hung job step runs again inside the same allocation, from the "
+                                  "newest checkpoint (a user's error is not retried: slurm/restart.py)", min=0)
+    spare_nodes: int = _field(0, "nodes allocated beyond slurm.nodes: a node whose rank died is excluded from the "
+                                 "next restart and a spare takes its place", min=0)
 
     @property
     def tasks_per_node(self) -> int:

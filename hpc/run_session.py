@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -236,7 +237,8 @@ class RunSession:
         self.stopped = stopped
 
     def log(self, record: Mapping[str, Any]) -> None:
-        """Rank 0 appends ``record`` to metrics.jsonl (and TensorBoard when asked); the others write nothing."""
+        """Rank 0 appends ``record`` to metrics.jsonl with the wall-clock ``time`` it was logged at (what ``hpc
+        status`` times a restart's recovery by), and to TensorBoard when asked; the others write nothing."""
         from hpc.observe.metrics import MetricsLog
         from hpc.rundir import METRICS_FILE
 
@@ -244,7 +246,7 @@ class RunSession:
             return
         if self.metrics is None:
             self.metrics = MetricsLog(self.run_path / METRICS_FILE, tensorboard=self.tensorboard)
-        self.metrics.write(dict(record))
+        self.metrics.write({**record, "time": time.time()})
 
     def finish(self, record: Mapping[str, Any]) -> None:
         """Rank 0 writes result.json: ``record`` with the world size and the Slurm job."""

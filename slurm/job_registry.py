@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TextIO
 
 from hpc.errors import HpcError
-from hpc.rundir import death_record, last_metrics, read_failures, summarize_failures, write_json
+from hpc.rundir import METRICS_FILE, death_record, last_metrics, read_failures, summarize_failures, write_json
 
 SACCT_FIELDS = ("JobID", "JobName", "State", "Elapsed", "NodeList", "ExitCode")
 DONE_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
@@ -47,6 +47,7 @@ SRUN_TASK_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 SRUN_EXITED = re.compile(r"Exited with exit code (\d+)")
 ATTEMPT_START = "Starting with JobEnvironment("  # submitit's first line in each task's log (rank 0's: the batch log)
 LOG_TAIL_BYTES = 1 << 18  # srun's lines come last in the batch log
+RESTARTS_FILE = "restarts.jsonl"  # slurm/restart.py's decisions, one JSON line each, in the run directory
 
 
 class JobLookupError(HpcError):
@@ -184,26 +185,96 @@ def no_log_reason(job_id: str, path: Path) -> str:
             f"rank never started; job.run_dir must be a directory every node shares{private}")
 
 
+def step_failures(run_path: Path, job_id: str, log_dir: str | Path | None, since: float = 0.0) -> list[dict]:
+    """The failure records of job ``job_id`` none older than ``since``, and when none is a rank's own, the death
+    record of the task srun (its lines in the logs in ``log_dir``) saw end without one."""
+    records = read_failures(run_path, job_id, since)
+    if log_dir is not None and all(record.get("peer_lost") for record in records):
+        death = srun_death(batch_log_tail(Path(log_dir), job_id), {record["rank"] for record in records}, job_id)
+        records += [death] if death else []
+    return records
+
+
 def failure_line(job_id: str, run_path: Path, label: str | None = None,
                  log_dir: str | Path | None = None) -> str | None:
     """``job 12: rank 1 (host vm, step 5) failed: RuntimeError: ... -- see: hpc logs 12 --rank 1`` (``label`` in
-    place of ``job 12``), or None when no rank of the job recorded a failure and srun (its lines in the logs in
-    ``log_dir``) reported no task that ended without one."""
-    records = read_failures(run_path, job_id)
-    if log_dir is not None and all(record.get("peer_lost") for record in records):
-        death = srun_death(_batch_log_tail(Path(log_dir), job_id), {record["rank"] for record in records}, job_id)
-        records += [death] if death else []
-    summary = summarize_failures(records)
+    place of ``job 12``), or None when no rank of the job recorded a failure since its last restart inside the
+    allocation and srun (its lines in the logs in ``log_dir``) reported no task that ended without one."""
+    restarted = [entry["failed_at"] for entry in read_restarts(run_path, job_id) if entry["restart"]]
+    summary = summarize_failures(step_failures(run_path, job_id, log_dir, max(restarted, default=0.0)))
     if summary is None:
         return None
     return f"{label or f'job {job_id}'}: {summary.text} -- see: hpc logs {job_id} --rank {summary.rank}"
 
 
 def failure_lines(records: Sequence[JobRecord], only: str | None = None) -> list[str]:
-    """One line per job or array task (or just ``only``) whose ranks recorded a failure, or that srun saw die."""
+    """Per job or array task (or just ``only``): a line per restart inside its allocation, then one if its ranks
+    recorded a failure since, or srun saw one die."""
     ids = [(record, job_id) for record in records for job_id in record.task_ids() if only in (None, job_id)]
-    return [line for record, job_id in ids
-            if (line := failure_line(job_id, record.run_path(job_id), log_dir=record.log_dir))]
+    lines = []
+    for record, job_id in ids:
+        run_path = record.run_path(job_id)
+        lines += [f"job {job_id}: {describe_restart(run_path, entry)}" for entry in read_restarts(run_path, job_id)]
+        line = failure_line(job_id, run_path, log_dir=record.log_dir)
+        lines += [line] if line else []
+    return lines
+
+
+def read_restarts(run_path: Path, job_id: str | None = None) -> list[dict]:
+    """The restart decisions recorded in ``run_path`` (of ``job_id`` only, when given), oldest first."""
+    try:
+        lines = (run_path / RESTARTS_FILE).read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and job_id in (None, record.get("job_id")):
+            records.append(record)
+    return records
+
+
+def record(run_path: Path, entry: dict) -> None:
+    with (run_path / RESTARTS_FILE).open("a") as handle:
+        handle.write(json.dumps(entry) + "\n")
+
+
+def restart_recovery(run_path: Path, entry: dict) -> tuple[int | None, float | None]:
+    """(steps lost: run again after the restart, seconds from the failure to the next step's end) of one restart,
+    from metrics.jsonl's steps and times; None where the run has not logged a step since."""
+    before, after = None, None
+    try:
+        lines = (run_path / METRICS_FILE).read_text().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        try:
+            metrics = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(metrics.get("time"), int | float):
+            continue
+        if metrics["time"] <= entry["failed_at"]:
+            before = metrics["step"]
+        elif after is None:
+            after = metrics
+    if after is None:
+        return None, None
+    lost = None if before is None else max(0, before - after["step"] + 1)
+    return lost, after["time"] - entry["failed_at"]
+
+
+def describe_restart(run_path: Path, entry: dict) -> str:
+    """``restart 1 of 2 (without node node1): rank 2 (host node1) was killed by SIGKILL ...; 3 steps lost, next
+    step 9.4 s after the failure``, or why it did not restart."""
+    if not entry["restart"]:  # the failure line that follows names the cause
+        return f"not restarted: {entry['reason']}"
+    lost, seconds = restart_recovery(run_path, entry)
+    tail = "" if seconds is None else f"; {lost} step{'s' * (lost != 1)} lost, next step {seconds:.1f} s after it"
+    return f"{entry['reason']}: {entry['cause']}{tail}"
 
 
 def srun_death(log: str, recorded: Iterable[int], job_id: str) -> dict | None:
@@ -228,7 +299,7 @@ def _task_ranks(tasks: str) -> list[int]:
     return [rank for first, last in spans for rank in range(int(first), int(last or first) + 1)]
 
 
-def _batch_log_tail(log_dir: Path, job_id: str) -> str:
+def batch_log_tail(log_dir: Path, job_id: str) -> str:
     """The end of the batch script's output (srun's own lines; rank 0's log too), from the job's latest start."""
     from slurm.submit import log_path
 

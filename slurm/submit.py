@@ -127,11 +127,13 @@ def task_python() -> str:
     return f"env --block-signal={BLOCKED_AT_START} {shlex.quote(sys.executable)}"
 
 
-def executor_parameters(slurm: SlurmConfig, name: str, array_parallelism: int | None = None) -> dict[str, Any]:
-    """submitit's ``update_parameters`` for a spec's resources; unset optional resources stay out of the script."""
+def executor_parameters(slurm: SlurmConfig, name: str, array_parallelism: int | None = None,
+                        restart_loop: Sequence[str] = ()) -> dict[str, Any]:
+    """submitit's ``update_parameters`` for a spec's resources; unset optional resources stay out of the script.
+    ``restart_loop``: the lines of slurm/restart.py's ``srun`` function, set up last (a job, not an array)."""
     params: dict[str, Any] = {
         "job_name": name,
-        "nodes": slurm.nodes,
+        "nodes": slurm.nodes + slurm.spare_nodes,
         "ntasks_per_node": slurm.tasks_per_node,
         "cpus_per_task": slurm.cpus_per_task,
         "time": time_minutes(slurm.time),
@@ -142,6 +144,8 @@ def executor_parameters(slurm: SlurmConfig, name: str, array_parallelism: int | 
         # Ours, not submitit's USR2; requeue: also after a node failure.
         "additional_parameters": {"signal": f"{WARNING_SIGNAL}@{slurm.signal_delay_s}", "requeue": True},
     }
+    if slurm.spare_nodes:  # a failed node leaves the job running on the rest: a spare takes its place
+        params["additional_parameters"]["no_kill"] = True
     optional = {"gpus_per_node": slurm.gpus_per_node or None, "gpus_per_task": slurm.gpus_per_task or None,
                 "mem": slurm.mem, "partition": slurm.partition,
                 "account": slurm.account, "qos": slurm.qos, "constraint": slurm.constraint}
@@ -150,6 +154,7 @@ def executor_parameters(slurm: SlurmConfig, name: str, array_parallelism: int | 
     params["setup"] = signal_trap(slurm.max_requeues)
     if setup:
         params["setup"] += ["set -e  # a failed setup line ends the job", *setup]
+    params["setup"] += list(restart_loop)
     if array_parallelism is not None:
         params["array_parallelism"] = array_parallelism
     return params
@@ -160,7 +165,8 @@ def check_resources(slurm: SlurmConfig, environ: Mapping[str, str] | None = None
     submitted: a node count, memory, partition or account the cluster cannot give is sbatch's own reason,
     as one line, and no job (not even a FAILED one) is left in sacct. Node count and resources come first,
     so ``--nodes 3`` on two nodes is that, not a batch that does not divide by 3 ranks."""
-    argv = ["sbatch", "--test-only", f"--nodes={slurm.nodes}", f"--ntasks-per-node={slurm.tasks_per_node}",
+    argv = ["sbatch", "--test-only", f"--nodes={slurm.nodes + slurm.spare_nodes}",
+            f"--ntasks-per-node={slurm.tasks_per_node}",
             f"--cpus-per-task={slurm.cpus_per_task}", f"--time={time_minutes(slurm.time)}"]
     optional = {"gpus-per-node": slurm.gpus_per_node or "", "gpus-per-task": slurm.gpus_per_task or "",
                 "mem": slurm.mem, "partition": slurm.partition,
@@ -200,15 +206,17 @@ def rank_argv(spec_path: str, overrides: Sequence[str]) -> list[str]:
     return [os.path.abspath(spec_path), *(arg for override in overrides for arg in ("--set", override))]
 
 
-def make_executor(folder: Path, slurm: SlurmConfig, name: str, array_parallelism: int | None = None):
-    """A submitit SlurmExecutor writing into ``folder`` (which must be shared by every node)."""
+def make_executor(folder: Path, slurm: SlurmConfig, name: str, array_parallelism: int | None = None,
+                  restart_loop: Sequence[str] = ()):
+    """A submitit SlurmExecutor writing into ``folder`` (which must be shared by every node); ``restart_loop``:
+    slurm/restart.py's lines, for a job that restarts inside its allocation."""
     import submitit
 
     try:
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=0, python=task_python())
     except RuntimeError as exc:  # submitit's "Could not detect srun"
         raise SubmitError(f"Slurm is not available here: {exc}") from None
-    executor.update_parameters(**executor_parameters(slurm, name, array_parallelism))
+    executor.update_parameters(**executor_parameters(slurm, name, array_parallelism, restart_loop))
     return executor
 
 

@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 class SlurmCluster:
     """A running local cluster: pass ``env`` to every Slurm command.
 
-    On the 2-node cluster each node has a private /tmp: a job can write only under ``state``
+    On the 3-node cluster each node has a private /tmp: a job can write only under ``state``
     (and outside /tmp) for the test to read it back.
     """
 
@@ -66,6 +66,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster_2nodes() -> Iterator[SlurmCluster]:
-    """The same with two nodes, each a network namespace with its own hostname, /etc/hosts and /tmp."""
-    yield from _local_cluster(2)
+def slurm_cluster_3nodes() -> Iterator[SlurmCluster]:
+    """The same with three nodes (two for a job, one its spare), each a network namespace with its own hostname,
+    /etc/hosts and /tmp."""
+    yield from _local_cluster(3)

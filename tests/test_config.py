@@ -116,6 +116,8 @@ FULL = {
         "setup": ["module load cuda", "source venv/bin/activate"],
         "signal_delay_s": 300,
         "max_requeues": 5,
+        "max_restarts": 2,
+        "spare_nodes": 1,
     },
 }
 

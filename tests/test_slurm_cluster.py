@@ -1,5 +1,5 @@
 """A real Slurm on this machine (slurm/testbed/cluster.py): accounting, task ids, requeue and admission on
-one node; node names and a Gloo all-reduce through ``hpc.init()`` across two namespace nodes."""
+one node; node names and a Gloo all-reduce through ``hpc.init()`` across namespace nodes."""
 
 from __future__ import annotations
 
@@ -84,10 +84,10 @@ def test_impossible_request_is_rejected_at_submission(slurm_cluster) -> None:
     assert _slurm(slurm_cluster.env, "squeue", "-h", "-n", "impossible") == ""
 
 
-def test_two_nodes_have_their_own_hostnames(slurm_cluster_2nodes) -> None:
-    assert slurm_cluster_2nodes.nodes == ("hpcnode0", "hpcnode1")
-    out = _slurm(slurm_cluster_2nodes.env, "srun", "-N", "2", "-n", "2", "hostname")
-    assert sorted(out.split()) == list(slurm_cluster_2nodes.nodes)
+def test_namespace_nodes_have_their_own_hostnames(slurm_cluster_3nodes) -> None:
+    assert slurm_cluster_3nodes.nodes == ("hpcnode0", "hpcnode1", "hpcnode2")
+    out = _slurm(slurm_cluster_3nodes.env, "srun", "-N", "3", "-n", "3", "hostname")
+    assert sorted(out.split()) == list(slurm_cluster_3nodes.nodes)
 
 
 # Runs on each task: joins through hpc.init() from the SLURM_* variables alone.
@@ -105,9 +105,9 @@ hpc.shutdown()
 """
 
 
-def test_gloo_allreduce_across_two_nodes_through_hpc_init(slurm_cluster_2nodes) -> None:
-    nodes = list(slurm_cluster_2nodes.nodes)
-    out = _slurm(slurm_cluster_2nodes.env, "srun", "-N", "2", "-n", "4", "--ntasks-per-node=2", "--kill-on-bad-exit=1",
+def test_gloo_allreduce_across_two_nodes_through_hpc_init(slurm_cluster_3nodes) -> None:
+    nodes = list(slurm_cluster_3nodes.nodes[:2])
+    out = _slurm(slurm_cluster_3nodes.env, "srun", "-N", "2", "-n", "4", "--ntasks-per-node=2", "--kill-on-bad-exit=1",
                  sys.executable, "-c", ALLREDUCE, timeout=180)
     ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]

@@ -34,6 +34,8 @@ RESOURCES = (
     ("account", str, "account to charge"),
     ("qos", str, "quality of service"),
     ("constraint", str, "node features, e.g. a100"),
+    ("max_restarts", int, "times a failed job step runs again inside the allocation"),
+    ("spare_nodes", int, "nodes allocated beyond --nodes, to replace a failed one"),
 )
 JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")
 SWEEP_VIEWS = ("status", "results")
@@ -117,7 +119,7 @@ def _submission(args: argparse.Namespace):
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from jobs.train.layout import check_layout
-    from slurm import job_registry, submit
+    from slurm import job_registry, restart, submit
 
     spec, entry, argv, is_spec = _submission(args)
     ranks = submit.job_ranks(spec.slurm)
@@ -126,7 +128,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if is_spec:
         check_layout(spec, ranks)
     folder = spec.run_path.absolute() / "slurm"
-    executor = submit.make_executor(folder, spec.slurm, spec.job.name)
+    restart_loop = restart.step_loop(spec.slurm, spec.run_path.absolute(), folder)
+    executor = submit.make_executor(folder, spec.slurm, spec.job.name, restart_loop=restart_loop)
     if args.dry_run:
         print(submit.sbatch_script(executor), end="")
         return 0
@@ -137,8 +140,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job_registry.Registry.default().add(job_registry.JobRecord(job_id, spec.job.name, ranks, str(folder),
                                                                (str(spec.run_path.absolute()),)))
     nodes = spec.slurm.nodes
+    spares = f" and {spec.slurm.spare_nodes} spare" if spec.slurm.spare_nodes else ""
     print(f"submitted job {job_id}: {spec.job.name}, {ranks} rank{'s' * (ranks > 1)} on {nodes} "
-          f"node{'s' * (nodes > 1)}")
+          f"node{'s' * (nodes > 1)}{spares}")
     last = f" ... {submit.log_path(folder, job_id, ranks - 1).name} (one per rank)" if ranks > 1 else ""
     print(f"logs: {submit.log_path(folder, job_id, 0)}{last}")
     print(f"then: hpc status {job_id} | hpc logs {job_id} --follow | hpc cancel {job_id}")

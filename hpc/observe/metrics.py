@@ -99,7 +99,7 @@ class MetricsLog:
         if self._tensorboard is not None:
             step = int(record["step"])  # type: ignore[arg-type]
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tensorboard.add_scalar(key, value, step)
 
     def close(self) -> None:

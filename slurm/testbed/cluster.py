@@ -1,6 +1,6 @@
 """A real Slurm cluster on this machine, for tests, CI and ``make slurm-up``: no systemd, no cgroups.
 
-``python -m slurm.testbed.cluster start [--nodes 1|2] [--state DIR] [--rate 1gbit]``, then ``status``,
+``python -m slurm.testbed.cluster start [--nodes N] [--state DIR] [--rate 1gbit]``, then ``status``,
 ``env`` (the ``export SLURM_CONF=...`` that points clients at it) and ``stop``.
 
 Every daemon runs in the foreground under our own Popen, so its PID is known exactly; PID
@@ -14,7 +14,7 @@ signals only those processes (a recycled PID has another start time). In start o
    submitit's job states stay UNKNOWN;
 3. slurmdbd, then the cluster is registered with ``sacctmgr``;
 4. slurmctld in the root namespace;
-5. slurmd: one for this host (``--nodes 1``), or one per node of a 2-node cluster made of
+5. slurmd: one for this host (``--nodes 1``), or one per node of a cluster of 2 to 8 nodes made of
    network namespaces (``slurm.testbed.netns``, subnet 10.77.1.0/24, controller on the bridge at
    10.77.1.254). Each node runs in its own UTS and mount namespace, with its own hostname,
    its own /etc/hosts and a private /tmp (PMIx directories collide otherwise).
@@ -71,6 +71,7 @@ NODE_SUBNET = "10.77.1"
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 # Subdirectories start wipes; the munge key and the database files (slow to make) are kept.
+MAX_NODES = 8  # namespace nodes; each declares the same CPUs, so more only slices 2 cores thinner
 OWNED = ("etc", "run", "log", "munge", "ctld", "spool", "nodes", "dev")
 
 # The command each daemon needs, and the Debian package that brings it.
@@ -418,8 +419,8 @@ def start(state: Path = DEFAULT_STATE, nodes: int = 1, rate: str | None = None, 
     reason = unavailable()
     if reason:
         raise ClusterError(reason)
-    if nodes not in (1, 2):
-        raise ClusterError(f"--nodes must be 1 or 2, got {nodes}")
+    if not 1 <= nodes <= MAX_NODES:
+        raise ClusterError(f"--nodes must be 1 to {MAX_NODES}, got {nodes}")
     if gpus < 0:
         raise ClusterError(f"--gpus must be 0 or more, got {gpus}")
     layout = Layout(state.resolve())
@@ -481,8 +482,8 @@ def _start_all(starter: Starter, nodes: int, rate: str | None, gpus: int) -> Non
 
     if testbed is not None:
         if not netns.create(testbed):
-            raise ClusterError(f"namespaces {', '.join(testbed.names)} already exist: is another 2-node cluster "
-                               "running? stop it first", prefix=NODE_PREFIX)
+            raise ClusterError(f"namespaces {', '.join(testbed.names)} already exist: is another multi-node "
+                               "cluster running? stop it first", prefix=NODE_PREFIX)
         starter.record["netns"] = NODE_PREFIX
         write_json(layout.record, starter.record)
         _node_files(layout, testbed, controller)
@@ -569,8 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--state", type=Path, default=DEFAULT_STATE, help="state directory (default %(default)s)")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("start", parents=[common], help="start the cluster (no-op when running)")
-    up.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="1: this host; 2: two namespace nodes")
-    up.add_argument("--rate", help="2 nodes: tc rate of each node's link, e.g. 1gbit (default: unlimited)")
+    up.add_argument("--nodes", type=int, choices=range(1, MAX_NODES + 1), default=1, metavar="N",
+                    help=f"1: this host; 2 to {MAX_NODES}: namespace nodes (default 1)")
+    up.add_argument("--rate", help="several nodes: tc rate of each node's link, e.g. 1gbit (default: unlimited)")
     up.add_argument("--gpus", type=int, default=GPUS_PER_NODE,
                     help="stand-in GPUs per node, generic resource gpu (default %(default)s; 0: none)")
     commands.add_parser("stop", parents=[common], help="stop every daemon started (no-op when stopped)")
@@ -584,7 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def start_command(args: argparse.Namespace) -> None:
         if args.rate and args.nodes == 1:
-            parser.error("--rate needs --nodes 2 (a single node has no links)")
+            parser.error("--rate needs --nodes 2 or more (a single node has no links)")
         began = time.monotonic()
         if start(args.state, args.nodes, args.rate, args.gpus):
             print(f"started a {args.nodes}-node cluster in {args.state} ({time.monotonic() - began:.1f} s); "

@@ -1,0 +1,158 @@
+"""Restart inside the allocation: when a rank fails or hangs, the batch script runs the job step again in the
+same allocation from the newest checkpoint, up to ``slurm.max_restarts`` times, instead of waiting in the queue
+for a new one (NVIDIA's Resiliency Extension restarts in-job the same way; torchrun's ``--max-restarts`` does it
+for one node).
+
+The batch script defines a shell function named ``srun`` (:func:`step_loop`), so the line submitit writes last
+(``srun ... python -m submitit.core._submit``) runs through it: it runs the real srun, and after a failure asks
+``python -m slurm.restart`` (:func:`main`, no torch: a fraction of a second) whether to go again. The answer
+comes from what the failed step left: the ranks' failure records (hpc/rundir.py) and srun's own lines
+(``srun: error: node1: task 2: Killed``), read as ``hpc status`` reads them, and the restarts so far:
+
+- a cause that is the user's is not retried: a configuration error, or an exception raised at the same step
+  as the previous restart's (an exception once may be transient: a lost peer, a flaky filesystem);
+- a rank that died without a record (a signal, the out-of-memory killer, a lost node) or a hang the stall
+  inspector aborted is the node's: with ``slurm.spare_nodes`` left, its node is excluded from the next step
+  (``srun --exclude``) and a spare takes its place;
+- past ``slurm.max_restarts`` the job ends, naming the cause.
+
+Each decision is a line of ``restarts.jsonl`` in the run directory (cause, node, excluded nodes, when); ``hpc
+status`` joins it with metrics.jsonl for the steps lost and the time from the failure to the next step. Steps
+run with ``HPC_RESTART_ATTEMPT`` (0 first) in their environment. Exit 75 (the ranks checkpointed and requeued
+the job after a warning signal) and the signals the batch script's trap handles end the loop untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.config import SlurmConfig
+from hpc.rundir import STALLED, summarize_failures
+from hpc.runtime.preemption import PREEMPTED_EXIT
+from slurm.job_registry import RESTARTS_FILE, describe_restart, read_restarts, step_failures
+
+CONFIG_ERRORS = frozenset({"ConfigError", "SpecError"})
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What ended a step, as :func:`failure_of` reads it."""
+
+    text: str  # one line: who failed and why (hpc status's words)
+    rank: int | None
+    host: str | None
+    step: int | None
+    kind: str  # "config", "exception", "node" (died without a record, or hung)
+    error: str | None  # the exception's type, for an exception
+
+
+@dataclass(frozen=True)
+class Decision:
+    restart: bool
+    reason: str
+    exclude: tuple[str, ...]
+
+
+def decide(failure: Failure, previous: Sequence[dict], max_restarts: int, spare_nodes: int,
+           exclude: Sequence[str]) -> Decision:
+    """Whether to run the step again after ``failure``, given the restarts recorded before (``previous``), and on
+    which nodes not (see the module)."""
+    exclude = tuple(exclude)
+    if failure.kind == "config":
+        return Decision(False, "a configuration error is not retried", exclude)
+    last = previous[-1] if previous else None
+    if (failure.kind == "exception" and last and last.get("error") == failure.error
+            and last.get("step") == failure.step and failure.step is not None):
+        return Decision(False, f"the same {failure.error} at the same step as before: the user's, not retried",
+                        exclude)
+    if len(previous) >= max_restarts:
+        return Decision(False, f"slurm.max_restarts = {max_restarts} reached", exclude)
+    if failure.kind == "node" and failure.host and failure.host not in exclude and len(exclude) < spare_nodes:
+        exclude += (failure.host,)
+        return Decision(True, f"restart {len(previous) + 1} of {max_restarts}, without node {failure.host} "
+                              f"(spare {len(exclude)} of {spare_nodes} taken)", exclude)
+    return Decision(True, f"restart {len(previous) + 1} of {max_restarts}", exclude)
+
+
+def failure_of(run_path: Path, log_dir: Path, job_id: str, since: float) -> Failure:
+    """The failure the step that started at ``since`` left: the first rank that failed for a reason of its own,
+    else the task srun saw die without a record, else srun's exit alone."""
+    records = step_failures(run_path, job_id, log_dir, since)
+    own = [record for record in records if not record.get("peer_lost")]
+    summary = summarize_failures(records)
+    if not own or summary is None:
+        return Failure(summary.text if summary else "the step failed and no rank said why", None, None, None, "node",
+                       None)
+    first = min(own, key=lambda r: (r.get("time", 0.0), r["rank"]))
+    error = first.get("type")
+    kind = ("node" if isinstance(first.get("exit"), int) or error == STALLED
+            else "config" if error in CONFIG_ERRORS else "exception")
+    return Failure(summary.text, first["rank"], first.get("host"), first.get("step"), kind, error)
+
+
+def record(run_path: Path, entry: dict) -> None:
+    with (run_path / RESTARTS_FILE).open("a") as handle:
+        handle.write(json.dumps(entry) + "\n")
+
+
+def step_loop(slurm: SlurmConfig, run_path: Path, log_dir: Path) -> list[str]:
+    """The batch script's ``srun`` function (see the module) of a job (not an array: its tasks restart by requeue),
+    none where ``slurm.max_restarts`` is 0; with spares, each step runs on ``slurm.nodes`` of the allocation's."""
+    max_restarts, spare_nodes = slurm.max_restarts, slurm.spare_nodes
+    if not max_restarts:
+        return []
+    decide_argv = [sys.executable, "-m", "slurm.restart", "--run-dir", str(run_path), "--log-dir", str(log_dir),
+                   "--max-restarts", str(max_restarts), "--spare-nodes", str(spare_nodes)]
+    sized = f" --nodes={slurm.nodes} --ntasks={slurm.nodes * slurm.tasks_per_node}" if spare_nodes else ""
+    handled = f"0|{PREEMPTED_EXIT}|$((128 + $(kill -l USR1)))|$((128 + $(kill -l USR2))))"
+    return [
+        f"srun() {{  # the job step, again in this allocation after a failure (slurm.max_restarts = {max_restarts}; "
+        "slurm/restart.py)",
+        '    local attempt=0 status exclude="" started',
+        "    while :; do",
+        "        started=$(date +%s.%N) status=0",
+        f'        HPC_RESTART_ATTEMPT=$attempt command srun{sized} ${{exclude:+--exclude="$exclude"}} "$@" '
+        "|| status=$?",
+        f"        case $status in {handled} return $status ;; esac",
+        f"        exclude=$({shlex.join(decide_argv)} "
+        '--job-id "$SLURM_JOB_ID" --started "$started" --exclude "$exclude") || return $status',
+        "        attempt=$((attempt + 1))",
+        "    done",
+        "}",
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Decide after a failed step (called by :func:`step_loop`'s function): prints the nodes to exclude and exits 0
+    to run the step again; exits 1 to stop. Its line goes to the batch log."""
+    parser = argparse.ArgumentParser(prog="python -m slurm.restart")
+    for option in ("--run-dir", "--log-dir", "--job-id"):
+        parser.add_argument(option, required=True)
+    parser.add_argument("--started", type=float, required=True, help="when the failed step started (Unix time)")
+    parser.add_argument("--max-restarts", type=int, required=True)
+    parser.add_argument("--spare-nodes", type=int, default=0)
+    parser.add_argument("--exclude", default="", help="nodes already excluded, comma-separated")
+    args = parser.parse_args(argv)
+    run_path, failed_at = Path(args.run_dir), time.time()
+    failure = failure_of(run_path, Path(args.log_dir), args.job_id, args.started)
+    previous = [entry for entry in read_restarts(run_path, args.job_id) if entry["restart"]]
+    decision = decide(failure, previous, args.max_restarts, args.spare_nodes,
+                      [node for node in args.exclude.split(",") if node])
+    entry = {"job_id": args.job_id, "failed_at": failed_at, "cause": failure.text, "rank": failure.rank,
+             "host": failure.host, "step": failure.step, "error": failure.error, "restart": decision.restart,
+             "reason": decision.reason, "exclude": list(decision.exclude)}
+    record(run_path, entry)
+    print(f"hpc: {describe_restart(run_path, entry)}", file=sys.stderr, flush=True)
+    print(",".join(decision.exclude))
+    return 0 if decision.restart else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

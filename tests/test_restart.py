@@ -1,0 +1,210 @@
+"""Restart inside the allocation (slurm/restart.py, issue 42): the decision from what a failed step left, the batch
+script's ``srun`` function run by bash against a stand-in srun, and on the local Slurm a job whose rank is killed
+mid-run that restarts in its allocation and ends at the parameters of a job never killed, and a user's exception at
+the same step that is retried once, not twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc.config import SlurmConfig
+from hpc.rundir import write_failure
+from slurm.job_registry import RESTARTS_FILE, describe_restart, read_restarts, restart_recovery
+from slurm.restart import Failure, decide, failure_of, step_loop
+from tests.test_slurm_failures import DYING_MODEL, FAILING_MODEL, SPEC
+from tests.test_submit import _hpc, _submitted, _wait_done
+
+
+def _failure(kind: str, step: int | None = 5, host: str | None = "node1", error: str | None = None) -> Failure:
+    return Failure("rank 1 failed", 1, host, step, kind, error)
+
+
+def test_a_node_death_excludes_the_node_while_spares_last_then_restarts_in_place() -> None:
+    first = decide(_failure("node"), [], max_restarts=3, spare_nodes=1, exclude=[])
+    assert first.restart and first.exclude == ("node1",) and "without node node1" in first.reason
+    again = decide(_failure("node", host="node2"), [{"restart": True}], max_restarts=3, spare_nodes=1,
+                   exclude=first.exclude)
+    assert again.restart and again.exclude == ("node1",)  # no spare left: the same nodes again
+    assert not decide(_failure("node"), [{"restart": True}] * 3, 3, 1, []).restart
+
+
+def test_a_users_error_is_not_retried_but_a_lone_exception_is() -> None:
+    assert not decide(_failure("config", error="ConfigError"), [], 3, 0, []).restart
+    once = decide(_failure("exception", error="RuntimeError"), [], 3, 0, [])
+    assert once.restart and once.exclude == ()  # an exception is no node's fault
+    previous = [{"restart": True, "error": "RuntimeError", "step": 5}]
+    twice = decide(_failure("exception", error="RuntimeError"), previous, 3, 0, [])
+    assert not twice.restart and "same RuntimeError at the same step" in twice.reason
+    assert decide(_failure("exception", step=9, error="RuntimeError"), previous, 3, 0, []).restart
+
+
+def test_the_failure_is_the_first_own_record_else_srun_s_account_of_a_silent_death(tmp_path: Path) -> None:
+    since = time.time() - 1
+    write_failure(tmp_path, 0, {"job_id": "7", "time": since + 0.5, "peer_lost": True, "type": "DistError",
+                                "message": "Connection closed by peer", "host": "node0", "step": 4}, None)
+    log = tmp_path / "slurm"
+    log.mkdir()
+    (log / "7_0_log.out").write_text("Starting with JobEnvironment(...)\nsrun: error: node1: task 1: Killed\n")
+    failure = failure_of(tmp_path, log, "7", since)
+    assert (failure.kind, failure.rank, failure.host) == ("node", 1, "node1") and "SIGKILL" in failure.text
+    write_failure(tmp_path, 1, {"job_id": "7", "time": since + 0.2, "peer_lost": False, "type": "ConfigError",
+                                "message": "model.args: no such argument", "host": "node1", "step": None}, None)
+    assert failure_of(tmp_path, log, "7", since).kind == "config"
+    assert failure_of(tmp_path, log, "7", time.time() + 1).kind == "node"  # records older than the step: not its
+
+
+def test_steps_lost_and_the_time_to_the_next_step_come_from_the_metrics(tmp_path: Path) -> None:
+    failed_at = 1000.0
+    lines = [{"step": s, "time": 990.0 + s} for s in range(1, 8)] + [{"step": s, "time": 1005.0 + s} for s in (7, 8)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    entry = {"failed_at": failed_at, "restart": True, "reason": "restart 1 of 2", "cause": "rank 1 was killed"}
+    assert restart_recovery(tmp_path, entry) == (1, 12.0)  # step 7 ran again; it ended 12 s after the failure
+    assert describe_restart(tmp_path, entry) == "restart 1 of 2: rank 1 was killed; 1 step lost, next step 12.0 s " \
+                                                "after it"
+
+
+FAKE_SRUN = """#!/bin/bash
+# Stands in for srun: records its arguments and attempt; the first step dies as srun reports a killed task.
+echo "$HPC_RESTART_ATTEMPT $*" >> "$CALLS"
+if [ "$HPC_RESTART_ATTEMPT" = 0 ]; then
+    echo "Starting with JobEnvironment(...)" >> "$LOG"
+    echo "srun: error: node1: task 1: Killed" >> "$LOG"
+    exit 9
+fi
+exit 0
+"""
+
+
+def test_the_batch_scripts_srun_runs_the_step_again_without_the_dead_node(tmp_path: Path) -> None:
+    """The generated function, run by bash: srun (a stand-in) fails once, slurm/restart.py decides, the second
+    step runs with the dead node excluded on the spare, sized to the job's nodes, and the script ends 0."""
+    bin_dir, run, logs = tmp_path / "bin", tmp_path / "run", tmp_path / "run" / "slurm"
+    for directory in (bin_dir, logs):
+        directory.mkdir(parents=True)
+    fake = bin_dir / "srun"
+    fake.write_text(FAKE_SRUN)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    slurm = SlurmConfig(nodes=2, ntasks_per_node=2, max_restarts=2, spare_nodes=1)
+    script = "\n".join([*step_loop(slurm, run, logs), "srun --unbuffered python -m job"])
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77",
+           "CALLS": str(tmp_path / "calls"), "LOG": str(logs / "77_0_log.out"), "PYTHONPATH": str(Path.cwd())}
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls == ["0 --nodes=2 --ntasks=4 --unbuffered python -m job",
+                     "1 --nodes=2 --ntasks=4 --exclude=node1 --unbuffered python -m job"]
+    [entry] = read_restarts(run, "77")
+    assert (entry["restart"], entry["host"], entry["exclude"]) == (True, "node1", ["node1"])
+    assert "hpc: restart 1 of 2, without node node1 (spare 1 of 1 taken): rank 1 (host node1) was killed by " \
+           "SIGKILL" in done.stderr
+    assert not step_loop(SlurmConfig(), run, logs)  # max_restarts 0: no function, srun as submitit writes it
+
+
+def test_spares_are_allocated_beside_the_nodes_and_survive_a_node_failure(tmp_path: Path) -> None:
+    from slurm.submit import executor_parameters
+
+    slurm = SlurmConfig(nodes=2, gpus_per_node=4, max_restarts=2, spare_nodes=1)
+    loop = step_loop(slurm, tmp_path, tmp_path / "slurm")
+    params = executor_parameters(slurm, "job", restart_loop=loop)
+    assert params["nodes"] == 3 and params["additional_parameters"]["no_kill"] is True
+    assert params["setup"][-len(loop):] == loop and "command srun --nodes=2 --ntasks=8 " in "\n".join(loop)
+    assert "no_kill" not in executor_parameters(SlurmConfig(nodes=2, max_restarts=2), "job")["additional_parameters"]
+
+
+# --- on the local Slurm ----------------------------------------------------------------------------------------
+
+RESTART_SPEC = SPEC.replace("steps = 20", "steps = 12").replace("[slurm]", "[checkpoint]\nevery_steps = 3\n[slurm]")
+KILLED_ONCE = DYING_MODEL.replace("if dist.get_rank() == die_rank and len(calls) == die_step:",
+                                  'if (dist.get_rank() == die_rank and len(calls) == die_step\n'
+                                  '                    and os.environ.get("HPC_RESTART_ATTEMPT") == "0"):')
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_in_the_allocation_and_ends_as_the_job_never_killed(slurm_cluster) -> None:
+    """Rank 1 of 2 is SIGKILLed at step 8 of the first step: the job restarts in its allocation from step 6's
+    checkpoint, completes, and its final parameters equal a job's never killed, bit for bit; hpc status says so."""
+    import torch
+
+    from hpc.checkpoint import open_checkpoint, read_tensor
+
+    state = slurm_cluster.state
+    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1", "HPC_HOME": str(state / "hpc-home-restart")}
+    (state / "killed_once.py").write_text(KILLED_ONCE)
+    spec, runs = state / "restart.toml", state / "restart-runs"
+    spec.write_text(RESTART_SPEC.replace("failing_model:build", "killed_once:build"))
+    common = ("--ntasks-per-node", "2", "--max-restarts", "1", "--set", f"job.run_dir={runs}",
+              "--set", "model.args.die_rank=1", "--set", "model.args.die_step=8")
+    killed = _submitted(_hpc(env, "submit", str(spec), *common, "--set", "job.name=killed", cwd=state))
+    never = _submitted(_hpc(env, "submit", str(spec), *common, "--set", "job.name=never",
+                            "--set", "model.args.die_step=0", cwd=state))
+    assert _wait_done(env, killed) == {killed: "COMPLETED"} and _wait_done(env, never) == {never: "COMPLETED"}
+    [entry] = read_restarts(runs / "killed", killed)
+    assert entry["restart"] and entry["rank"] == 1 and entry["exclude"] == []
+    steps = [json.loads(line)["step"] for line in (runs / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [*range(1, 8), *range(7, 13)], steps  # step 8 never ended; from step 6's checkpoint: 7 again
+    status = _hpc(env, "status", killed).stdout.splitlines()
+    assert status[0].startswith(f"job {killed}: restart 1 of 1: rank 1 (host {slurm_cluster.nodes[0]}) was killed "
+                                "by SIGKILL") and "1 step lost, next step" in status[0], status
+    assert status[2].split()[:3] == [killed, "killed", "COMPLETED"], status
+    ours, reference = (open_checkpoint(runs / name / "checkpoints" / "step-00000012") for name in ("killed", "never"))
+    assert set(ours.tensors) == set(reference.tensors)
+    for name in ours.tensors:
+        assert torch.equal(read_tensor(ours, name), read_tensor(reference, name)), name
+
+
+@pytest.mark.slow
+def test_an_exception_at_the_same_step_twice_is_not_retried_a_third_time(slurm_cluster) -> None:
+    state = slurm_cluster.state
+    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1", "HPC_HOME": str(state / "hpc-home-restart-user")}
+    (state / "failing_model.py").write_text(FAILING_MODEL)
+    spec, runs = state / "user-error.toml", state / "user-error-runs"
+    spec.write_text(SPEC)  # no checkpoint: each restart starts from step 0 and fails at step 5 again
+    job = _submitted(_hpc(env, "submit", str(spec), "--ntasks-per-node", "2", "--max-restarts", "3",
+                          "--set", f"job.run_dir={runs}", cwd=state))
+    assert _wait_done(env, job) == {job: "FAILED"}
+    entries = read_restarts(runs / "failing", job)
+    assert [(e["restart"], e["error"], e["step"]) for e in entries] == [(True, "RuntimeError", 5),
+                                                                         (False, "RuntimeError", 5)]
+    status = _hpc(env, "status", job).stdout.splitlines()
+    assert status[1] == f"job {job}: not restarted: the same RuntimeError at the same step as before: the user's, " \
+                        "not retried", status
+    assert status[2].startswith(f"job {job}: rank 1 (host {slurm_cluster.nodes[0]}, step 5) failed: RuntimeError")
+    assert (runs / "failing" / RESTARTS_FILE).exists()
+
+
+@pytest.mark.slow
+def test_a_dead_node_is_excluded_and_the_spare_takes_its_place(slurm_cluster_3nodes) -> None:
+    """2 nodes and 1 spare, a rank a node: node 1's rank is SIGKILLed at step 8; the step runs again on nodes 0 and
+    2 from step 6's checkpoint and ends at a 2-node job's parameters, bit for bit."""
+    import torch
+
+    from hpc.checkpoint import open_checkpoint, read_tensor
+    cluster = slurm_cluster_3nodes
+    state, nodes = cluster.state, cluster.nodes
+    env = {**cluster.env, "OMP_NUM_THREADS": "1", "HPC_HOME": str(state / "hpc-home-spare")}
+    (state / "killed_once.py").write_text(KILLED_ONCE)
+    spec, runs = state / "spare.toml", state / "spare-runs"
+    spec.write_text(RESTART_SPEC.replace("failing_model:build", "killed_once:build"))
+    common = ("--nodes", "2", "--set", f"job.run_dir={runs}", "--set", "model.args.die_rank=1",
+              "--set", "model.args.die_step=8")
+    spared = _submitted(_hpc(env, "submit", str(spec), *common, "--max-restarts", "1", "--spare-nodes", "1",
+                             "--set", "job.name=spared", cwd=state))
+    never = _submitted(_hpc(env, "submit", str(spec), *common, "--set", "model.args.die_step=0",
+                            "--set", "job.name=never", cwd=state))
+    assert _wait_done(env, spared) == {spared: "COMPLETED"} and _wait_done(env, never) == {never: "COMPLETED"}
+    [entry] = read_restarts(runs / "spared", spared)
+    assert (entry["host"], entry["exclude"]) == (nodes[1], [nodes[1]]), entry
+    steps = subprocess.run(["sacct", "-n", "-P", "-j", spared, "-o", "JobID,NodeList"], env=env, capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    step_nodes = [line.split("|")[1] for line in steps if line.split("|")[0] in (f"{spared}.0", f"{spared}.1")]
+    assert step_nodes == ["hpcnode[0-1]", "hpcnode[0,2]"], steps
+    ours, reference = (open_checkpoint(runs / name / "checkpoints" / "step-00000012") for name in ("spared", "never"))
+    for name in ours.tensors:
+        assert torch.equal(read_tensor(ours, name), read_tensor(reference, name)), name
