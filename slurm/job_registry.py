@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TextIO
 
 from hpc.errors import HpcError
+from hpc.observe.report import straggler_rows
 from hpc.rundir import METRICS_FILE, death_record, last_metrics, read_failures, summarize_failures, write_json
 
 SACCT_FIELDS = ("JobID", "JobName", "State", "Elapsed", "NodeList", "ExitCode")
@@ -209,7 +210,7 @@ def failure_line(job_id: str, run_path: Path, label: str | None = None,
 
 def failure_lines(records: Sequence[JobRecord], only: str | None = None) -> list[str]:
     """Per job or array task (or just ``only``): a line per restart inside its allocation, then one if its ranks
-    recorded a failure since, or srun saw one die."""
+    recorded a failure since, or srun saw one die; then one per rank named a straggler."""
     ids = [(record, job_id) for record in records for job_id in record.task_ids() if only in (None, job_id)]
     lines = []
     for record, job_id in ids:
@@ -217,7 +218,17 @@ def failure_lines(records: Sequence[JobRecord], only: str | None = None) -> list
         lines += [f"job {job_id}: {describe_restart(run_path, entry)}" for entry in read_restarts(run_path, job_id)]
         line = failure_line(job_id, run_path, log_dir=record.log_dir)
         lines += [line] if line else []
+        lines += [f"job {job_id}: {name} {text}" for name, text in straggler_rows(named_stragglers(run_path))]
     return lines
+
+
+def named_stragglers(run_path: Path) -> list[dict]:
+    """The metrics records that name stragglers (hpc/observe/straggler.py), read without parsing every step's."""
+    try:
+        with (run_path / METRICS_FILE).open() as handle:
+            return [json.loads(line) for line in handle if '"stragglers"' in line]
+    except (OSError, ValueError):
+        return []
 
 
 def read_restarts(run_path: Path, job_id: str | None = None) -> list[dict]:

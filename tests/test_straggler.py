@@ -80,3 +80,14 @@ def test_the_comparison_keeps_nccl_rules_on_three_ranks(tmp_path) -> None:
 
     records = run_ranks(3, _train, str(tmp_path), True, backend=BACKEND)[0]
     assert [record["step"] for record in records] == list(range(1, 13))
+
+
+def test_hpc_status_names_the_stragglers_of_a_job(tmp_path) -> None:
+    from slurm.job_registry import JobRecord, failure_lines
+
+    steps = [{"step": 4, "loss": 1.0}, {"step": 8, "stragglers": [{"rank": 2, "host": "node3", "slowdown": 1.6}]},
+             {"step": 12, "stragglers": [{"rank": 2, "host": "node3", "slowdown": 2.1}]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(step) + "\n" for step in steps))
+    record = JobRecord("41", "slow", 4, str(tmp_path / "slurm"), (str(tmp_path),))
+    assert failure_lines([record]) == ["job 41: straggler: rank 2 on node3, from step 8, up to 2.10x the median "
+                                       "rank's step"]
