@@ -183,7 +183,9 @@ class TrainConfig:
     stall_warn_s: float = _field(
         60.0, "a rank waiting this long in a collective or pipeline receive reports who has not arrived", gt=0)
     stall_abort_s: float = _field(240.0, "past this wait the job aborts with that report instead of hanging", gt=0)
-    health_check: bool = _field(False, "test every group of the mesh (all-reduce, ring of messages) before training")
+    health_check: bool = _field(False, "before training: each node writes its run directory and scratch and finds "
+                                       "its GPU free, then every group of the mesh all-reduces and passes a ring of "
+                                       "messages; a failing node is named (and excluded by a restart with spares)")
     health_check_timeout_s: float = _field(30.0, "how long the health check waits for each group", gt=0)
     straggler_every: int = _field(0, "every this many steps the ranks compare their step compute times "
                                      "(hpc/observe/straggler.py); 0 = off", min=0)

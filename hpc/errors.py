@@ -55,3 +55,8 @@ class CollectiveStalled(HpcError):
 
 class DeviceOutOfMemoryError(HpcError):
     """A rank ran out of GPU memory; the message says how much was held and what to try."""
+
+
+class NodeUnhealthy(HpcError):
+    """A node failed the start-up health check (hpc/observe/health.py): a directory it must write, or its GPU;
+    the node's fault, not the job's (a restart inside the allocation excludes it where a spare is left)."""

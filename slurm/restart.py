@@ -11,9 +11,10 @@ comes from what the failed step left: the ranks' failure records (hpc/rundir.py)
 
 - a cause that is the user's is not retried: a configuration error, or an exception raised at the same step
   as the previous restart's (an exception once may be transient: a lost peer, a flaky filesystem);
-- a rank that died without a record (a signal, the out-of-memory killer, a lost node) or a hang the stall
-  inspector aborted is the node's: with ``slurm.spare_nodes`` left, its node is excluded from the next step
-  (``srun --exclude``) and a spare takes its place;
+- a rank that died without a record (a signal, the out-of-memory killer, a lost node), a hang the stall
+  inspector aborted, or a failed start-up health check (``train.health_check``) is the node's: with
+  ``slurm.spare_nodes`` left, its node is excluded from the next step (``srun --exclude``) and a spare takes
+  its place;
 - past ``slurm.max_restarts`` the job ends, naming the cause.
 
 Each decision is a line of ``restarts.jsonl`` in the run directory (cause, node, excluded nodes, when); ``hpc
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.config import SlurmConfig
+from hpc.errors import NodeUnhealthy
 from hpc.rundir import STALLED, summarize_failures
 from hpc.runtime.preemption import PREEMPTED_EXIT
 from slurm.job_registry import RESTARTS_FILE, describe_restart, read_restarts, step_failures
@@ -92,7 +94,7 @@ def failure_of(run_path: Path, log_dir: Path, job_id: str, since: float) -> Fail
                        None)
     first = min(own, key=lambda r: (r.get("time", 0.0), r["rank"]))
     error = first.get("type")
-    kind = ("node" if isinstance(first.get("exit"), int) or error == STALLED
+    kind = ("node" if isinstance(first.get("exit"), int) or error in (STALLED, NodeUnhealthy.__name__)
             else "config" if error in CONFIG_ERRORS else "exception")
     return Failure(summary.text, first["rank"], first.get("host"), first.get("step"), kind, error)
 

@@ -443,3 +443,37 @@ def test_a_rank_that_skips_a_tp_all_reduce_is_named_by_hpc_run_status_and_logs(
     lead = f"job 12: {record['message']} -- see: hpc logs 12 --rank 0"
     assert logs.stdout.splitlines()[0] == lead and failure_lines(Registry.default(env).recent()) == [lead]
     assert lead.startswith("job 12: rank 0 (") and named in lead
+
+
+def _node_check(world, run_dir: str, broken_rank: int) -> object:
+    """Ranks as if each on its own node (local rank 0); ``broken_rank``'s scratch is a file, not a directory."""
+    import os
+
+    from hpc.errors import NodeUnhealthy
+    from hpc.observe.health import check_nodes
+    from hpc.observe.probe import Probe
+    from hpc.runtime.mesh import build_mesh, resolve_layout
+
+    scratch = Path(run_dir) / f"scratch-{world.rank}"
+    scratch.write_text("") if world.rank == broken_rank else scratch.mkdir()
+    os.environ["SLURM_TMPDIR"] = str(scratch)
+    try:
+        return check_nodes(build_mesh(resolve_layout(2, 1, 1, 2), world.rank), Probe(), 30, 0, Path(run_dir))
+    except NodeUnhealthy as exc:
+        return str(exc)
+
+
+def test_a_node_that_cannot_write_its_scratch_fails_its_health_check_by_name(tmp_path) -> None:
+    import socket
+
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+    healthy = run_ranks(2, _node_check, str(tmp_path / "a"), -1, timeout=60)
+    assert healthy[0][0].startswith("health: run directory writes: slowest ") and healthy[0][1].startswith(
+        "health: scratch writes: slowest ") and healthy[0][1].endswith("of 2 nodes")
+    broken = run_ranks(2, _node_check, str(tmp_path / "b"), 1, timeout=60)
+    scratch = tmp_path / "b" / "scratch-1"
+    assert broken[1] == f"host {socket.gethostname()} failed its health check: scratch {scratch} is not writable: " \
+                        "File exists (rank=1)"
+    assert isinstance(broken[0], list)  # the healthy rank goes on (and would see its peer leave)
+    assert not list((tmp_path / "a").glob(".hpc-health-*"))  # the probe files are removed

@@ -208,3 +208,33 @@ def test_a_dead_node_is_excluded_and_the_spare_takes_its_place(slurm_cluster_3no
     ours, reference = (open_checkpoint(runs / name / "checkpoints" / "step-00000012") for name in ("spared", "never"))
     for name in ours.tensors:
         assert torch.equal(read_tensor(ours, name), read_tensor(reference, name)), name
+
+
+@pytest.mark.slow
+def test_a_node_failing_its_health_check_is_excluded_before_step_1(slurm_cluster_3nodes) -> None:
+    """Node 1's scratch is a full 1 MiB tmpfs (mounted in its namespace): its health check fails before any step,
+    the restart runs on nodes 0 and 2, and every step runs once."""
+    from slurm.testbed import cluster as testbed
+
+    cluster = slurm_cluster_3nodes
+    state, nodes = cluster.state, cluster.nodes
+    slurmd = next(d for d in testbed.daemons(testbed.read_record(state)) if d.name == f"slurmd-{nodes[1]}")
+    (state / "nodes" / nodes[1] / "tmp" / "hpc-scratch").mkdir(exist_ok=True)
+    in_node = ["nsenter", "-t", str(slurmd.pid), "-m"]
+    subprocess.run([*in_node, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", "/tmp/hpc-scratch"], check=True)
+    try:
+        env = {**cluster.env, "OMP_NUM_THREADS": "1", "HPC_HOME": str(state / "hpc-home-health"),
+               "SLURM_TMPDIR": "/tmp/hpc-scratch"}
+        spec, runs = state / "health.toml", state / "health-runs"
+        spec.write_text(RESTART_SPEC.replace('[model]\nentry = "failing_model:build"', "[model]"))
+        job = _submitted(_hpc(env, "submit", str(spec), "--nodes", "2", "--max-restarts", "1", "--spare-nodes", "1",
+                              "--set", "train.health_check=true", "--set", f"job.run_dir={runs}", cwd=state))
+        assert _wait_done(env, job) == {job: "COMPLETED"}
+    finally:
+        subprocess.run([*in_node, "umount", "/tmp/hpc-scratch"], check=True)
+    [entry] = read_restarts(runs / "failing", job)
+    assert (entry["error"], entry["host"], entry["step"], entry["exclude"]) == ("NodeUnhealthy", nodes[1], None,
+                                                                               [nodes[1]]), entry
+    assert "scratch /tmp/hpc-scratch is not writable: No space left on device" in entry["cause"]
+    steps = [json.loads(line)["step"] for line in (runs / "failing" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))

@@ -1,4 +1,11 @@
-"""Start-up health check: every group of the mesh all-reduces and passes a ring of messages, in time.
+"""Start-up health check: each node writes where it must and finds its GPU free; then every group of the mesh
+all-reduces and passes a ring of messages, in time.
+
+Each node first (:func:`check_nodes`, local rank 0 for the node's directories): the run directory and the node's
+scratch (``$SLURM_TMPDIR``, else ``$TMPDIR``, else /tmp) take ``DISK_BYTES`` written and fsynced, at a rate it
+reports; each rank's GPU, where it has one, has at least half its memory free (a leftover process holds the
+rest otherwise). A node that fails raises :class:`~hpc.errors.NodeUnhealthy` naming its host and what failed,
+before any training step, so a restart inside the allocation (slurm/restart.py) excludes it for a spare.
 
 A bad NIC, a wrong interface or a straggler node is cheapest to find before the
 first step, when the report can name a link rather than a training step that got
@@ -14,16 +21,20 @@ every rank; rank 0 prints the report.
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from hpc.errors import HpcError
+from hpc.errors import HpcError, NodeUnhealthy
 from hpc.observe.probe import Probe
 from hpc.runtime.mesh import AXES, Mesh
 from hpc.runtime.placement import carries_cuda
 
 MESSAGE_BYTES = 1 << 20
+DISK_BYTES = 8 << 20
 
 
 class HealthCheckError(HpcError):
@@ -63,6 +74,78 @@ class HealthReport:
         if self.links:
             out.append(f"health: slowest link overall: {self.slowest()}")
         return out
+
+
+@dataclass(frozen=True)
+class NodeCheck:
+    """One rank's own checks: what failed (None: nothing), and the write rates it measured (local rank 0)."""
+
+    rank: int
+    host: str
+    problem: str | None
+    write_mbps: dict[str, float]
+
+
+def scratch_dir() -> Path:
+    """The node's local scratch: Slurm's job-local ``$SLURM_TMPDIR`` where the site sets one, else the
+    temporary directory."""
+    return Path(os.environ.get("SLURM_TMPDIR") or tempfile.gettempdir())
+
+
+def _write_rate(directory: Path, rank: int) -> float:
+    """MB/s of ``DISK_BYTES`` written and fsynced into a file of ``directory``, removed after; OSError if not."""
+    directory.mkdir(parents=True, exist_ok=True)  # the run's first writer may be this check
+    path = directory / f".hpc-health-{socket.gethostname()}-{rank}"
+    started = time.perf_counter()
+    try:
+        with path.open("wb") as handle:
+            handle.write(bytes(DISK_BYTES))
+            handle.flush()
+            os.fsync(handle.fileno())
+    finally:
+        path.unlink(missing_ok=True)
+    return DISK_BYTES / (time.perf_counter() - started) / 1e6
+
+
+def check_node(rank: int, local_rank: int, run_path: Path, device) -> NodeCheck:
+    """This rank's checks (see the module); never raises: a failure is the check's ``problem``."""
+    import torch
+
+    rates, problem = {}, None
+    if local_rank == 0:
+        for name, directory in (("run directory", run_path), ("scratch", scratch_dir())):
+            try:
+                rates[name] = _write_rate(directory, rank)
+            except OSError as exc:
+                problem = problem or f"{name} {directory} is not writable: {exc.strerror or exc}"
+    if device.type == "cuda" and problem is None:
+        free, total = torch.cuda.mem_get_info(device)
+        if free < total / 2:
+            problem = (f"GPU {device.index} has {free / 2**30:.1f} of {total / 2**30:.1f} GiB free: another process "
+                       "holds the rest?")
+    return NodeCheck(rank, socket.gethostname(), problem, rates)
+
+
+def check_nodes(mesh: Mesh, probe: Probe, timeout_s: float, local_rank: int, run_path: Path) -> list[str]:
+    """Collective over the world: every rank's :func:`check_node`, gathered; a rank whose node failed raises
+    NodeUnhealthy (its own cause), the others go on and see it leave. Returns the report's lines (rank 0 prints
+    them): the slowest writes."""
+    import torch.distributed as dist
+
+    mine = check_node(mesh.rank, local_rank, run_path, mesh.device)
+    checks: list[NodeCheck | None] = [None] * dist.get_world_size()
+    with probe.collective("health check of the nodes", "world", range(len(checks)), abort_s=timeout_s):
+        dist.all_gather_object(checks, mine)
+    if mine.problem:
+        raise NodeUnhealthy(f"host {mine.host} failed its health check: {mine.problem}", rank=mine.rank)
+    lines = []
+    for name in ("run directory", "scratch"):
+        rates = [(check.write_mbps[name], check.host) for check in checks if check and name in check.write_mbps]
+        if rates:
+            rate, host = min(rates)
+            lines.append(f"health: {name} writes: slowest {rate:,.0f} MB/s ({host}) of {len(rates)} node"
+                         f"{'s' * (len(rates) > 1)}")
+    return lines
 
 
 def _groups(mesh: Mesh) -> list[tuple[str, object, tuple[int, ...]]]:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hpc.config import JobSpec, TrainConfig
 from hpc.errors import ConfigError, DeviceOutOfMemoryError, LayoutError
-from hpc.observe.health import check_mesh
+from hpc.observe.health import check_mesh, check_nodes
 from hpc.observe.metrics import RANK_TOTALS, device_peak_flops, peak_memory_bytes, write_rank_totals
 from hpc.observe.probe import Probe
 from hpc.observe.progress import Progress
@@ -172,10 +172,12 @@ def _train(
     spec: JobSpec, world: World, mesh: Mesh, progress_mode: str, run: RunSession, probe: Probe
 ) -> tuple[TrainResult, torch.nn.Module]:
     """Build the step's parts, resume, then run the steps from where the last checkpoint left off."""
-    if spec.train.health_check and world.size > 1:
-        report = check_mesh(mesh, probe, spec.train.health_check_timeout_s)
+    if spec.train.health_check:
+        lines = check_nodes(mesh, probe, spec.train.health_check_timeout_s, world.info.local_rank, spec.run_path)
+        if world.size > 1:
+            lines += check_mesh(mesh, probe, spec.train.health_check_timeout_s).lines()
         if world.rank == 0:
-            print("\n".join(report.lines()), flush=True)
+            print("\n".join(lines), flush=True)
     workload = Workload(spec, mesh)
     watch_groups(probe, mesh, workload)
     freeze(workload.model, spec.train.freeze, mesh)
