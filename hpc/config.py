@@ -309,6 +309,8 @@ class SlurmConfig:
                                   "newest checkpoint (a user's error is not retried: slurm/restart.py)", min=0)
     spare_nodes: int = _field(0, "nodes allocated beyond slurm.nodes: a node whose rank died is excluded from the "
                                  "next restart and a spare takes its place", min=0)
+    elastic: bool = _field(False, "with no spare node left, a restart runs on the nodes that remain: fewer "
+                                  "data-parallel ranks, the same global batch (data.batch_size)")
 
     @property
     def tasks_per_node(self) -> int:

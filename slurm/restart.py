@@ -60,27 +60,44 @@ class Decision:
     restart: bool
     reason: str
     exclude: tuple[str, ...]
+    nodes: int  # the next step's
 
 
-def decide(failure: Failure, previous: Sequence[dict], max_restarts: int, spare_nodes: int,
-           exclude: Sequence[str]) -> Decision:
-    """Whether to run the step again after ``failure``, given the restarts recorded before (``previous``), and on
-    which nodes not (see the module)."""
-    exclude = tuple(exclude)
+def decide(failure: Failure, previous: Sequence[dict], slurm: SlurmConfig) -> Decision:
+    """Whether to run the step again after ``failure``, given the restarts recorded before (``previous``, each with
+    the nodes it excluded), on how many nodes and without which (see the module)."""
+    exclude = tuple(previous[-1]["exclude"]) if previous else ()
+    spares, wanted = slurm.spare_nodes, slurm.nodes
+    stop = lambda reason: Decision(False, reason, exclude, 0)  # noqa: E731
     if failure.kind == "config":
-        return Decision(False, "a configuration error is not retried", exclude)
+        return stop("a configuration error is not retried")
     last = previous[-1] if previous else None
     if (failure.kind == "exception" and last and last.get("error") == failure.error
             and last.get("step") == failure.step and failure.step is not None):
-        return Decision(False, f"the same {failure.error} at the same step as before: the user's, not retried",
-                        exclude)
-    if len(previous) >= max_restarts:
-        return Decision(False, f"slurm.max_restarts = {max_restarts} reached", exclude)
-    if failure.kind == "node" and failure.host and failure.host not in exclude and len(exclude) < spare_nodes:
-        exclude += (failure.host,)
-        return Decision(True, f"restart {len(previous) + 1} of {max_restarts}, without node {failure.host} "
-                              f"(spare {len(exclude)} of {spare_nodes} taken)", exclude)
-    return Decision(True, f"restart {len(previous) + 1} of {max_restarts}", exclude)
+        return stop(f"the same {failure.error} at the same step as before: the user's, not retried")
+    if len(previous) >= slurm.max_restarts:
+        return stop(f"slurm.max_restarts = {slurm.max_restarts} reached")
+    counted = f"restart {len(previous) + 1} of {slurm.max_restarts}"
+    if failure.kind != "node" or not failure.host or failure.host in exclude:
+        return Decision(True, counted, exclude, min(wanted, wanted + spares - len(exclude)))
+    if len(exclude) < spares:
+        return Decision(True, f"{counted}, without node {failure.host} (spare {len(exclude) + 1} of {spares} taken)",
+                        (*exclude, failure.host), wanted)
+    if not slurm.elastic:
+        plain = not spares  # nothing to exclude with: a restart on the same nodes is all a job without spares has
+        return Decision(True, counted if plain else f"{counted} on the same nodes (no spare node left; slurm.elastic "
+                                                    "is off)", exclude, wanted)
+    nodes = wanted + spares - len(exclude) - 1
+    if nodes < 1:
+        return stop(f"no node left without {failure.host}")
+    return Decision(True, f"{counted}, without node {failure.host}, on {nodes} node{'s' * (nodes > 1)} (elastic: "
+                          "no spare left; the same global batch over fewer data-parallel ranks)",
+                    (*exclude, failure.host), nodes)
+
+
+def srun_options(nodes: int, tasks_per_node: int, exclude: Sequence[str]) -> str:
+    """The job step's size and the nodes it must not use, as srun options."""
+    return f"--nodes={nodes} --ntasks={nodes * tasks_per_node}" + (f" --exclude={','.join(exclude)}" if exclude else "")
 
 
 def failure_of(run_path: Path, log_dir: Path, job_id: str, since: float) -> Failure:
@@ -107,52 +124,52 @@ def record(run_path: Path, entry: dict) -> None:
 def step_loop(slurm: SlurmConfig, run_path: Path, log_dir: Path) -> list[str]:
     """The batch script's ``srun`` function (see the module) of a job (not an array: its tasks restart by requeue),
     none where ``slurm.max_restarts`` is 0; with spares, each step runs on ``slurm.nodes`` of the allocation's."""
-    max_restarts, spare_nodes = slurm.max_restarts, slurm.spare_nodes
-    if not max_restarts:
+    if not slurm.max_restarts:
         return []
     decide_argv = [sys.executable, "-m", "slurm.restart", "--run-dir", str(run_path), "--log-dir", str(log_dir),
-                   "--max-restarts", str(max_restarts), "--spare-nodes", str(spare_nodes)]
-    sized = f" --nodes={slurm.nodes} --ntasks={slurm.nodes * slurm.tasks_per_node}" if spare_nodes else ""
+                   *(f"--{name.replace('_', '-')}={getattr(slurm, name)}" for name in RESOURCES)]
+    sized = srun_options(slurm.nodes, slurm.tasks_per_node, ()) if slurm.spare_nodes or slurm.elastic else ""
     handled = f"0|{PREEMPTED_EXIT}|$((128 + $(kill -l USR1)))|$((128 + $(kill -l USR2))))"
     return [
-        f"srun() {{  # the job step, again in this allocation after a failure (slurm.max_restarts = {max_restarts}; "
-        "slurm/restart.py)",
-        '    local attempt=0 status exclude="" started',
+        f"srun() {{  # the job step, again in this allocation after a failure (slurm.max_restarts = "
+        f"{slurm.max_restarts}; slurm/restart.py)",
+        f'    local attempt=0 status options="{sized}" started',
         "    while :; do",
         "        started=$(date +%s.%N) status=0",
-        f'        HPC_RESTART_ATTEMPT=$attempt command srun{sized} ${{exclude:+--exclude="$exclude"}} "$@" '
-        "|| status=$?",
+        '        HPC_RESTART_ATTEMPT=$attempt command srun $options "$@" || status=$?',
         f"        case $status in {handled} return $status ;; esac",
-        f"        exclude=$({shlex.join(decide_argv)} "
-        '--job-id "$SLURM_JOB_ID" --started "$started" --exclude "$exclude") || return $status',
+        f'        options=$({shlex.join(decide_argv)} --job-id "$SLURM_JOB_ID" --started "$started") || return $status',
         "        attempt=$((attempt + 1))",
         "    done",
         "}",
     ]
 
 
+RESOURCES = ("nodes", "ntasks_per_node", "gpus_per_node", "max_restarts", "spare_nodes", "elastic")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Decide after a failed step (called by :func:`step_loop`'s function): prints the nodes to exclude and exits 0
-    to run the step again; exits 1 to stop. Its line goes to the batch log."""
+    """Decide after a failed step (called by :func:`step_loop`'s function): prints the next step's srun options and
+    exits 0 to run it; exits 1 to stop. Its line goes to the batch log."""
     parser = argparse.ArgumentParser(prog="python -m slurm.restart")
     for option in ("--run-dir", "--log-dir", "--job-id"):
         parser.add_argument(option, required=True)
     parser.add_argument("--started", type=float, required=True, help="when the failed step started (Unix time)")
-    parser.add_argument("--max-restarts", type=int, required=True)
-    parser.add_argument("--spare-nodes", type=int, default=0)
-    parser.add_argument("--exclude", default="", help="nodes already excluded, comma-separated")
+    for name in RESOURCES:
+        parser.add_argument(f"--{name.replace('_', '-')}", required=True,
+                            type=(lambda text: text == "True") if name == "elastic" else int)
     args = parser.parse_args(argv)
+    slurm = SlurmConfig(**{name: getattr(args, name) for name in RESOURCES})
     run_path, failed_at = Path(args.run_dir), time.time()
     failure = failure_of(run_path, Path(args.log_dir), args.job_id, args.started)
     previous = [entry for entry in read_restarts(run_path, args.job_id) if entry["restart"]]
-    decision = decide(failure, previous, args.max_restarts, args.spare_nodes,
-                      [node for node in args.exclude.split(",") if node])
+    decision = decide(failure, previous, slurm)
     entry = {"job_id": args.job_id, "failed_at": failed_at, "cause": failure.text, "rank": failure.rank,
              "host": failure.host, "step": failure.step, "error": failure.error, "restart": decision.restart,
-             "reason": decision.reason, "exclude": list(decision.exclude)}
+             "reason": decision.reason, "exclude": list(decision.exclude), "nodes": decision.nodes}
     record(run_path, entry)
     print(f"hpc: {describe_restart(run_path, entry)}", file=sys.stderr, flush=True)
-    print(",".join(decision.exclude))
+    print(srun_options(decision.nodes, slurm.tasks_per_node, decision.exclude))
     return 0 if decision.restart else 1
 
 

@@ -144,7 +144,7 @@ def executor_parameters(slurm: SlurmConfig, name: str, array_parallelism: int | 
         # Ours, not submitit's USR2; requeue: also after a node failure.
         "additional_parameters": {"signal": f"{WARNING_SIGNAL}@{slurm.signal_delay_s}", "requeue": True},
     }
-    if slurm.spare_nodes:  # a failed node leaves the job running on the rest: a spare takes its place
+    if slurm.spare_nodes or slurm.elastic:  # a failed node leaves the job running: a spare takes its place
         params["additional_parameters"]["no_kill"] = True
     optional = {"gpus_per_node": slurm.gpus_per_node or None, "gpus_per_task": slurm.gpus_per_task or None,
                 "mem": slurm.mem, "partition": slurm.partition,

@@ -118,6 +118,7 @@ FULL = {
         "max_requeues": 5,
         "max_restarts": 2,
         "spare_nodes": 1,
+        "elastic": True,
     },
 }
 

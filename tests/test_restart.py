@@ -17,7 +17,7 @@ import pytest
 from hpc.config import SlurmConfig
 from hpc.rundir import write_failure
 from slurm.job_registry import RESTARTS_FILE, describe_restart, read_restarts, restart_recovery
-from slurm.restart import Failure, decide, failure_of, step_loop
+from slurm.restart import Failure, decide, failure_of, srun_options, step_loop
 from tests.test_slurm_failures import DYING_MODEL, FAILING_MODEL, SPEC
 from tests.test_submit import _hpc, _submitted, _wait_done
 
@@ -26,23 +26,38 @@ def _failure(kind: str, step: int | None = 5, host: str | None = "node1", error:
     return Failure("rank 1 failed", 1, host, step, kind, error)
 
 
+def _slurm(**given) -> SlurmConfig:
+    return SlurmConfig(**{"nodes": 2, "max_restarts": 3, **given})
+
+
 def test_a_node_death_excludes_the_node_while_spares_last_then_restarts_in_place() -> None:
-    first = decide(_failure("node"), [], max_restarts=3, spare_nodes=1, exclude=[])
-    assert first.restart and first.exclude == ("node1",) and "without node node1" in first.reason
-    again = decide(_failure("node", host="node2"), [{"restart": True}], max_restarts=3, spare_nodes=1,
-                   exclude=first.exclude)
-    assert again.restart and again.exclude == ("node1",)  # no spare left: the same nodes again
-    assert not decide(_failure("node"), [{"restart": True}] * 3, 3, 1, []).restart
+    first = decide(_failure("node"), [], _slurm(spare_nodes=1))
+    assert first.restart and (first.exclude, first.nodes) == (("node1",), 2) and "without node node1" in first.reason
+    again = decide(_failure("node", host="node2"), [{"restart": True, "exclude": ["node1"]}], _slurm(spare_nodes=1))
+    assert again.restart and (again.exclude, again.nodes) == (("node1",), 2)  # no spare left: the same nodes again
+    assert "no spare node left; slurm.elastic is off" in again.reason
+    assert not decide(_failure("node"), [{"restart": True, "exclude": []}] * 3, _slurm(spare_nodes=1)).restart
+
+
+def test_elastic_goes_on_with_the_nodes_that_remain_once_the_spares_are_taken() -> None:
+    spared = decide(_failure("node"), [], _slurm(spare_nodes=1, elastic=True))
+    assert (spared.exclude, spared.nodes) == (("node1",), 2)
+    shrunk = decide(_failure("node", host="node2"), [{"restart": True, "exclude": ["node1"]}],
+                    _slurm(spare_nodes=1, elastic=True))
+    assert shrunk.restart and (shrunk.exclude, shrunk.nodes) == (("node1", "node2"), 1) and "elastic" in shrunk.reason
+    alone = decide(_failure("node", host="node0"), [], _slurm(nodes=1, elastic=True))
+    assert not alone.restart and alone.reason == "no node left without node0"
+    assert srun_options(1, 4, ("node1", "node2")) == "--nodes=1 --ntasks=4 --exclude=node1,node2"
 
 
 def test_a_users_error_is_not_retried_but_a_lone_exception_is() -> None:
-    assert not decide(_failure("config", error="ConfigError"), [], 3, 0, []).restart
-    once = decide(_failure("exception", error="RuntimeError"), [], 3, 0, [])
+    assert not decide(_failure("config", error="ConfigError"), [], _slurm()).restart
+    once = decide(_failure("exception", error="RuntimeError"), [], _slurm())
     assert once.restart and once.exclude == ()  # an exception is no node's fault
-    previous = [{"restart": True, "error": "RuntimeError", "step": 5}]
-    twice = decide(_failure("exception", error="RuntimeError"), previous, 3, 0, [])
+    previous = [{"restart": True, "error": "RuntimeError", "step": 5, "exclude": []}]
+    twice = decide(_failure("exception", error="RuntimeError"), previous, _slurm())
     assert not twice.restart and "same RuntimeError at the same step" in twice.reason
-    assert decide(_failure("exception", step=9, error="RuntimeError"), previous, 3, 0, []).restart
+    assert decide(_failure("exception", step=9, error="RuntimeError"), previous, _slurm()).restart
 
 
 def test_the_failure_is_the_first_own_record_else_srun_s_account_of_a_silent_death(tmp_path: Path) -> None:
@@ -114,7 +129,7 @@ def test_spares_are_allocated_beside_the_nodes_and_survive_a_node_failure(tmp_pa
     loop = step_loop(slurm, tmp_path, tmp_path / "slurm")
     params = executor_parameters(slurm, "job", restart_loop=loop)
     assert params["nodes"] == 3 and params["additional_parameters"]["no_kill"] is True
-    assert params["setup"][-len(loop):] == loop and "command srun --nodes=2 --ntasks=8 " in "\n".join(loop)
+    assert params["setup"][-len(loop):] == loop and 'options="--nodes=2 --ntasks=8"' in "\n".join(loop)
     assert "no_kill" not in executor_parameters(SlurmConfig(nodes=2, max_restarts=2), "job")["additional_parameters"]
 
 
@@ -238,3 +253,48 @@ def test_a_node_failing_its_health_check_is_excluded_before_step_1(slurm_cluster
     assert "scratch /tmp/hpc-scratch is not writable: No space left on device" in entry["cause"]
     steps = [json.loads(line)["step"] for line in (runs / "failing" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 13))
+
+
+KILLED_ONCE_EVER = DYING_MODEL.replace("def build(die_rank=2, die_step=2, how=\"kill\"):",
+                                       "def build(die_rank=2, die_step=2, how=\"kill\", stamp=\"\"):").replace(
+    "if dist.get_rank() == die_rank and len(calls) == die_step:",
+    "if dist.get_rank() == die_rank and len(calls) == die_step and not os.path.exists(stamp):\n"
+    "                open(stamp, \"w\").close()")
+
+
+@pytest.mark.slow
+def test_elastic_goes_on_with_one_node_and_ends_as_a_run_that_changed_its_layout_there(slurm_cluster_3nodes) -> None:
+    """2 nodes, no spare, elastic: node 1's rank is SIGKILLed at step 8; the step runs again on node 0 alone (dp 2 ->
+    1, the same global batch) from step 6's checkpoint, and ends at the parameters of a job killed alike and then
+    resubmitted on one node, bit for bit."""
+    import torch
+
+    from hpc.checkpoint import open_checkpoint, read_tensor
+
+    cluster = slurm_cluster_3nodes
+    state, nodes = cluster.state, cluster.nodes
+    env = {**cluster.env, "OMP_NUM_THREADS": "1", "HPC_HOME": str(state / "hpc-home-elastic")}
+    (state / "killed_once_ever.py").write_text(KILLED_ONCE_EVER)
+    spec, runs = state / "elastic.toml", state / "elastic-runs"
+    spec.write_text(RESTART_SPEC.replace("failing_model:build", "killed_once_ever:build"))
+
+    def submit(name: str, *options: str) -> str:
+        return _submitted(_hpc(env, "submit", str(spec), *options, "--set", f"job.run_dir={runs}", "--set",
+                               f"job.name={name}", "--set", "model.args.die_rank=1", "--set", "model.args.die_step=8",
+                               "--set", f"model.args.stamp={state / f'{name}.killed'}", cwd=state))
+
+    elastic = submit("elastic", "--nodes", "2", "--max-restarts", "1", "--elastic")
+    killed = submit("reference", "--nodes", "2")
+    assert _wait_done(env, elastic) == {elastic: "COMPLETED"} and _wait_done(env, killed) == {killed: "FAILED"}
+    resubmitted = submit("reference", "--nodes", "1")
+    assert _wait_done(env, resubmitted) == {resubmitted: "COMPLETED"}
+    [entry] = read_restarts(runs / "elastic", elastic)
+    assert (entry["host"], entry["exclude"], entry["nodes"]) == (nodes[1], [nodes[1]], 1), entry
+    steps = subprocess.run(["sacct", "-n", "-P", "-j", elastic, "-o", "JobID,NodeList"], env=env, capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    assert [line.split("|")[1] for line in steps if line.split("|")[0] in (f"{elastic}.0", f"{elastic}.1")] == [
+        "hpcnode[0-1]", "hpcnode0"], steps
+    ours, reference = (open_checkpoint(runs / name / "checkpoints" / "step-00000012") for name in ("elastic",
+                                                                                                   "reference"))
+    for name in ours.tensors:
+        assert torch.equal(read_tensor(ours, name), read_tensor(reference, name)), name

@@ -51,6 +51,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="a script's resources: a TOML of only [slurm] and [job] (name, run_dir)")
     for name, kind, what in RESOURCES:
         submit.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"{what} (default: slurm.{name})")
+    submit.add_argument("--elastic", action="store_true", default=None,
+                        help="with no spare node left, restart on the nodes that remain (default: slurm.elastic)")
     submit.add_argument("--setup", action="append", metavar="LINE",
                         help="a command run before the ranks start, e.g. 'module load cuda/12' (repeatable; "
                              "replaces slurm.setup; arguments are literal: no $VAR, ';' or pipes)")
@@ -96,7 +98,8 @@ def _with_resources(spec, args: argparse.Namespace):
     """The spec with the resource options applied, checked like the spec itself."""
     from slurm.submit import with_resources
 
-    given = {name: getattr(args, name) for name, _, _ in RESOURCES if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in [*(name for name, _, _ in RESOURCES), "elastic"]
+             if getattr(args, name) is not None}
     return with_resources(spec, given if args.setup is None else {**given, "setup": args.setup}, "hpc submit options")
 
 
