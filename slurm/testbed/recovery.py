@@ -1,14 +1,17 @@
 """How fast a job trains again after one of its ranks is killed: restart inside the allocation against a Slurm
 requeue of the same job, on the local cluster (``make slurm-up``; ``eval $(python -m slurm.testbed.cluster env)``).
 
-``python -m slurm.testbed.recovery [--runs 3] [--ranks 2] [--steps 40] [--kill-step 20] [--every 5]``
+``python -m slurm.testbed.recovery [--runs 3] [--ranks 2] [--nodes 1] [--spare-nodes 0] [--steps 40]
+[--kill-step 20] [--every 5] [--dir DIR]``
 
-Each run submits the same 2-rank job twice; rank 1 SIGKILLs itself at ``--kill-step`` of its first attempt,
-writing the time first. ``restart``: ``--max-restarts 1``, the batch script runs the step again in the allocation
-(slurm/restart.py). ``requeue``: no restart; the moment sacct shows the job FAILED this script runs ``scontrol
-requeue`` (what a user or a requeue-on-failure script does at best) and Slurm starts it again. Both resume from the
-newest checkpoint (every ``--every`` steps). Printed: seconds from the kill to the end of the first step after it
-(metrics.jsonl's ``time``) and the steps run twice; the median and the spread of the runs.
+Each run submits the same job twice (``--ranks`` a node); its last rank SIGKILLs itself at ``--kill-step`` of
+its first attempt, writing the time first (on 2 nodes of one rank each: the whole of node 1). ``restart``:
+``--max-restarts 1``, the batch script runs the step again in the allocation (slurm/restart.py; with
+``--spare-nodes``, on a spare in place of the dead rank's node). ``requeue``: no restart; the moment sacct shows
+the job FAILED this script runs ``scontrol requeue`` (what a user or a requeue-on-failure script does at best)
+and Slurm starts it again. Both resume from the newest checkpoint (every ``--every`` steps). Printed: seconds
+from the kill to the end of the first step after it (metrics.jsonl's ``time``) and the steps run twice; the
+median and the spread of the runs.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ def build(kill_step=20, stamp=""):
     def kill_there(module, inputs):
         if module.training:
             calls.append(1)
-            if dist.get_rank() == 1 and len(calls) == kill_step and os.environ.get("HPC_RESTART_ATTEMPT", "0") == "0" \\
-                    and not os.path.exists(stamp):
+            last = dist.get_rank() == dist.get_world_size() - 1
+            if last and len(calls) == kill_step and not os.path.exists(stamp):
                 with open(stamp, "w") as handle:
                     handle.write(str(time.time()))
                 os.kill(os.getpid(), 9)
@@ -102,9 +105,10 @@ def _recovered(run: Path, killed_at: float, kill_step: int) -> tuple[float, int]
 def measure(work: Path, env: dict[str, str], how: str, args: argparse.Namespace, index: int) -> tuple[float, int]:
     name, stamp = f"{how}-{index}", work / f"{how}-{index}.killed"
     sets = ["--set", f"job.run_dir={work / 'runs'}", "--set", f"job.name={name}", "--set", f"model.args.stamp={stamp}",
-            "--set", f"model.args.kill_step={args.kill_step}", "--ntasks-per-node", str(args.ranks)]
+            "--set", f"model.args.kill_step={args.kill_step}", "--ntasks-per-node", str(args.ranks),
+            "--nodes", str(args.nodes)]
     if how == "restart":
-        sets += ["--max-restarts", "1"]
+        sets += ["--max-restarts", "1", "--spare-nodes", str(args.spare_nodes)]
     out = _hpc(env, "submit", str(work / "job.toml"), *sets, cwd=work)
     job = out.split("job ", 1)[1].split(":")[0]
     if how == "requeue":
@@ -119,7 +123,10 @@ def measure(work: Path, env: dict[str, str], how: str, args: argparse.Namespace,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m slurm.testbed.recovery", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks a node")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--spare-nodes", type=int, default=0, help="restart: spares beside --nodes")
+    parser.add_argument("--dir", help="a directory every node shares (default: a new one under /tmp)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-step", type=int, default=20)
     parser.add_argument("--every", type=int, default=5, help="checkpoint.every_steps")
@@ -127,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if "SLURM_CONF" not in os.environ:
         parser.error("no SLURM_CONF: start the local cluster (make slurm-up) and eval its env first")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    work = Path(tempfile.mkdtemp(prefix="hpc-recovery-", dir=os.environ.get("HPC_RECOVERY_DIR", "/tmp")))
+    work = Path(tempfile.mkdtemp(prefix="hpc-recovery-", dir=args.dir or "/tmp"))
     (work / "recovery_model.py").write_text(MODEL)
     (work / "job.toml").write_text(SPEC.format(steps=args.steps, every=args.every))
     results: dict[str, list[tuple[float, int]]] = {"restart": [], "requeue": []}
