@@ -298,3 +298,49 @@ def test_elastic_goes_on_with_one_node_and_ends_as_a_run_that_changed_its_layout
                                                                                                    "reference"))
     for name in ours.tensors:
         assert torch.equal(read_tensor(ours, name), read_tensor(reference, name)), name
+
+
+SLOWED_MODEL = '''
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class Slowed(torch.nn.Linear):
+    def __init__(self, rank, sleep_s):
+        super().__init__(64, 10)
+        self.slowed, self.sleep_s = rank, sleep_s
+
+    def forward(self, x):
+        if dist.get_rank() == self.slowed:
+            time.sleep(self.sleep_s)
+        return super().forward(x)
+
+    def loss(self, output, targets):
+        return torch.nn.functional.cross_entropy(output, targets)
+
+
+def build(rank=1, sleep_s=0.05):
+    return Slowed(rank, sleep_s)
+'''
+
+
+@pytest.mark.slow
+def test_a_rank_slowed_on_purpose_is_named_by_hpc_status(slurm_cluster_3nodes) -> None:
+    """2 nodes of one rank: node 1's rank sleeps 50 ms in every forward; the job's metrics name it, with its host,
+    and so does hpc status."""
+    cluster = slurm_cluster_3nodes
+    state, nodes = cluster.state, cluster.nodes
+    env = {**cluster.env, "OMP_NUM_THREADS": "1", "HPC_HOME": str(state / "hpc-home-slowed")}
+    (state / "slowed_model.py").write_text(SLOWED_MODEL)
+    spec, runs = state / "slowed.toml", state / "slowed-runs"
+    spec.write_text(SPEC.replace("failing_model:build", "slowed_model:build").replace("batch_size = 64",
+                                                                                      "batch_size = 12"))
+    job = _submitted(_hpc(env, "submit", str(spec), "--nodes", "2", "--set", f"job.run_dir={runs}",
+                          "--set", "train.steps=12", "--set", "train.straggler_every=4",
+                          "--set", "train.straggler_threshold=1.5", cwd=state))  # of two ranks, the median is their mean
+    assert _wait_done(env, job) == {job: "COMPLETED"}
+    status = _hpc(env, "status", job).stdout.splitlines()
+    assert status[0].startswith(f"job {job}: straggler: rank 1 on {nodes[1]}, from step "), status
+    assert status[1].split()[0] == "JOB" and len(status) == 3, status

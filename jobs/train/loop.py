@@ -197,7 +197,6 @@ def _train(
             with probe.span("step report"):  # the step before's, once the device finished it (a GPU's runs on)
                 records.hold(report)
             _checkpoint_or_stop(spec, step + 1, run, state, probe, records, start_step)
-            records.name_stragglers(step + 1)
         records.settle()
         run.wait_for_saves()
         steps.optimizer.unshard()  # ZeRO-3: the model whole again for evaluation and the caller
@@ -475,6 +474,7 @@ class RunRecords:
             self.totals[key] += value
         if self.watch is not None:
             self.watch.add(timings["compute_s"])
+            self.name_stragglers(step + 1)  # in this step's record: the last comparison's too
         if self.world.rank == 0:
             self.run.log(
                 {"step": step + 1, "loss": outcome.loss, "lr": outcome.lr, "grad_norm": outcome.grad_norm,
@@ -487,8 +487,8 @@ class RunRecords:
             self.stragglers = []
 
     def name_stragglers(self, done: int) -> None:
-        """When a comparison is due after ``done`` steps: every rank's step compute compared (collective), and rank 0
-        names the stragglers, on its output now and in the next metrics record."""
+        """When a comparison is due after ``done`` steps: every rank's step compute compared (collective, as each
+        rank reports that step), and rank 0 names the stragglers, on its output and in the step's metrics record."""
         if self.watch is None or not self.watch.due(done):
             return
         named = self.watch.check()
