@@ -337,9 +337,9 @@ def test_a_rank_slowed_on_purpose_is_named_by_hpc_status(slurm_cluster_3nodes) -
     spec, runs = state / "slowed.toml", state / "slowed-runs"
     spec.write_text(SPEC.replace("failing_model:build", "slowed_model:build").replace("batch_size = 64",
                                                                                       "batch_size = 12"))
+    threshold = ("--set", "train.straggler_threshold=1.5")  # of two ranks, the median is their mean: below 2x
     job = _submitted(_hpc(env, "submit", str(spec), "--nodes", "2", "--set", f"job.run_dir={runs}",
-                          "--set", "train.steps=12", "--set", "train.straggler_every=4",
-                          "--set", "train.straggler_threshold=1.5", cwd=state))  # of two ranks, the median is their mean
+                          "--set", "train.steps=12", "--set", "train.straggler_every=4", *threshold, cwd=state))
     assert _wait_done(env, job) == {job: "COMPLETED"}
     status = _hpc(env, "status", job).stdout.splitlines()
     assert status[0].startswith(f"job {job}: straggler: rank 1 on {nodes[1]}, from step "), status
