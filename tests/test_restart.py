@@ -141,19 +141,33 @@ KILLED_ONCE = DYING_MODEL.replace("if dist.get_rank() == die_rank and len(calls)
                                   '                    and os.environ.get("HPC_RESTART_ATTEMPT") == "0"):')
 
 
-@pytest.mark.slow
-def test_a_killed_rank_restarts_in_the_allocation_and_ends_as_the_job_never_killed(slurm_cluster) -> None:
-    """Rank 1 of 2 is SIGKILLed at step 8 of the first step: the job restarts in its allocation from step 6's
-    checkpoint, completes, and its final parameters equal a job's never killed, bit for bit; hpc status says so."""
+def _job(cluster, name: str, model: str, source: str) -> tuple[dict[str, str], Path, Path]:
+    """(env, spec, runs) of a job named ``name`` whose model entry is ``source``, written as ``model``.py."""
+    state = cluster.state
+    env = {**cluster.env, "OMP_NUM_THREADS": "1", "HPC_HOME": str(state / f"hpc-home-{name}")}
+    (state / f"{model}.py").write_text(source)
+    spec = state / f"{name}.toml"
+    spec.write_text(RESTART_SPEC.replace("failing_model:build", f"{model}:build"))
+    return env, spec, state / f"{name}-runs"
+
+
+def _assert_same_final_parameters(runs: Path, ours: str, reference: str) -> None:
     import torch
 
     from hpc.checkpoint import open_checkpoint, read_tensor
 
+    mine, theirs = (open_checkpoint(runs / name / "checkpoints" / "step-00000012") for name in (ours, reference))
+    assert set(mine.tensors) == set(theirs.tensors)
+    for name in mine.tensors:
+        assert torch.equal(read_tensor(mine, name), read_tensor(theirs, name)), name
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_in_the_allocation_and_ends_as_the_job_never_killed(slurm_cluster) -> None:
+    """Rank 1 of 2 is SIGKILLed at step 8 of the first step: the job restarts in its allocation from step 6's
+    checkpoint, completes, and its final parameters equal a job's never killed, bit for bit; hpc status says so."""
     state = slurm_cluster.state
-    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1", "HPC_HOME": str(state / "hpc-home-restart")}
-    (state / "killed_once.py").write_text(KILLED_ONCE)
-    spec, runs = state / "restart.toml", state / "restart-runs"
-    spec.write_text(RESTART_SPEC.replace("failing_model:build", "killed_once:build"))
+    env, spec, runs = _job(slurm_cluster, "restart", "killed_once", KILLED_ONCE)
     common = ("--ntasks-per-node", "2", "--max-restarts", "1", "--set", f"job.run_dir={runs}",
               "--set", "model.args.die_rank=1", "--set", "model.args.die_step=8")
     killed = _submitted(_hpc(env, "submit", str(spec), *common, "--set", "job.name=killed", cwd=state))
@@ -168,10 +182,7 @@ def test_a_killed_rank_restarts_in_the_allocation_and_ends_as_the_job_never_kill
     assert status[0].startswith(f"job {killed}: restart 1 of 1: rank 1 (host {slurm_cluster.nodes[0]}) was killed "
                                 "by SIGKILL") and "1 step lost, next step" in status[0], status
     assert status[2].split()[:3] == [killed, "killed", "COMPLETED"], status
-    ours, reference = (open_checkpoint(runs / name / "checkpoints" / "step-00000012") for name in ("killed", "never"))
-    assert set(ours.tensors) == set(reference.tensors)
-    for name in ours.tensors:
-        assert torch.equal(read_tensor(ours, name), read_tensor(reference, name)), name
+    _assert_same_final_parameters(runs, "killed", "never")
 
 
 @pytest.mark.slow
@@ -198,15 +209,9 @@ def test_an_exception_at_the_same_step_twice_is_not_retried_a_third_time(slurm_c
 def test_a_dead_node_is_excluded_and_the_spare_takes_its_place(slurm_cluster_3nodes) -> None:
     """2 nodes and 1 spare, a rank a node: node 1's rank is SIGKILLed at step 8; the step runs again on nodes 0 and
     2 from step 6's checkpoint and ends at a 2-node job's parameters, bit for bit."""
-    import torch
-
-    from hpc.checkpoint import open_checkpoint, read_tensor
     cluster = slurm_cluster_3nodes
     state, nodes = cluster.state, cluster.nodes
-    env = {**cluster.env, "OMP_NUM_THREADS": "1", "HPC_HOME": str(state / "hpc-home-spare")}
-    (state / "killed_once.py").write_text(KILLED_ONCE)
-    spec, runs = state / "spare.toml", state / "spare-runs"
-    spec.write_text(RESTART_SPEC.replace("failing_model:build", "killed_once:build"))
+    env, spec, runs = _job(cluster, "spare", "killed_once", KILLED_ONCE)
     common = ("--nodes", "2", "--set", f"job.run_dir={runs}", "--set", "model.args.die_rank=1",
               "--set", "model.args.die_step=8")
     spared = _submitted(_hpc(env, "submit", str(spec), *common, "--max-restarts", "1", "--spare-nodes", "1",
@@ -220,9 +225,7 @@ def test_a_dead_node_is_excluded_and_the_spare_takes_its_place(slurm_cluster_3no
                            text=True, check=True).stdout.splitlines()
     step_nodes = [line.split("|")[1] for line in steps if line.split("|")[0] in (f"{spared}.0", f"{spared}.1")]
     assert step_nodes == ["hpcnode[0-1]", "hpcnode[0,2]"], steps
-    ours, reference = (open_checkpoint(runs / name / "checkpoints" / "step-00000012") for name in ("spared", "never"))
-    for name in ours.tensors:
-        assert torch.equal(read_tensor(ours, name), read_tensor(reference, name)), name
+    _assert_same_final_parameters(runs, "spared", "never")
 
 
 @pytest.mark.slow
@@ -267,16 +270,9 @@ def test_elastic_goes_on_with_one_node_and_ends_as_a_run_that_changed_its_layout
     """2 nodes, no spare, elastic: node 1's rank is SIGKILLed at step 8; the step runs again on node 0 alone (dp 2 ->
     1, the same global batch) from step 6's checkpoint, and ends at the parameters of a job killed alike and then
     resubmitted on one node, bit for bit."""
-    import torch
-
-    from hpc.checkpoint import open_checkpoint, read_tensor
-
     cluster = slurm_cluster_3nodes
     state, nodes = cluster.state, cluster.nodes
-    env = {**cluster.env, "OMP_NUM_THREADS": "1", "HPC_HOME": str(state / "hpc-home-elastic")}
-    (state / "killed_once_ever.py").write_text(KILLED_ONCE_EVER)
-    spec, runs = state / "elastic.toml", state / "elastic-runs"
-    spec.write_text(RESTART_SPEC.replace("failing_model:build", "killed_once_ever:build"))
+    env, spec, runs = _job(cluster, "elastic", "killed_once_ever", KILLED_ONCE_EVER)
 
     def submit(name: str, *options: str) -> str:
         return _submitted(_hpc(env, "submit", str(spec), *options, "--set", f"job.run_dir={runs}", "--set",
@@ -294,10 +290,7 @@ def test_elastic_goes_on_with_one_node_and_ends_as_a_run_that_changed_its_layout
                            text=True, check=True).stdout.splitlines()
     assert [line.split("|")[1] for line in steps if line.split("|")[0] in (f"{elastic}.0", f"{elastic}.1")] == [
         "hpcnode[0-1]", "hpcnode0"], steps
-    ours, reference = (open_checkpoint(runs / name / "checkpoints" / "step-00000012") for name in ("elastic",
-                                                                                                   "reference"))
-    for name in ours.tensors:
-        assert torch.equal(read_tensor(ours, name), read_tensor(reference, name)), name
+    _assert_same_final_parameters(runs, "elastic", "reference")
 
 
 SLOWED_MODEL = '''
