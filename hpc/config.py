@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeAlias, Union, get_args, get_origin, get_type_hints
 
 from hpc.errors import ConfigError
+from hpc.rundir import CHECKPOINTS_DIR
 
 # The gradient codecs, named here (standard library only) so that a spec validates without torch;
 # parallel/compression/registry.py implements exactly these.
@@ -255,6 +256,10 @@ class CheckpointConfig:
     dir: str = _field("", "where checkpoints go; empty: <run_path>/checkpoints", **_PATH)
     every_steps: int = _field(0, "save every this many steps, and after the last; 0 = off", min=0)
     keep: int = _field(3, "newest complete checkpoints kept", min=1)
+    local_every_steps: int = _field(0, "also save every this many steps to each node's scratch ($SLURM_TMPDIR, else "
+                                       "the temporary directory), each shard copied to the next node; a restart "
+                                       "resumes from the newer of the two tiers; 0 = off", min=0)
+    local_keep: int = _field(2, "newest local checkpoints each node keeps", min=1)
     async_save: bool = _field(False, "the loop waits only for a copy to host memory; files are written behind it")
     resume: str = _field(
         "auto", "auto: the newest complete checkpoint if any; never; or a checkpoint path",
@@ -350,7 +355,7 @@ class JobSpec:
         return (
             Path(self.checkpoint.dir)
             if self.checkpoint.dir
-            else self.run_path / "checkpoints"
+            else self.run_path / CHECKPOINTS_DIR
         )
 
 

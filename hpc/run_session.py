@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hpc.errors import HpcError
+from hpc.rundir import CHECKPOINTS_DIR
 from hpc.runtime import preemption
 
 if TYPE_CHECKING:
@@ -34,11 +35,11 @@ if TYPE_CHECKING:
 
     from hpc.checkpoint import Checkpointer, Piece
     from hpc.checkpoint.format import CheckpointIndex
+    from hpc.checkpoint.local import LocalTier
     from hpc.config import JobSpec
     from hpc.observe.metrics import MetricsLog
     from hpc.runtime.bootstrap import World
 
-CHECKPOINTS_DIR = "checkpoints"
 LAYOUT_AXES = ("dp", "tp", "pp", "ep", "nodes")  # nodes: those a hierarchical gradient exchange was cut by
 
 
@@ -98,6 +99,7 @@ def spec_options(spec: JobSpec) -> dict[str, Any]:
 
     cfg = spec.checkpoint
     return {"checkpoint_path": spec.checkpoint_path, "keep": cfg.keep, "async_save": cfg.async_save,
+            "local_every": cfg.local_every_steps, "local_keep": cfg.local_keep,
             "commit_timeout_s": spec.parallel.timeout_s, "max_requeues": spec.slurm.max_requeues, "tensorboard": True,
             "attrs": {"job_spec": json.dumps(spec_to_dict(spec))}}
 
@@ -150,7 +152,7 @@ class RunSession:
                  environ: Mapping[str, str] | None = None, max_requeues: int = 3, keep: int = 3,
                  async_save: bool = False, commit_timeout_s: float = 300.0, tensorboard: bool = False,
                  attrs: Mapping[str, Any] | None = None, checkpoint_path: Path | None = None,
-                 owns_world: bool = False) -> None:
+                 owns_world: bool = False, local_every: int = 0, local_keep: int = 2) -> None:
         self.world, self.run_path = world, Path(run_path)
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else self.run_path / CHECKPOINTS_DIR
         self.watcher, self.environ = watcher, os.environ if environ is None else environ
@@ -158,6 +160,8 @@ class RunSession:
         self.commit_timeout_s, self.tensorboard, self.owns_world = commit_timeout_s, tensorboard, owns_world
         self.attrs = dict(attrs or {})  # recorded with every checkpoint (a spec job's job_spec)
         self.checkpointer: Checkpointer | None = None
+        self.local_every, self.local_keep = local_every, local_keep  # the node-local tier (hpc/checkpoint/local.py)
+        self.local: LocalTier | None = None
         self.metrics: MetricsLog | None = None
         self.saved_step: int | None = None
         self.stopped: preemption.Preempted | None = None
@@ -185,9 +189,12 @@ class RunSession:
         from hpc.checkpoint.state import choose_resume
 
         path = choose_resume(source, self.checkpoint_path, dist.group.WORLD)
-        if path is None:
+        index = None if path is None else open_checkpoint(path)
+        if source == "auto" and self.local_every:  # the local tier's newest, where newer than the persistent one
+            local, newer = self._restore_local(state, None if index is None else index.step)
+            path, index = (local, newer) if local is not None else (path, index)
+        if path is None or index is None:
             return None
-        index = open_checkpoint(path)
         saved, current = saved_layout(index.attrs), saved_layout(state.layout())
         same_layout = saved == current if saved[0] is not None else index.world_size == self.size  # older scripts'
         load_checkpoint(index, state, self.rank, same_layout)
@@ -199,6 +206,35 @@ class RunSession:
             print(f"resumed from {path} at step {index.step}", flush=True)
         self.saved_step = index.step
         return index
+
+    def local_tier(self) -> LocalTier:
+        """Collective the first time: the node-local tier of this run (a Gloo group beside the job's)."""
+        from hpc.checkpoint.discovery import local_root
+        from hpc.checkpoint.local import LocalTier
+
+        if self.local is None:
+            self.local = LocalTier(local_root(self.run_path), self.world.info.node_rank, self.local_keep)
+        return self.local
+
+    def _restore_local(self, state: TrainingState, newer_than: int | None) -> tuple[Path | None, Any]:
+        """(this node's directory of the newest local step above ``newer_than``, its index), or (None, None)."""
+        from hpc.checkpoint.format import read_index
+        from hpc.checkpoint.local import needed_files, open_local
+
+        pieces = state.pieces()
+        path = self.local_tier().restore(newer_than, lambda index: needed_files(index, pieces, self.rank))
+        if path is None:
+            return None, None
+        return path, open_local(path, needed_files(read_index(path), pieces, self.rank))
+
+    def save_local(self, step: int, state: TrainingState, **attrs: Any) -> None:
+        """Collective: ``step`` into the node-local tier (each node's scratch, each shard also on the next node)."""
+        from hpc.checkpoint.state import rng_state
+
+        if step == self.saved_step:
+            return
+        private = {**rng_state(), **state.private_state()}
+        self.local_tier().save(step, state.pieces(), private, {**state.layout(), **self.attrs, **attrs})
 
     def save(self, step: int, state: TrainingState, **attrs: Any) -> None:
         """Collective: checkpoint ``state`` as ``step`` (every rank writes its share; rank 0 commits it atomically;

@@ -13,6 +13,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+CHECKPOINTS_DIR = "checkpoints"  # the persistent checkpoints, unless checkpoint.dir says otherwise
 METRICS_FILE = "metrics.jsonl"  # rank 0: one JSON object per step
 RANKS_DIR = "ranks"  # every rank's totals, ranks/rank-XXXXX.json, written when a run ends
 TIMELINE_FILE = "timeline.json"  # the Chrome trace of every rank, with train.timeline

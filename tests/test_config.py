@@ -97,6 +97,8 @@ FULL = {
         "dir": "/scratch/ckpt",
         "every_steps": 500,
         "keep": 2,
+        "local_every_steps": 5,
+        "local_keep": 3,
         "async_save": True,
         "resume": "/scratch/ckpt/step-500",
         "init_from": "",

@@ -337,3 +337,27 @@ def test_a_rank_slowed_on_purpose_is_named_by_hpc_status(slurm_cluster_3nodes) -
     status = _hpc(env, "status", job).stdout.splitlines()
     assert status[0].startswith(f"job {job}: straggler: rank 1 on {nodes[1]}, from step "), status
     assert status[1].split()[0] == "JOB" and len(status) == 3, status
+
+
+@pytest.mark.slow
+def test_a_spare_resumes_from_the_node_local_tier_through_the_peer_copies(slurm_cluster_3nodes) -> None:
+    """Local checkpoints every 2 steps in each node's private /tmp, the persistent one every 10: node 1's rank is
+    killed at step 8, the spare (node 2, an empty /tmp) gets its shards from node 0's peer copies, resumes at step
+    6 (not 0), and the job ends bit for bit equal to one never killed."""
+    cluster = slurm_cluster_3nodes
+    env, spec, runs = _job(cluster, "local", "killed_once", KILLED_ONCE)
+    tiers = ("--set", "checkpoint.every_steps=10", "--set", "checkpoint.local_every_steps=2")
+    common = ("--nodes", "2", "--set", f"job.run_dir={runs}", "--set", "model.args.die_rank=1",
+              "--set", "model.args.die_step=8", *tiers)
+    spared = _submitted(_hpc(env, "submit", str(spec), *common, "--max-restarts", "1", "--spare-nodes", "1",
+                             "--set", "job.name=spared", cwd=cluster.state))
+    never = _submitted(_hpc(env, "submit", str(spec), *common, "--set", "model.args.die_step=0",
+                            "--set", "job.name=never", cwd=cluster.state))
+    assert _wait_done(env, spared) == {spared: "COMPLETED"} and _wait_done(env, never) == {never: "COMPLETED"}
+    [entry] = read_restarts(runs / "spared", spared)
+    assert entry["exclude"] == [cluster.nodes[1]], entry
+    steps = [json.loads(line)["step"] for line in (runs / "spared" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [*range(1, 8), *range(7, 13)], steps  # from the local step 6: the persistent tier had none
+    log = (runs / "spared" / "slurm" / f"{spared}_0_log.out").read_text()
+    assert "/hpc-local/spared-" in log and "step-00000006 at step 6" in log
+    _assert_same_final_parameters(runs, "spared", "never")

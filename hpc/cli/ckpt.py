@@ -23,8 +23,10 @@ EXPORT_FORMATS = ("safetensors", "pt", "hf")
 def add_parser(commands: argparse._SubParsersAction) -> None:
     ckpt = commands.add_parser("ckpt", help="list, inspect, verify and export checkpoints")
     actions = ckpt.add_subparsers(dest="action", required=True, metavar="ACTION")
-    ls = actions.add_parser("ls", help="the checkpoints in a directory, oldest first")
-    ls.add_argument("dir", help="checkpoint directory (checkpoint.dir, default <run_dir>/<name>/checkpoints)")
+    ls = actions.add_parser("ls", help="the checkpoints in a directory, oldest first; of a run: both tiers")
+    ls.add_argument("dir", help="checkpoint directory (checkpoint.dir, default <run_dir>/<name>/checkpoints), or a "
+                                "run's directory: its checkpoints and this node's local tier "
+                                "(checkpoint.local_every_steps)")
     ls.set_defaults(handler=cmd_ls)
     show = actions.add_parser("show", help="tensors, shapes, dtypes, layout and sizes of one checkpoint")
     show.add_argument("step_dir", help="a step-XXXXXXXX directory")
@@ -51,21 +53,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from hpc.checkpoint.discovery import list_checkpoints, read_latest
+    from hpc.checkpoint.discovery import list_checkpoints, local_root, read_latest
     from hpc.errors import ConfigError
+    from hpc.rundir import CHECKPOINTS_DIR, METRICS_FILE
 
     if not os.path.lexists(args.dir):
         raise ConfigError(f"no such directory: {args.dir}")
-    entries = list_checkpoints(args.dir)
-    latest = read_latest(args.dir)
-    print(f"{'STEP':>10}  {'STATUS':<10} {'SIZE':>10}  PATH")
-    for entry in entries:
-        size = sum(f.stat().st_size for f in entry.path.iterdir() if f.is_file())
-        status = "complete" if entry.complete else "unfinished"
-        mark = "  <- latest" if entry.path.name == latest else ""
-        print(f"{entry.step:>10}  {status:<10} {human_bytes(size):>10}  {entry.path}{mark}")
-    if not entries:
-        print(f"(no checkpoints in {args.dir})")
+    run = Path(args.dir)
+    is_run = (run / CHECKPOINTS_DIR).is_dir() or (run / METRICS_FILE).is_file()
+    tiers = [("shared", run / CHECKPOINTS_DIR), ("local", local_root(run))] if is_run else [("shared", run)]
+    print(f"{'STEP':>10}  {'TIER':<7}{'STATUS':<10} {'SIZE':>10}  PATH")
+    for tier, directory in tiers:
+        entries = list_checkpoints(directory)
+        latest = read_latest(directory)
+        for entry in entries:
+            size = sum(f.stat().st_size for f in entry.path.iterdir() if f.is_file())
+            status = "complete" if entry.complete else "unfinished"
+            mark = "  <- latest" if entry.path.name == latest else ""
+            print(f"{entry.step:>10}  {tier:<7}{status:<10} {human_bytes(size):>10}  {entry.path}{mark}")
+        if not entries:
+            print(f"(no {tier} checkpoints in {directory})")
     return 0
 
 

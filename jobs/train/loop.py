@@ -523,6 +523,12 @@ def _checkpoint_or_stop(spec: JobSpec, done: int, run: RunSession, state: LoopSt
         with probe.span("checkpoint"):
             run.save(done, state, **({} if records.loss is None else {"loss": records.loss}))
         records.restart_clock()  # the next step's time leaves the save out
+    local = spec.checkpoint.local_every_steps
+    if local and done % local == 0 and done != run.saved_step and done < spec.train.steps:
+        records.settle()
+        with probe.span("local checkpoint"):
+            run.save_local(done, state, **({} if records.loss is None else {"loss": records.loss}))
+        records.restart_clock()
     if stop is not None:  # the requeued job resumes from this checkpoint
         records.settle()
         run.wait_for_saves()

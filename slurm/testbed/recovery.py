@@ -2,7 +2,7 @@
 requeue of the same job, on the local cluster (``make slurm-up``; ``eval $(python -m slurm.testbed.cluster env)``).
 
 ``python -m slurm.testbed.recovery [--runs 3] [--ranks 2] [--nodes 1] [--spare-nodes 0] [--steps 40]
-[--kill-step 20] [--every 5] [--dir DIR]``
+[--kill-step 20] [--every 5] [--local-every 0] [--dir DIR]``
 
 Each run submits the same job twice (``--ranks`` a node); its last rank SIGKILLs itself at ``--kill-step`` of
 its first attempt, writing the time first (on 2 nodes of one rank each: the whole of node 1). ``restart``:
@@ -11,7 +11,9 @@ its first attempt, writing the time first (on 2 nodes of one rank each: the whol
 the job FAILED this script runs ``scontrol requeue`` (what a user or a requeue-on-failure script does at best)
 and Slurm starts it again. Both resume from the newest checkpoint (every ``--every`` steps). Printed: seconds
 from the kill to the end of the first step after it (metrics.jsonl's ``time``) and the steps run twice; the
-median and the spread of the runs.
+median and the spread of the runs. With ``--local-every K`` both also keep the node-local tier every K steps
+(hpc/checkpoint/local.py), and each run adds the job never killed with and without it: its seconds per step
+(first to last step), the local tier's overhead.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ lr = 0.05
 log_every = 1000
 [checkpoint]
 every_steps = {every}
+local_every_steps = {local}
 [slurm]
 time = "10"
 """
@@ -102,15 +105,18 @@ def _recovered(run: Path, killed_at: float, kill_step: int) -> tuple[float, int]
     return after["time"] - killed_at, kill_step - after["step"]
 
 
+def _submit(work: Path, env: dict[str, str], name: str, args: argparse.Namespace, *options: str) -> str:
+    sets = ["--set", f"job.run_dir={work / 'runs'}", "--set", f"job.name={name}", "--ntasks-per-node", str(args.ranks),
+            "--nodes", str(args.nodes), *options]
+    return _hpc(env, "submit", str(work / "job.toml"), *sets, cwd=work).split("job ", 1)[1].split(":")[0]
+
+
 def measure(work: Path, env: dict[str, str], how: str, args: argparse.Namespace, index: int) -> tuple[float, int]:
     name, stamp = f"{how}-{index}", work / f"{how}-{index}.killed"
-    sets = ["--set", f"job.run_dir={work / 'runs'}", "--set", f"job.name={name}", "--set", f"model.args.stamp={stamp}",
-            "--set", f"model.args.kill_step={args.kill_step}", "--ntasks-per-node", str(args.ranks),
-            "--nodes", str(args.nodes)]
+    options = ["--set", f"model.args.stamp={stamp}", "--set", f"model.args.kill_step={args.kill_step}"]
     if how == "restart":
-        sets += ["--max-restarts", "1", "--spare-nodes", str(args.spare_nodes)]
-    out = _hpc(env, "submit", str(work / "job.toml"), *sets, cwd=work)
-    job = out.split("job ", 1)[1].split(":")[0]
+        options += ["--max-restarts", "1", "--spare-nodes", str(args.spare_nodes)]
+    job = _submit(work, env, name, args, *options)
     if how == "requeue":
         _wait(env, job, {"FAILED"})
         subprocess.run(["scontrol", "requeue", job], env=env, check=True)
@@ -118,6 +124,17 @@ def measure(work: Path, env: dict[str, str], how: str, args: argparse.Namespace,
     if _wait(env, job, {"COMPLETED", "FAILED", "CANCELLED"}) != "COMPLETED":
         raise SystemExit(f"job {job} ({how}) did not complete: hpc status {job}")
     return _recovered(work / "runs" / name, float(stamp.read_text()), args.kill_step)
+
+
+def seconds_per_step(work: Path, env: dict[str, str], local_every: int, args: argparse.Namespace, index: int) -> float:
+    """A job never killed, with the local tier every ``local_every`` steps (0: off): its mean seconds per step."""
+    name = f"steady-{local_every}-{index}"
+    job = _submit(work, env, name, args, "--set", "model.args.kill_step=0", "--set",
+                  f"checkpoint.local_every_steps={local_every}")
+    if _wait(env, job, {"COMPLETED", "FAILED", "CANCELLED"}) != "COMPLETED":
+        raise SystemExit(f"job {job} did not complete: hpc status {job}")
+    times = [json.loads(line)["time"] for line in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return (times[-1] - times[0]) / (len(times) - 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,13 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-step", type=int, default=20)
     parser.add_argument("--every", type=int, default=5, help="checkpoint.every_steps")
+    parser.add_argument("--local-every", type=int, default=0, help="checkpoint.local_every_steps (0: off)")
     args = parser.parse_args(argv)
     if "SLURM_CONF" not in os.environ:
         parser.error("no SLURM_CONF: start the local cluster (make slurm-up) and eval its env first")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     work = Path(tempfile.mkdtemp(prefix="hpc-recovery-", dir=args.dir or "/tmp"))
     (work / "recovery_model.py").write_text(MODEL)
-    (work / "job.toml").write_text(SPEC.format(steps=args.steps, every=args.every))
+    (work / "job.toml").write_text(SPEC.format(steps=args.steps, every=args.every, local=args.local_every))
     results: dict[str, list[tuple[float, int]]] = {"restart": [], "requeue": []}
     for index in range(args.runs):
         for how in results:  # interleaved, so a drift of the machine falls on both
@@ -147,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([how, f"{statistics.median(seconds):.1f}", f"{min(seconds):.1f}-{max(seconds):.1f}",
                      ", ".join(str(lost) for _, lost in values)])
     print(format_table(("recovery", "kill to next step (s, median)", "min-max", "steps run twice"), rows))
+    if args.local_every:
+        steady: dict[int, list[float]] = {0: [], args.local_every: []}
+        for index in range(args.runs):  # interleaved
+            for every, values in steady.items():
+                values.append(seconds_per_step(work, env, every, args, index))
+        print(format_table(("local tier", "s/step (median)", "min-max"), [
+            [f"every {every}" if every else "off", f"{statistics.median(v):.4f}", f"{min(v):.4f}-{max(v):.4f}"]
+            for every, v in steady.items()]))
     return 0
 
 
