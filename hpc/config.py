@@ -188,6 +188,9 @@ class TrainConfig:
                                        "its GPU free, then every group of the mesh all-reduces and passes a ring of "
                                        "messages; a failing node is named (and excluded by a restart with spares)")
     health_check_timeout_s: float = _field(30.0, "how long the health check waits for each group", gt=0)
+    health_cluster: str = _field("", "with health_check: a cluster file (hpc plan --cluster: a name or a path) whose "
+                                     "links the measured ring links must reach a quarter of (its alpha-beta time "
+                                     "for the message, times 4); empty: no comparison", **_PATH)
     straggler_every: int = _field(0, "every this many steps the ranks compare their step compute times "
                                      "(hpc/observe/straggler.py); 0 = off", min=0)
     straggler_threshold: float = _field(1.25, "a rank computing above this many times the median rank's step, two "

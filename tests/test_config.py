@@ -68,6 +68,7 @@ FULL = {
         "stall_abort_s": 20.0,
         "health_check": True,
         "health_check_timeout_s": 10.0,
+        "health_cluster": "h100-dgx",
         "straggler_every": 20,
         "straggler_threshold": 1.5,
     },
@@ -259,7 +260,7 @@ def test_unknown_key_suggests_the_closest() -> None:
         "log_every, "
         "lr_reference_batch, "
         "bf16_autocast, activation_checkpointing, compile, timeline, stall_warn_s, stall_abort_s, health_check, "
-        "health_check_timeout_s, straggler_every, straggler_threshold)"
+        "health_check_timeout_s, health_cluster, straggler_every, straggler_threshold)"
     )
 
 

@@ -477,3 +477,36 @@ def test_a_node_that_cannot_write_its_scratch_fails_its_health_check_by_name(tmp
                         "File exists (rank=1)"
     assert isinstance(broken[0], list)  # the healthy rank goes on (and would see its peer leave)
     assert not list((tmp_path / "a").glob(".hpc-health-*"))  # the probe files are removed
+
+
+def _links_against(world, cluster_file: str) -> str | None:
+    from hpc.errors import NodeUnhealthy
+    from hpc.observe.health import check_mesh
+    from hpc.observe.probe import Probe
+    from hpc.runtime.mesh import build_mesh, resolve_layout
+    from jobs.train.loop import check_links
+
+    report = check_mesh(build_mesh(resolve_layout(2, 1, 1, 2), world.rank), Probe(), timeout_s=30,
+                        message_bytes=1 << 16)
+    try:
+        check_links(report, cluster_file, world.rank)
+    except NodeUnhealthy as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(("gbps", "fails"), [(1e6, True), (1e-3, False)])
+def test_a_link_far_below_the_cluster_files_fails_the_health_check_on_one_rank(tmp_path, gbps, fails) -> None:
+    """Against a cluster file whose links move 1 PB/s with no latency, this machine's loopback is far too slow:
+    the rank the slowest link leads to fails, naming its host and the model's time; against 1 MB/s, none does."""
+    import socket
+
+    cluster = tmp_path / "model.toml"
+    cluster.write_text(f'[cluster]\nname = "model"\nintra_alpha_us = 0\nintra_gbps = {gbps}\ninter_alpha_us = 0\n'
+                       f"inter_gbps = {gbps}\n")
+    results = run_ranks(2, _links_against, str(cluster), timeout=60)
+    failed = [text for text in results if text]
+    assert len(failed) == (1 if fails else 0), results
+    if fails:
+        assert failed[0].startswith(f"host {socket.gethostname()} failed its health check: the link world rank ")
+        assert "x the 0.00 ms that model's model gives" in failed[0]

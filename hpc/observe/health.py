@@ -148,6 +148,17 @@ def check_nodes(mesh: Mesh, probe: Probe, timeout_s: float, local_rank: int, run
     return lines
 
 
+SLOW_LINK_FACTOR = 4.0  # a link taking this many times its model's time fails the check
+
+
+def slow_links(report: HealthReport, expected_s, factor: float = SLOW_LINK_FACTOR) -> list[tuple[Link, float]]:
+    """The ring links that took more than ``factor`` times ``expected_s(link)`` (a model's time for the message
+    over that link: inside a node or across), slowest first, each with that time."""
+    slow = [(link, expected_s(link)) for link in report.links]
+    return sorted(((link, want) for link, want in slow if link.seconds > factor * want),
+                  key=lambda pair: -pair[0].seconds / pair[1])
+
+
 def _groups(mesh: Mesh) -> list[tuple[str, object, tuple[int, ...]]]:
     import torch.distributed as dist
 

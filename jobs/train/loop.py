@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hpc.config import JobSpec, TrainConfig
 from hpc.errors import ConfigError, DeviceOutOfMemoryError, LayoutError
-from hpc.observe.health import check_mesh, check_nodes
+from hpc.observe.health import HealthReport, Link, check_mesh, check_nodes, slow_links
 from hpc.observe.metrics import RANK_TOTALS, device_peak_flops, peak_memory_bytes, write_rank_totals
 from hpc.observe.probe import Probe
 from hpc.observe.progress import Progress
@@ -168,6 +168,27 @@ def train(
             attached.close()
 
 
+def check_links(report: HealthReport, cluster_name: str, rank: int) -> None:
+    """Every rank alike: the slowest link under a quarter of the cluster file's model fails the health check; the
+    rank it leads to raises (its host is named, and excluded by a restart with a spare), the others go on and see
+    it leave."""
+    from hpc.errors import NodeUnhealthy
+    from parallel.cluster import load_cluster
+
+    cluster = load_cluster(cluster_name)
+
+    def expected_s(link: Link) -> float:
+        alpha, beta = cluster.link(1 if link.src_host == link.dst_host else cluster.devices_per_node + 1)
+        return alpha + link.nbytes / beta
+
+    slow = slow_links(report, expected_s)
+    if slow and slow[0][0].dst == rank:
+        link, want = slow[0]
+        raise NodeUnhealthy(f"host {link.dst_host} failed its health check: the link {link} took "
+                            f"{link.seconds / want:.1f}x the {want * 1e3:.2f} ms that {cluster.name}'s model gives",
+                            rank=rank)
+
+
 def _train(
     spec: JobSpec, world: World, mesh: Mesh, progress_mode: str, run: RunSession, probe: Probe
 ) -> tuple[TrainResult, torch.nn.Module]:
@@ -175,7 +196,10 @@ def _train(
     if spec.train.health_check:
         lines = check_nodes(mesh, probe, spec.train.health_check_timeout_s, world.info.local_rank, spec.run_path)
         if world.size > 1:
-            lines += check_mesh(mesh, probe, spec.train.health_check_timeout_s).lines()
+            report = check_mesh(mesh, probe, spec.train.health_check_timeout_s)
+            lines += report.lines()
+            if spec.train.health_cluster:
+                check_links(report, spec.train.health_cluster, world.rank)
         if world.rank == 0:
             print("\n".join(lines), flush=True)
     workload = Workload(spec, mesh)
