@@ -189,6 +189,8 @@ def test_dry_run_prints_the_golden_script_and_submits_nothing(tmp_path: Path) ->
         (("--set", "job.name=" + "a" * 300), "job.name must be at most 128 characters, got 300"),
         (("--set", "job.run_dir=runs\nx"), "job.run_dir must not contain control characters"),
         (("--set", "train={lr=1}"), "train is a section: --set replaces one value, not a whole section"),
+        (("--set", "train.health_cluster=nope"), "train.health_cluster: no such cluster file: nope (built-in: "),
+        (("--max-restarts", "-1"), "hpc submit options: slurm.max_restarts must be >= 0, got -1"),
     ],
 )
 def test_bad_submissions_are_one_line_before_anything_is_submitted(tmp_path: Path, args, message) -> None:

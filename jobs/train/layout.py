@@ -27,13 +27,22 @@ def uses_pipeline(parallel: ParallelConfig) -> bool:
 
 def check_layout(spec: JobSpec, world_size: int) -> MeshShape:
     """The mesh shape of ``spec`` on ``world_size`` ranks, with the model's cut, schedule, batch split, expert
-    groups and ``checkpoint.init_from`` checked (``parallel.dp = "auto"`` is known only here): what ``hpc run``
+    groups, ``checkpoint.init_from`` and ``train.health_cluster`` checked (``parallel.dp = "auto"`` is known only
+    here): what ``hpc run`` (``--dry-run`` too), ``hpc submit`` and ``hpc sweep`` check before anything starts."""The mesh shape of ``spec`` on ``world_size`` ranks, with the model's cut, schedule, batch split, expert
+    groups, ``checkpoint.init_from`` and ``train.health_cluster`` checked (``parallel.dp = "auto"`` is known only here): what ``hpc run``
     (``--dry-run`` too), ``hpc submit`` and ``hpc sweep`` check before anything starts."""
     from hpc.runtime.mesh import expert_group_ranks, resolve_layout
 
     shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world_size)
     model = check_job_layout(spec, shape)
     expert_group_ranks(shape, spec.parallel.ep)
+    if spec.train.health_cluster:  # read now: a missing file is one line before anything starts, not at step 0
+        from parallel.cluster import load_cluster
+
+        try:
+            load_cluster(spec.train.health_cluster)
+        except ConfigError as exc:
+            raise ConfigError(f"train.health_cluster: {exc}") from None
     if spec.checkpoint.init_from:
         from jobs.train.checkpointing import check_init_from  # torch and h5py: only when a checkpoint is to be read
 
