@@ -28,9 +28,7 @@ def uses_pipeline(parallel: ParallelConfig) -> bool:
 def check_layout(spec: JobSpec, world_size: int) -> MeshShape:
     """The mesh shape of ``spec`` on ``world_size`` ranks, with the model's cut, schedule, batch split, expert
     groups, ``checkpoint.init_from`` and ``train.health_cluster`` checked (``parallel.dp = "auto"`` is known only
-    here): what ``hpc run`` (``--dry-run`` too), ``hpc submit`` and ``hpc sweep`` check before anything starts."""The mesh shape of ``spec`` on ``world_size`` ranks, with the model's cut, schedule, batch split, expert
-    groups, ``checkpoint.init_from`` and ``train.health_cluster`` checked (``parallel.dp = "auto"`` is known only here): what ``hpc run``
-    (``--dry-run`` too), ``hpc submit`` and ``hpc sweep`` check before anything starts."""
+    here): what ``hpc run`` (``--dry-run`` too), ``hpc submit`` and ``hpc sweep`` check before anything starts."""
     from hpc.runtime.mesh import expert_group_ranks, resolve_layout
 
     shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world_size)
