@@ -113,7 +113,8 @@ def failure_of(run_path: Path, log_dir: Path, job_id: str, since: float) -> Fail
     error = first.get("type")
     kind = ("node" if isinstance(first.get("exit"), int) or error in (STALLED, NodeUnhealthy.__name__)
             else "config" if error in CONFIG_ERRORS else "exception")
-    return Failure(summary.text, first["rank"], first.get("host"), first.get("step"), kind, error)
+    host = (first.get("blamed_hosts") or [first.get("host")])[0]  # a stall: where the ranks it waited for were
+    return Failure(summary.text, first["rank"], host, first.get("step"), kind, error)
 
 
 def record(run_path: Path, entry: dict) -> None:

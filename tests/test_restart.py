@@ -73,6 +73,11 @@ def test_the_failure_is_the_first_own_record_else_srun_s_account_of_a_silent_dea
                                 "message": "model.args: no such argument", "host": "node1", "step": None}, None)
     assert failure_of(tmp_path, log, "7", since).kind == "config"
     assert failure_of(tmp_path, log, "7", time.time() + 1).kind == "node"  # records older than the step: not its
+    write_failure(tmp_path, 0, {"job_id": "7", "time": since + 0.1, "peer_lost": False, "type": "CollectiveStalled",
+                                "message": "rank 0 (node0) has waited 9 s ...; not arrived: rank 1 (node1, ...)",
+                                "host": "node0", "step": 4, "blamed_hosts": ["node1"]}, None)
+    stalled = failure_of(tmp_path, log, "7", since)
+    assert (stalled.kind, stalled.rank, stalled.host) == ("node", 0, "node1")  # the rank waited for, not the waiter
 
 
 def test_steps_lost_and_the_time_to_the_next_step_come_from_the_metrics(tmp_path: Path) -> None:
@@ -361,3 +366,24 @@ def test_a_spare_resumes_from_the_node_local_tier_through_the_peer_copies(slurm_
     log = (runs / "spared" / "slurm" / f"{spared}_0_log.out").read_text()
     assert "/hpc-local/spared-" in log and "step-00000006 at step 6" in log
     _assert_same_final_parameters(runs, "spared", "never")
+
+
+HUNG_ONCE = KILLED_ONCE.replace("os.kill(os.getpid(), 9)  # as the out-of-memory killer does",
+                                "__import__('time').sleep(3600)  # hangs: a frozen GPU, a wedged filesystem")
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_aborted_by_the_stall_inspector_and_its_node_replaced(slurm_cluster_3nodes) -> None:
+    """Node 1's rank hangs in step 8: rank 0's stall inspector aborts the step after 5 s naming it, the restart
+    blames node 1 (the rank that never arrived, not the one that waited) and the spare takes its place."""
+    cluster = slurm_cluster_3nodes
+    env, spec, runs = _job(cluster, "hung", "hung_once", HUNG_ONCE)
+    job = _submitted(_hpc(env, "submit", str(spec), "--nodes", "2", "--max-restarts", "1", "--spare-nodes", "1",
+                          "--set", f"job.run_dir={runs}", "--set", "model.args.die_rank=1", "--set",
+                          "model.args.die_step=8", "--set", "train.stall_warn_s=2", "--set", "train.stall_abort_s=5",
+                          cwd=cluster.state))
+    assert _wait_done(env, job) == {job: "COMPLETED"}
+    [entry] = read_restarts(runs / "failing", job)
+    assert (entry["error"], entry["rank"], entry["host"], entry["exclude"]) == (
+        "CollectiveStalled", 0, cluster.nodes[1], [cluster.nodes[1]]), entry
+    assert "not arrived: rank 1" in entry["cause"]

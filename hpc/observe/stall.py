@@ -222,7 +222,10 @@ class StallWatch:
         frame = sys._current_frames().get(wait.thread)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
         stack = f"Waiting in (most recent call last):\n{stack}{CollectiveStalled.__name__}: {report}\n"
-        record_failure(self.run_path, CollectiveStalled(report), step=self.step, traceback_text=stack)
+        blamed = [] if wait.channel == DEVICE else [
+            state["host"] for state in self._peer_states(wait.peers)[0].values() if state and _behind(state, wait)]
+        record_failure(self.run_path, CollectiveStalled(report), step=self.step, traceback_text=stack,
+                       blamed_hosts=blamed)
 
     def report(self, wait: Wait, waited: float) -> str:
         """One line: who waits where, and who has not arrived and what they are doing instead."""
@@ -243,7 +246,7 @@ class StallWatch:
         for peer, state in states.items():
             if state is None:
                 missing.append(f"rank {peer} (no report: never started the watch or the store is unreachable)")
-            elif int(state["counts"].get(wait.channel, 0)) < wait.number:
+            elif _behind(state, wait):
                 missing.append(f"rank {peer} ({self._describe(state)})")
             else:
                 arrived.append(peer)
@@ -289,3 +292,8 @@ class StallWatch:
         if state["waiting"]:
             doing += ", waiting " + ", ".join(state["waiting"])
         return f"{where}, {doing}"
+
+
+def _behind(state: dict[str, Any], wait: Wait) -> bool:
+    """Whether a peer's last report has it short of the operation ``wait`` is in: it never arrived."""
+    return int(state["counts"].get(wait.channel, 0)) < wait.number

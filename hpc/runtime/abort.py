@@ -76,17 +76,19 @@ def run_as_rank(body: Callable[[], int | None], site: FailureSite | None = None)
 
 
 def record_failure(run_path: Path, exc: BaseException, step: int | None = None,
-                   traceback_text: str | None = None) -> None:
+                   traceback_text: str | None = None, blamed_hosts: list[str] | None = None) -> None:
     """This rank's failure record in the run directory; never raises (the job must still be taken down).
     ``step`` and ``traceback_text``: for an exception never raised through the loop (the stall inspector's
-    report, with the blocked thread's stack)."""
+    report, with the blocked thread's stack); ``blamed_hosts``: where the peers it waited for were (what a
+    restart excludes, slurm/restart.py)."""
     from hpc.rundir import write_failure
 
     try:
         rank, world_size, job_id = _where()
         record = {"job_id": job_id, "world_size": world_size, "host": this_host(), "step": step or failed_step(exc),
                   "type": type(exc).__name__, "message": first_line(exc), "peer_lost": is_peer_lost(exc),
-                  "time": time.time(), "pid": os.getpid(), "restart": os.environ.get("SLURM_RESTART_COUNT")}
+                  "time": time.time(), "pid": os.getpid(), "restart": os.environ.get("SLURM_RESTART_COUNT"),
+                  **({"blamed_hosts": blamed_hosts} if blamed_hosts else {})}
         write_failure(run_path, rank, record, traceback_text or "".join(traceback.format_exception(exc)))
     except Exception as error:  # a record is a courtesy, the abort is the duty
         print(f"hpc-rank: could not record the failure in {run_path}: {error}", file=sys.stderr, flush=True)
