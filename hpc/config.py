@@ -259,10 +259,12 @@ class CheckpointConfig:
     dir: str = _field("", "where checkpoints go; empty: <run_path>/checkpoints", **_PATH)
     every_steps: int = _field(0, "save every this many steps, and after the last; 0 = off", min=0)
     keep: int = _field(3, "newest complete checkpoints kept", min=1)
-    local_every_steps: int = _field(0, "also save every this many steps to each node's scratch ($SLURM_TMPDIR, else "
-                                       "the temporary directory), each shard copied to the next node; a restart "
-                                       "resumes from the newer of the two tiers; 0 = off", min=0)
+    local_every_steps: int = _field(0, "also save every this many steps to each node's own disk (local_dir), each "
+                                       "shard copied to the next node; a restart resumes from the newer of the two "
+                                       "tiers; 0 = off", min=0)
     local_keep: int = _field(2, "newest local checkpoints each node keeps", min=1)
+    local_dir: str = _field("", "where each node keeps the local tier (a node-local disk); empty: $SLURM_TMPDIR, "
+                                "else the temporary directory", **_PATH)
     async_save: bool = _field(False, "the loop waits only for a copy to host memory; files are written behind it")
     resume: str = _field(
         "auto", "auto: the newest complete checkpoint if any; never; or a checkpoint path",

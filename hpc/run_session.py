@@ -99,7 +99,7 @@ def spec_options(spec: JobSpec) -> dict[str, Any]:
 
     cfg = spec.checkpoint
     return {"checkpoint_path": spec.checkpoint_path, "keep": cfg.keep, "async_save": cfg.async_save,
-            "local_every": cfg.local_every_steps, "local_keep": cfg.local_keep,
+            "local_every": cfg.local_every_steps, "local_keep": cfg.local_keep, "local_dir": cfg.local_dir,
             "commit_timeout_s": spec.parallel.timeout_s, "max_requeues": spec.slurm.max_requeues, "tensorboard": True,
             "attrs": {"job_spec": json.dumps(spec_to_dict(spec))}}
 
@@ -152,7 +152,7 @@ class RunSession:
                  environ: Mapping[str, str] | None = None, max_requeues: int = 3, keep: int = 3,
                  async_save: bool = False, commit_timeout_s: float = 300.0, tensorboard: bool = False,
                  attrs: Mapping[str, Any] | None = None, checkpoint_path: Path | None = None,
-                 owns_world: bool = False, local_every: int = 0, local_keep: int = 2) -> None:
+                 owns_world: bool = False, local_every: int = 0, local_keep: int = 2, local_dir: str = "") -> None:
         self.world, self.run_path = world, Path(run_path)
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else self.run_path / CHECKPOINTS_DIR
         self.watcher, self.environ = watcher, os.environ if environ is None else environ
@@ -160,7 +160,8 @@ class RunSession:
         self.commit_timeout_s, self.tensorboard, self.owns_world = commit_timeout_s, tensorboard, owns_world
         self.attrs = dict(attrs or {})  # recorded with every checkpoint (a spec job's job_spec)
         self.checkpointer: Checkpointer | None = None
-        self.local_every, self.local_keep = local_every, local_keep  # the node-local tier (hpc/checkpoint/local.py)
+        # the node-local tier (hpc/checkpoint/local.py)
+        self.local_every, self.local_keep, self.local_dir = local_every, local_keep, local_dir
         self.local: LocalTier | None = None
         self.metrics: MetricsLog | None = None
         self.saved_step: int | None = None
@@ -213,7 +214,8 @@ class RunSession:
         from hpc.checkpoint.local import LocalTier
 
         if self.local is None:
-            self.local = LocalTier(local_root(self.run_path), self.world.info.node_rank, self.local_keep)
+            self.local = LocalTier(local_root(self.run_path, self.local_dir), self.world.info.node_rank,
+                                   self.local_keep)
         return self.local
 
     def _restore_local(self, state: TrainingState, newer_than: int | None) -> tuple[Path | None, Any]:

@@ -100,6 +100,7 @@ FULL = {
         "keep": 2,
         "local_every_steps": 5,
         "local_keep": 3,
+        "local_dir": "/local/scratch",
         "async_save": True,
         "resume": "/scratch/ckpt/step-500",
         "init_from": "",

@@ -89,3 +89,4 @@ def test_hpc_ckpt_ls_of_a_run_lists_both_tiers(tmp_path, monkeypatch, capsys) ->
     rows = [line.split()[:3] for line in capsys.readouterr().out.splitlines()[1:]]
     assert rows == [["10", "shared", "complete"], ["12", "local", "complete"]]
     assert str(local_root(run)).startswith(str(tmp_path / "scratch" / "hpc-local" / "run-"))
+    assert local_root(run, "/nvme").parent == Path("/nvme/hpc-local")  # checkpoint.local_dir

@@ -60,14 +60,14 @@ def list_checkpoints(root: str | Path) -> list[Entry]:
 LOCAL_DIR = "hpc-local"
 
 
-def local_root(run_path: Path) -> Path:
-    """This node's directory of the local checkpoint tier of the run in ``run_path`` (hpc/checkpoint/local.py): in
-    the node's scratch, ``$SLURM_TMPDIR`` else the temporary directory, named by the run's directory and a hash of
-    its absolute path (two runs of one name elsewhere do not meet)."""
+def local_root(run_path: Path, base: str = "") -> Path:
+    """This node's directory of the local checkpoint tier of the run in ``run_path`` (hpc/checkpoint/local.py): under
+    ``base`` (``checkpoint.local_dir``), by default the node's scratch, ``$SLURM_TMPDIR`` else the temporary
+    directory, named by the run's directory and a hash of its absolute path (two runs of one name do not meet)."""
     import hashlib
     import tempfile
 
-    scratch = Path(os.environ.get("SLURM_TMPDIR") or tempfile.gettempdir())
+    scratch = Path(base or os.environ.get("SLURM_TMPDIR") or tempfile.gettempdir())
     run_id = hashlib.sha1(str(Path(run_path).resolve()).encode()).hexdigest()[:12]
     return scratch / LOCAL_DIR / f"{Path(run_path).name}-{run_id}"
 

@@ -27,6 +27,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     ls.add_argument("dir", help="checkpoint directory (checkpoint.dir, default <run_dir>/<name>/checkpoints), or a "
                                 "run's directory: its checkpoints and this node's local tier "
                                 "(checkpoint.local_every_steps)")
+    ls.add_argument("--local-dir", default="", metavar="DIR",
+                    help="the run's checkpoint.local_dir (default: $SLURM_TMPDIR, else the temporary directory)")
     ls.set_defaults(handler=cmd_ls)
     show = actions.add_parser("show", help="tensors, shapes, dtypes, layout and sizes of one checkpoint")
     show.add_argument("step_dir", help="a step-XXXXXXXX directory")
@@ -61,7 +63,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         raise ConfigError(f"no such directory: {args.dir}")
     run = Path(args.dir)
     is_run = (run / CHECKPOINTS_DIR).is_dir() or (run / METRICS_FILE).is_file()
-    tiers = [("shared", run / CHECKPOINTS_DIR), ("local", local_root(run))] if is_run else [("shared", run)]
+    tiers = [("shared", run)]
+    if is_run:
+        tiers = [("shared", run / CHECKPOINTS_DIR), ("local", local_root(run, args.local_dir))]
     print(f"{'STEP':>10}  {'TIER':<7}{'STATUS':<10} {'SIZE':>10}  PATH")
     for tier, directory in tiers:
         entries = list_checkpoints(directory)
