@@ -15,6 +15,9 @@ comes from what the failed step left: the ranks' failure records (hpc/rundir.py)
   inspector aborted, or a failed start-up health check (``train.health_check``) is the node's: with
   ``slurm.spare_nodes`` left, its node is excluded from the next step (``srun --exclude``) and a spare takes
   its place;
+- once the spares are taken, ``slurm.elastic`` runs the next step on the nodes that remain (fewer data-parallel
+  ranks, the same global batch); without it the job ends, naming the node (a job without spares restarts on its
+  own nodes: a killed process on a live node comes back);
 - past ``slurm.max_restarts`` the job ends, naming the cause.
 
 Each decision is a line of ``restarts.jsonl`` in the run directory (cause, node, excluded nodes, when); ``hpc
@@ -83,10 +86,11 @@ def decide(failure: Failure, previous: Sequence[dict], slurm: SlurmConfig) -> De
     if len(exclude) < spares:
         return Decision(True, f"{counted}, without node {failure.host} (spare {len(exclude) + 1} of {spares} taken)",
                         (*exclude, failure.host), wanted)
+    if not spares and not slurm.elastic:  # a job without spares restarts on its nodes: the node may be fine
+        return Decision(True, counted, exclude, wanted)
     if not slurm.elastic:
-        plain = not spares  # nothing to exclude with: a restart on the same nodes is all a job without spares has
-        return Decision(True, counted if plain else f"{counted} on the same nodes (no spare node left; slurm.elastic "
-                                                    "is off)", exclude, wanted)
+        return stop(f"no spare node left to replace {failure.host} (slurm.spare_nodes = {spares} taken; "
+                    "slurm.elastic is off)")
     nodes = wanted + spares - len(exclude) - 1
     if nodes < 1:
         return stop(f"no node left without {failure.host}")

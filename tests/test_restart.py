@@ -30,12 +30,14 @@ def _slurm(**given) -> SlurmConfig:
     return SlurmConfig(**{"nodes": 2, "max_restarts": 3, **given})
 
 
-def test_a_node_death_excludes_the_node_while_spares_last_then_restarts_in_place() -> None:
+def test_a_node_death_excludes_the_node_while_spares_last_then_ends_naming_it() -> None:
     first = decide(_failure("node"), [], _slurm(spare_nodes=1))
     assert first.restart and (first.exclude, first.nodes) == (("node1",), 2) and "without node node1" in first.reason
     again = decide(_failure("node", host="node2"), [{"restart": True, "exclude": ["node1"]}], _slurm(spare_nodes=1))
-    assert again.restart and (again.exclude, again.nodes) == (("node1",), 2)  # no spare left: the same nodes again
-    assert "no spare node left; slurm.elastic is off" in again.reason
+    assert not again.restart and again.reason == "no spare node left to replace node2 (slurm.spare_nodes = 1 " \
+                                                 "taken; slurm.elastic is off)"
+    in_place = decide(_failure("node"), [], _slurm())  # no spares at all: the same nodes, the node may be fine
+    assert in_place.restart and (in_place.exclude, in_place.nodes) == ((), 2)
     assert not decide(_failure("node"), [{"restart": True, "exclude": []}] * 3, _slurm(spare_nodes=1)).restart
 
 
