@@ -192,8 +192,8 @@ class RunSession:
         path = choose_resume(source, self.checkpoint_path, dist.group.WORLD)
         index = None if path is None else open_checkpoint(path)
         if source == "auto" and self.local_every:  # the local tier's newest, where newer than the persistent one
-            local, newer = self._restore_local(state, None if index is None else index.step)
-            path, index = (local, newer) if local is not None else (path, index)
+            local = self._restore_local(state, None if index is None else index.step)
+            path, index = (local.path, local) if local is not None else (path, index)
         if path is None or index is None:
             return None
         saved, current = saved_layout(index.attrs), saved_layout(state.layout())
@@ -218,16 +218,12 @@ class RunSession:
                                    self.local_keep)
         return self.local
 
-    def _restore_local(self, state: TrainingState, newer_than: int | None) -> tuple[Path | None, Any]:
-        """(this node's directory of the newest local step above ``newer_than``, its index), or (None, None)."""
-        from hpc.checkpoint.format import read_index
-        from hpc.checkpoint.local import needed_files, open_local
+    def _restore_local(self, state: TrainingState, newer_than: int | None) -> CheckpointIndex | None:
+        """The index, in this node's directory, of the newest local step above ``newer_than``; None if none."""
+        from hpc.checkpoint.local import needed_files
 
         pieces = state.pieces()
-        path = self.local_tier().restore(newer_than, lambda index: needed_files(index, pieces, self.rank))
-        if path is None:
-            return None, None
-        return path, open_local(path, needed_files(read_index(path), pieces, self.rank))
+        return self.local_tier().restore(newer_than, lambda index: needed_files(index, pieces, self.rank))
 
     def save_local(self, step: int, state: TrainingState, **attrs: Any) -> None:
         """Collective: ``step`` into the node-local tier (each node's scratch, each shard also on the next node)."""

@@ -203,3 +203,12 @@ def summarize_failures(records: list[dict]) -> FailureSummary | None:
 
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def node_scratch(base: str = "") -> Path:
+    """A node's own disk for a run's node-local files (the local checkpoint tier, the health check's write):
+    ``base`` when given, else Slurm's job-local ``$SLURM_TMPDIR`` where the site sets one, else the temporary
+    directory."""
+    import tempfile
+
+    return Path(base or os.environ.get("SLURM_TMPDIR") or tempfile.gettempdir())

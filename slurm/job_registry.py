@@ -248,11 +248,6 @@ def read_restarts(run_path: Path, job_id: str | None = None) -> list[dict]:
     return records
 
 
-def record(run_path: Path, entry: dict) -> None:
-    with (run_path / RESTARTS_FILE).open("a") as handle:
-        handle.write(json.dumps(entry) + "\n")
-
-
 def restart_recovery(run_path: Path, entry: dict) -> tuple[int | None, float | None]:
     """(steps lost: run again after the restart, seconds from the failure to the next step's end) of one restart,
     from metrics.jsonl's steps and times; None where the run has not logged a step since."""

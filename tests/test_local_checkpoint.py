@@ -25,7 +25,7 @@ def _pieces(rank: int, step: int) -> list[Piece]:
 
 def _save_lose_restore(world, root: str, lost_nodes: list[int]) -> tuple:
     from hpc.checkpoint.load import load_into, load_rank_state
-    from hpc.checkpoint.local import LocalTier, needed_files, open_local
+    from hpc.checkpoint.local import LocalTier, needed_files
 
     node = world.rank // 2
     directory = Path(root) / f"node{node}"
@@ -40,10 +40,10 @@ def _save_lose_restore(world, root: str, lost_nodes: list[int]) -> tuple:
     targets = _pieces(world.rank, 0)
     for piece in targets:
         piece.tensor.zero_()
-    path = tier.restore(None, lambda index: needed_files(index, targets, world.rank))
-    if path is None:
+    index = tier.restore(None, lambda index: needed_files(index, targets, world.rank))
+    if index is None:
         return None, sorted(p.name for p in directory.iterdir()) if directory.exists() else []
-    index = open_local(path, needed_files(open_local(path, set()), targets, world.rank))
+    path = index.path
     load_into(index, targets)
     private = load_rank_state(index, world.rank)["rng"]
     expected = _pieces(world.rank, index.step)

@@ -27,7 +27,7 @@ from hpc.checkpoint.format import (
     first_line,
     step_dir_name,
 )
-from hpc.rundir import fsync_path
+from hpc.rundir import fsync_path, node_scratch
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,8 @@ def local_root(run_path: Path, base: str = "") -> Path:
     ``base`` (``checkpoint.local_dir``), by default the node's scratch, ``$SLURM_TMPDIR`` else the temporary
     directory, named by the run's directory and a hash of its absolute path (two runs of one name do not meet)."""
     import hashlib
-    import tempfile
 
-    scratch = Path(base or os.environ.get("SLURM_TMPDIR") or tempfile.gettempdir())
+    scratch = node_scratch(base)
     run_id = hashlib.sha1(str(Path(run_path).resolve()).encode()).hexdigest()[:12]
     return scratch / LOCAL_DIR / f"{Path(run_path).name}-{run_id}"
 

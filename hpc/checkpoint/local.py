@@ -32,7 +32,16 @@ import torch
 import torch.distributed as dist
 
 from hpc.checkpoint.discovery import delete, list_checkpoints, publish, retire_old
-from hpc.checkpoint.format import COMPLETE, INDEX, CheckpointError, read_index, shard_name, step_dir_name
+from hpc.checkpoint.format import (
+    COMPLETE,
+    INDEX,
+    CheckpointError,
+    CheckpointIndex,
+    read_index,
+    shard_name,
+    step_dir_name,
+    write_index,
+)
 from hpc.checkpoint.pieces import Piece, check_records
 from hpc.checkpoint.save import Checkpointer, _SaveJob, _write_shard
 from hpc.rundir import fsync_path, write_json
@@ -87,26 +96,33 @@ class LocalTier:
         for work in dist.batch_isend_irecv(posted) if posted else []:
             work.wait()
 
-    def restore(self, newer_than: int | None, needed: Any) -> Path | None:
-        """Collective: this node's directory of the newest local step (above ``newer_than``) that some node holds
-        every shard of, with the files ``needed(index)`` names fetched from the nodes that have them; None when
-        there is none."""
+    def restore(self, newer_than: int | None, needed: Any) -> CheckpointIndex | None:
+        """Collective: the index, in this node's directory, of the newest local step (above ``newer_than``) that
+        some node holds every shard of, with the files ``needed(index)`` names fetched from the nodes that have
+        them and checked at their full size (a node holds its ranks' shards and copies, not all of them, so the
+        persistent tier's check of every shard does not apply); None when there is none."""
         held = _inventory(self.root)
         gathered: list[Any] = [None] * self.size
         dist.all_gather_object(gathered, (self.node_of[self.rank], held), group=self.group)
-        step = _newest_restorable([g for g in gathered], -1 if newer_than is None else newer_than)
+        step = _newest_restorable(gathered, -1 if newer_than is None else newer_than)
         if step is None:
             return None
         name = step_dir_name(step)
         have = {node: set(files.get(step, {}).get("files", ())) for node, files in gathered}
         self._fetch(name, [(INDEX, node) for node in self.node_ranks if INDEX not in have.get(node, set())], have)
         index = read_index(self.root / name)
+        check_records(index)
+        mine = needed(index)
         wants: list[Any] = [None] * self.size
-        dist.all_gather_object(wants, sorted(needed(index)), group=self.group)
+        dist.all_gather_object(wants, sorted(mine), group=self.group)
         missing = sorted({(file, self.node_of[rank]) for rank, files in enumerate(wants) for file in files
                           if file not in have[self.node_of[rank]]})
         self._fetch(name, missing, have)
-        return self.root / name
+        for file in mine:
+            path, shard = index.path / file, index.shards.get(file)
+            if shard is None or not path.is_file() or path.stat().st_size != shard.size:
+                raise CheckpointError(f"{path} is missing or not the size the index says", file=str(path))
+        return index
 
     def _fetch(self, name: str, missing: list[tuple[str, int]], have: dict[int, set[str]]) -> None:
         """Each (file, node) in turn: the first rank of a node that has it sends it to the node's first rank."""
@@ -144,8 +160,6 @@ class _NodeCheckpointer(Checkpointer):
             shutil.rmtree(job.tmp, ignore_errors=True)
             raise CheckpointError(f"local save of step {job.step} failed: {'; '.join(failures)}", dir=str(job.tmp))
         if self.tier.leader:
-            from hpc.checkpoint.format import write_index
-
             header = {"step": job.step, "world_size": job.world_size, "created_unix": job.created_unix,
                       "save_id": job.save_id}
             write_index(job.tmp / INDEX, header, job.attrs, job.plan.tensors, [s for _, s in outcomes])
@@ -180,19 +194,6 @@ def _newest_restorable(gathered: list[tuple[int, dict]], newer_than: int) -> int
     return None
 
 
-def open_local(step_dir: Path, files: set[str]) -> Any:
-    """The index of a local step whose node holds ``files`` (what this rank reads), each at its full size: a node
-    holds its ranks' shards and copies, not all of them, so the persistent tier's check of every shard does not
-    apply."""
-    index = read_index(step_dir)
-    check_records(index)
-    for file in files:
-        path, shard = step_dir / file, index.shards.get(file)
-        if shard is None or not path.is_file() or path.stat().st_size != shard.size:
-            raise CheckpointError(f"{path} is missing or not the size the index says", file=str(path))
-    return index
-
-
 def _file_bytes(path: Path) -> torch.Tensor:
     return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
 
@@ -214,6 +215,6 @@ def needed_files(index: Any, pieces: Sequence[Piece], rank: int) -> set[str]:
         meta = piece.meta()
         for stored in record.pieces:
             if all(a < b + m and b < a + n for a, n, b, m in zip(meta.offsets, meta.shape, stored.offsets,
-                                                                  stored.shape, strict=True)) or not meta.shape:
+                                                                  stored.shape, strict=True)):  # a scalar: all()
                 files.add(stored.file)
     return files

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.errors import HpcError, NodeUnhealthy
 from hpc.observe.probe import Probe
+from hpc.rundir import node_scratch
 from hpc.runtime.mesh import AXES, Mesh
 from hpc.runtime.placement import carries_cuda
 
@@ -86,12 +86,6 @@ class NodeCheck:
     write_mbps: dict[str, float]
 
 
-def scratch_dir() -> Path:
-    """The node's local scratch: Slurm's job-local ``$SLURM_TMPDIR`` where the site sets one, else the
-    temporary directory."""
-    return Path(os.environ.get("SLURM_TMPDIR") or tempfile.gettempdir())
-
-
 def _write_rate(directory: Path, rank: int) -> float:
     """MB/s of ``DISK_BYTES`` written and fsynced into a file of ``directory``, removed after; OSError if not."""
     directory.mkdir(parents=True, exist_ok=True)  # the run's first writer may be this check
@@ -113,7 +107,7 @@ def check_node(rank: int, local_rank: int, run_path: Path, device) -> NodeCheck:
 
     rates, problem = {}, None
     if local_rank == 0:
-        for name, directory in (("run directory", run_path), ("scratch", scratch_dir())):
+        for name, directory in (("run directory", run_path), ("scratch", node_scratch())):
             try:
                 rates[name] = _write_rate(directory, rank)
             except OSError as exc:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.config import JobSpec, TrainConfig
-from hpc.errors import ConfigError, DeviceOutOfMemoryError, LayoutError
+from hpc.errors import ConfigError, DeviceOutOfMemoryError, LayoutError, NodeUnhealthy
 from hpc.observe.health import HealthReport, Link, check_mesh, check_nodes, slow_links
 from hpc.observe.metrics import RANK_TOTALS, device_peak_flops, peak_memory_bytes, write_rank_totals
 from hpc.observe.probe import Probe
@@ -172,7 +172,6 @@ def check_links(report: HealthReport, cluster_name: str, rank: int) -> None:
     """Every rank alike: the slowest link under a quarter of the cluster file's model fails the health check; the
     rank it leads to raises (its host is named, and excluded by a restart with a spare), the others go on and see
     it leave."""
-    from hpc.errors import NodeUnhealthy
     from parallel.cluster import load_cluster
 
     cluster = load_cluster(cluster_name)
@@ -548,7 +547,7 @@ def _checkpoint_or_stop(spec: JobSpec, done: int, run: RunSession, state: LoopSt
             run.save(done, state, **({} if records.loss is None else {"loss": records.loss}))
         records.restart_clock()  # the next step's time leaves the save out
     local = spec.checkpoint.local_every_steps
-    if local and done % local == 0 and done != run.saved_step and done < spec.train.steps:
+    if local and done % local == 0 and done < spec.train.steps:  # not twice: save_local skips a step saved
         records.settle()
         with probe.span("local checkpoint"):
             run.save_local(done, state, **({} if records.loss is None else {"loss": records.loss}))
