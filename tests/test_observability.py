@@ -508,5 +508,7 @@ def test_a_link_far_below_the_cluster_files_fails_the_health_check_on_one_rank(t
     failed = [text for text in results if text]
     assert len(failed) == (1 if fails else 0), results
     if fails:
-        assert failed[0].startswith(f"host {socket.gethostname()} failed its health check: the link world rank ")
+        # the world's and dp's rings are the same two links here: either may be the slowest
+        assert re.match(rf"host {socket.gethostname()} failed its health check: the link (world|dp) rank [01] -> [01] ",
+                        failed[0]), failed
         assert "x the 0.00 ms that model's model gives" in failed[0]
