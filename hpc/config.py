@@ -178,6 +178,12 @@ class TrainConfig:
            "(linear scaling, Goyal et al. 2017); 0 = off", min=0)
     bf16_autocast: bool = _field(False, "forward (loss excluded) under torch.autocast with bfloat16")
     activation_checkpointing: bool = _field(False, "recompute each GPT block's activations in backward")
+    float8: Literal["off", "rowwise", "tensorwise"] = _field(
+        "off", "the blocks' matmuls in Float8 through torchao (jobs/train/float8.py): rowwise or tensorwise "
+               "scaling; the LM head and MoE routers stay bf16; needs a GPU of compute capability 8.9+ and torchao")
+    fused_head_loss: bool = _field(
+        False, "the LM head and the loss computed together, a chunk of tokens at a time: the logits are never "
+               "whole in memory (a model with an lm_head: jobs.models.hf; under TP split over the vocabulary)")
     compile: bool = _field(False, "torch.compile each layer of this rank's stages (each transformer block, the "
                                   "embedding, the head; a model with no pipeline parts whole), as torchtitan does")
     timeline: bool = _field(False, "Chrome-trace spans of every rank in <run_path>/timeline.json (hpc/observe)")

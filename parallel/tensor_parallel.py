@@ -142,11 +142,13 @@ def _shard(full: torch.Tensor, dim: int, group: ProcessGroup, what: str) -> nn.P
 
 
 class _ShardedLinear(nn.Module):
-    """A Linear layer's shard: this rank's weight (and bias, split or whole) and the TP group it is split over."""
+    """A Linear layer's shard: this rank's weight (and bias, split or whole) and the TP group it is split over.
+    ``product`` computes the shard's ``F.linear`` (``jobs.train.float8`` makes it a Float8 matmul)."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup) -> None:
         super().__init__()
         self.weight, self.bias, self.group = weight, bias, group
+        self.product = F.linear
 
 
 class ColumnParallelLinear(_ShardedLinear):
@@ -167,7 +169,7 @@ class ColumnParallelLinear(_ShardedLinear):
         return cls(_shard(linear.weight, 0, group, what), bias, group, gather_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        y = self.product(copy_to_tp(x, self.group), self.weight, self.bias)
         return _GatherFromTP.apply(y, self.group) if self.gather_output else y
 
 
@@ -187,7 +189,7 @@ class RowParallelLinear(_ShardedLinear):
         return cls(_shard(linear.weight, 1, group, what), bias, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = reduce_from_tp(self.product(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -279,6 +281,112 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: ProcessGro
     the device from the host)."""
     chunk_rows = max(1, chunk_elements // logits.shape[-1])
     return _CrossEntropy.apply(logits, targets, group, ignore_index, chunk_rows)
+
+
+FUSED_CHUNK_ELEMENTS = 1 << 26  # logits made at a time by the fused head and loss: 256 MiB in float32
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """forward: per-token cross-entropy of ``hidden @ weight^T``, the logits made ``chunk_rows`` rows at a time
+    (the product in ``dtype``, the softmax's numbers in float32) and dropped, so they are never whole; per chunk
+    the row max, the sum of exponentials below it and the target logit, and with a group (``weight`` a
+    vocabulary slice) two all-reduces of per-token numbers join the ranks' slices. backward: each chunk's logits
+    made again, ``softmax - one_hot(target)`` into the hidden state's gradient (one matmul) and the weight's
+    (another, summed over the chunks in the weight's dtype); no communication (the hidden state's gradient is
+    summed over the group by ``copy_to_tp`` before it)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                group: ProcessGroup | None, ignore_index: int, chunk_rows: int, dtype: torch.dtype) -> torch.Tensor:
+        flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        local_vocab = weight.shape[0]
+        vocab_start = dist.get_rank(group) * local_vocab if group is not None else 0
+        local_targets = flat_targets - vocab_start
+        outside = (local_targets < 0) | (local_targets >= local_vocab)
+        local_targets = local_targets.masked_fill(outside, 0)
+        chunks = [slice(start, start + chunk_rows) for start in range(0, len(flat), chunk_rows)]
+        low = weight.to(dtype)
+        row_max = torch.empty(len(flat), dtype=torch.float32, device=flat.device)
+        sums = torch.empty(2, len(flat), dtype=torch.float32, device=flat.device)  # exponentials, target logit
+        for rows in chunks:
+            logits = F.linear(flat[rows].to(dtype), low).float()
+            row_max[rows] = logits.amax(dim=-1)
+            logits -= row_max[rows].unsqueeze(-1)
+            sums[1, rows] = logits.gather(-1, local_targets[rows].unsqueeze(-1)).squeeze(-1)
+            sums[0, rows] = logits.exp_().sum(dim=-1)
+        if group is not None:  # each rank's sums are below its own max: rescale them below the group's
+            local_max = row_max.clone()
+            with group_collective(group, "loss max all-reduce"):
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            shift = local_max - row_max
+            sums[0] *= shift.exp()
+            sums[1] += shift
+        sums[1].masked_fill_(outside, 0.0)
+        if group is not None:
+            with group_collective(group, "loss sums all-reduce"):
+                dist.all_reduce(sums, group=group)
+        sum_exp, target_logit = sums
+        ignored = flat_targets == ignore_index
+        ctx.save_for_backward(hidden, weight, local_targets, outside, ignored, row_max, sum_exp)
+        ctx.chunks, ctx.dtype = chunks, dtype
+        return (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0).view(targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, local_targets, outside, ignored, row_max, sum_exp = ctx.saved_tensors
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        low = weight.to(ctx.dtype)
+        grad_hidden = torch.empty_like(flat)
+        grad_weight = torch.zeros_like(weight)
+        hit = (~outside).to(torch.float32).unsqueeze(-1)
+        scale = grad_loss.reshape(-1).masked_fill(ignored, 0.0).unsqueeze(-1)
+        for rows in ctx.chunks:
+            inputs = flat[rows].to(ctx.dtype)
+            softmax = (F.linear(inputs, low).float() - row_max[rows].unsqueeze(-1)).exp_()
+            softmax.div_(sum_exp[rows].unsqueeze(-1))
+            softmax.scatter_add_(-1, local_targets[rows].unsqueeze(-1), -hit[rows])
+            grad_logits = softmax.mul_(scale[rows]).to(ctx.dtype)
+            grad_hidden[rows] = grad_logits @ low
+            grad_weight += grad_logits.t() @ inputs
+        return grad_hidden.view_as(hidden), grad_weight, None, None, None, None, None
+
+
+class LinearCrossEntropy(nn.Module):
+    """An LM head fused with its loss (``train.fused_head_loss``): called with the head's input and the targets,
+    it returns per-token cross-entropy (float32, ``reduction="none"``, 0 at ``ignore_index``) without the logits
+    ever being whole (``_LinearCrossEntropy``); called with the input alone it returns it unchanged, so the model's
+    own head module passes its normed hidden state on to the loss. It holds the head's weight under the head's
+    name (checkpoints unchanged): whole, or a ``ColumnParallelLinear``'s vocabulary slice with its group. The
+    product runs in ``dtype`` (bf16 under autocast, as the head's own would), the softmax in float32."""
+
+    def __init__(self, weight: nn.Parameter, group: ProcessGroup | None, dtype: torch.dtype,
+                 chunk_elements: int = FUSED_CHUNK_ELEMENTS) -> None:
+        super().__init__()
+        self.weight, self.group, self.dtype, self.chunk_elements = weight, group, dtype, chunk_elements
+        self.partition_dims = {"weight": 0} if group is not None else {}
+
+    @classmethod
+    def from_head(cls, head: nn.Module, dtype: torch.dtype) -> LinearCrossEntropy:
+        if getattr(head, "bias", None) is not None:
+            raise LayoutError("train.fused_head_loss: the LM head has a bias; the fused loss takes a head without one")
+        return cls(head.weight, getattr(head, "group", None), dtype)
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None,
+                ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+        if targets is None:
+            return hidden
+        if self.group is not None:
+            hidden = copy_to_tp(hidden, self.group)
+        chunk_rows = max(1, self.chunk_elements // self.weight.shape[0])
+        return _LinearCrossEntropy.apply(hidden, self.weight, targets, self.group, ignore_index, chunk_rows,
+                                         self.dtype)
+
+
+def mean_over_counted(losses: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The mean of per-token ``losses`` over the targets that are not ``ignore_index`` (0 when none is): without
+    ignored targets exactly the plain mean; no host synchronization either way."""
+    counted = targets != ignore_index
+    return torch.where(counted.all(), losses.mean(), losses.sum() / counted.sum().clamp(min=1))
 
 
 def tp_split_dims(model: nn.Module) -> dict[str, int]:

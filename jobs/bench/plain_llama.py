@@ -1,11 +1,13 @@
-"""The loop a user would write instead of ours: a transformers Llama trained on one GPU by hand.
+"""The loop a user would write instead of ours: a transformers Llama trained on one GPU by hand, as an expert writes it.
 
-``python -m jobs.bench.plain_llama [--fused] [--compile] [--steps N]`` builds the model
-``jobs/bench/llama_bench.toml`` trains (the same ``[model.args]``, read from that file),
-float32 weights, bf16 autocast, SDPA attention, AdamW with clipping at 1.0, on random
-byte tokens made on the GPU, and prints one JSON line: median step time after the warm-up
-steps, tokens/s, model TFLOP/s (6N + 12 L s h per token), MFU against the card's dense
-bf16 peak, and the CUDA allocator's peak. ``jobs.bench.gpu`` runs it beside ``hpc run``.
+``python -m jobs.bench.plain_llama [--compile] [--steps N] [--spec TOML]`` builds the model the spec trains
+(``jobs/bench/llama_bench.toml`` by default: the same ``[model.args]``, read from that file), float32 weights,
+bf16 autocast, SDPA attention, ``use_cache=False`` (no KV cache built in training), torch's fused AdamW,
+``clip_grad_norm_(foreach=True)``, on random tokens made on the GPU, and prints one JSON line: the median step
+time after the warm-up steps (CUDA events between steps' ends, as our trainer times them), tokens/s, model
+TFLOP/s (6N + 12 L s h per token), and the CUDA allocator's peak. ``train_steps`` is the loop itself, shared
+with ``jobs.bench.titan_llama`` (torchtitan's model in the same loop); ``jobs.bench.gpu`` runs both beside
+``hpc run``.
 """
 
 from __future__ import annotations
@@ -14,20 +16,61 @@ import argparse
 import json
 import statistics
 import sys
-import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 SPEC = Path(__file__).with_name("llama_bench.toml")
 
 
-def bench_settings() -> dict:
-    """The benchmark spec's model, batch and optimizer settings, so both loops train the same thing."""
-    spec = tomllib.loads(SPEC.read_text())
+def bench_settings(spec_path: Path = SPEC) -> dict:
+    """The benchmark spec's model, batch and optimizer settings, so every loop trains the same thing."""
+    spec = tomllib.loads(Path(spec_path).read_text())
     model, train = spec["model"], spec["train"]
     return {"args": model["args"], "seq_len": model["seq_len"], "batch": spec["data"]["batch_size"],
             "lr": train["lr"], "weight_decay": train["weight_decay"], "clip": train["grad_clip"]}
+
+
+def train_steps(model: Any, forward: Callable, loss_fn: Callable, settings: dict, steps: int, warmup: int) -> dict:
+    """``steps`` steps of bf16-autocast forward, ``loss_fn(logits, targets)``, backward, foreach clipping and fused
+    AdamW on random tokens; the median device time between steps' ends after ``warmup`` steps, the loss read
+    once at the end (an expert's loop does not synchronize every step)."""
+    import torch
+
+    args, batch, seq = settings["args"], settings["batch"], settings["seq_len"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings["lr"], weight_decay=settings["weight_decay"], fused=True)
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    ends[0].record()
+    for step in range(steps):
+        ids = torch.randint(0, args["vocab_size"], (batch, seq + 1), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = forward(ids[:, :-1])
+        loss = loss_fn(logits, ids[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, settings["clip"], foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ends[step + 1].record()
+    final_loss = loss.item()
+    torch.cuda.synchronize()
+    step_s = statistics.median(ends[i].elapsed_time(ends[i + 1]) / 1e3 for i in range(warmup, steps))
+    n_params = sum(p.numel() for p in model.parameters())
+    flops_per_token = 6.0 * n_params + 12.0 * args["num_hidden_layers"] * seq * args["hidden_size"]
+    tokens_per_s = batch * seq / step_s
+    return {"step_s": step_s, "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops_per_token / 1e12,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(), "params": n_params, "loss": final_loss,
+            "device": torch.cuda.get_device_name()}
+
+
+def loop_arguments(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--spec", default=str(SPEC), help="the job spec whose model, batch and optimizer to use")
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,44 +78,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.nn.functional as F
     import transformers
 
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench.plain_llama")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
-    parser.add_argument("--fused", action="store_true", help="torch's fused AdamW instead of its default (foreach)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile(model)")
-    args = parser.parse_args(argv)
-    settings = bench_settings()
+    args = loop_arguments("python -m jobs.bench.plain_llama").parse_args(argv)
+    settings = bench_settings(Path(args.spec))
     config = transformers.AutoConfig.for_model(**settings["args"])
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
                                                           dtype=torch.float32).cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=settings["weight_decay"],
-                                  fused=args.fused or None)
     forward = torch.compile(model) if args.compile else model
-    batch, seq = settings["batch"], settings["seq_len"]
-    times = []
-    for _ in range(args.steps):
-        started = time.perf_counter()
-        ids = torch.randint(0, config.vocab_size, (batch, seq + 1), device="cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = forward(input_ids=ids[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), settings["clip"])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    step_s = statistics.median(times[args.warmup:])
-    params = sum(p.numel() for p in model.parameters())
-    flops_per_token = 6.0 * params + 12.0 * config.num_hidden_layers * seq * config.hidden_size
-    tokens_per_s = batch * seq / step_s
-    print(json.dumps({
-        "loop": "plain" + (" compiled" if args.compile else "") + (" fused AdamW" if args.fused else " AdamW"),
-        "step_s": step_s, "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops_per_token / 1e12,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(), "params": params, "loss": loss.item(),
-        "device": torch.cuda.get_device_name(),
-    }))
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    result = train_steps(model, lambda ids: forward(input_ids=ids, use_cache=False).logits, loss_fn, settings,
+                         args.steps, args.warmup)
+    print(json.dumps({"loop": "plain" + (" compiled" if args.compile else " eager"), **result}))
     return 0
 
 

@@ -36,7 +36,7 @@ from torch import nn
 from jobs.models.materialize import run_init
 from jobs.models.moe import MoE
 from jobs.models.protocol import moe_args
-from parallel.tensor_parallel import IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, cross_entropy
+from parallel.tensor_parallel import IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, cross_entropy, mean_over_counted
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -122,6 +122,7 @@ class Head(nn.Module):
 
 
 class GPT(nn.Module):
+    head_name = "head.linear"  # the LM head, for train.fused_head_loss (jobs.models.protocol)
     tp_plan = types.MappingProxyType({
         "embedding.tokens": "vocab", "blocks.*.attention.qkv": "colwise", "blocks.*.attention.proj": "rowwise",
         "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise", "head.linear": "vocab",
@@ -224,7 +225,4 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup 
     larger ones, or split ones, through ``parallel.tensor_parallel.cross_entropy``, which makes no copy."""
     if tp_group is None and logits.numel() <= LOSS_CHUNK_ELEMENTS:
         return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
-    losses = cross_entropy(logits, targets, tp_group, IGNORE_INDEX)
-    counted = targets != IGNORE_INDEX
-    # without ignored targets exactly the plain mean; no host synchronization either way
-    return torch.where(counted.all(), losses.mean(), losses.sum() / counted.sum().clamp(min=1))
+    return mean_over_counted(cross_entropy(logits, targets, tp_group, IGNORE_INDEX), targets)

@@ -231,6 +231,8 @@ def attention_type(config: Any, index: int) -> str:
 class CausalLM(nn.Module):
     """A Llama-shaped transformers causal LM under the model protocol (jobs/models/protocol.py)."""
 
+    head_name = "lm_head"  # for train.fused_head_loss
+
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
         config = hf_model.config

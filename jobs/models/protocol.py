@@ -18,7 +18,11 @@ A model is a single-device ``nn.Module`` (built under ``torch.manual_seed(job.se
   spec adds to it or overrides it;
 - ``tp_divisors`` (optional): spec key -> a count the TP degree must divide (attention heads);
 - ``metrics(output, targets) -> dict[str, float]`` (optional): batch means reported on
-  the held-out set as ``held_out_<name>``.
+  the held-out set as ``held_out_<name>``;
+- ``head_name`` (optional, for ``train.fused_head_loss``): the name of the bias-free Linear whose output
+  are the logits ``loss`` takes its next-token cross-entropy of; the trainer swaps it for
+  ``parallel.tensor_parallel.LinearCrossEntropy``, which passes its input through, and computes the loss
+  from that input and the head's weight a chunk of tokens at a time.
 
 Mixture-of-experts layers (``jobs.models.moe.MoE``) anywhere in the model need nothing more: the
 trainer shards their experts over ``parallel.ep`` and reports their routing.
@@ -222,4 +226,26 @@ def check_model_layout(spec: JobSpec, tp: int, pp: int, virtual: int) -> nn.Modu
     check_pipeline(model, pp * virtual, f"parallel.pp * virtual_stages = {pp}*{virtual}")
     if spec.train.activation_checkpointing and getattr(model, "pipeline_parts", None) is None:
         raise ConfigError("train.activation_checkpointing recomputes the model's blocks: it needs pipeline_parts()")
+    if spec.train.fused_head_loss:
+        fused_head(model)
     return model
+
+
+def fused_head(model: nn.Module) -> nn.Module:
+    """The LM head ``train.fused_head_loss`` fuses with the loss (the model's ``head_name``), checked: a
+    bias-free Linear (or its TP shard) and no ``metrics`` reading the logits."""
+    name = getattr(model, "head_name", None)
+    where = f"train.fused_head_loss: {type(model).__name__}"
+    if name is None:
+        raise ConfigError(f"{where} names no head_name (the Linear making its logits); jobs.models.hf's causal "
+                          "LMs and the built-in GPT do")
+    if getattr(model, "metrics", None) is not None:
+        raise ConfigError(f"{where} has metrics(), which read the logits the fused loss never makes whole")
+    try:
+        head = model.get_submodule(name)
+    except AttributeError:
+        raise ConfigError(f"{where}.head_name={name!r} is not a module of the model") from None
+    weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
+    if weight is None or weight.dim() != 2 or bias is not None:
+        raise ConfigError(f"{where}.head_name={name!r} is {type(head).__name__}, not a Linear without bias")
+    return head

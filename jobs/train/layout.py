@@ -32,6 +32,9 @@ def check_layout(spec: JobSpec, world_size: int) -> MeshShape:
     from hpc.runtime.mesh import expert_group_ranks, resolve_layout
 
     shape = resolve_layout(spec.parallel.dp, spec.parallel.tp, spec.parallel.pp, world_size)
+    if spec.train.float8 != "off" and spec.parallel.device == "cpu":
+        raise ConfigError(f"train.float8={spec.train.float8!r}: Float8 matmuls need an NVIDIA GPU of compute "
+                          "capability 8.9 or newer; parallel.device='cpu' (set train.float8='off')")
     model = check_job_layout(spec, shape)
     expert_group_ranks(shape, spec.parallel.ep)
     if spec.train.health_cluster:  # read now: a missing file is one line before anything starts, not at step 0
@@ -46,6 +49,21 @@ def check_layout(spec: JobSpec, world_size: int) -> MeshShape:
 
         check_init_from(spec, model)
     return shape
+
+
+def check_float8_here(spec: JobSpec) -> None:
+    """``hpc run`` of ranks on this machine: ``train.float8`` refused before launch where they would compute on
+    its CPU, or on a GPU without FP8, or without torchao (``jobs.train.float8``; each rank checks again)."""
+    if spec.train.float8 == "off":
+        return
+    import torch
+
+    from jobs.train.float8 import float8_refusal
+
+    gpu = spec.parallel.device != "cpu" and torch.cuda.is_available()
+    refusal = float8_refusal(spec.train.float8, torch.device("cuda", 0) if gpu else torch.device("cpu"))
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def check_job_layout(spec: JobSpec, shape: MeshShape) -> Any:
@@ -86,6 +104,9 @@ def _check_builtin_model(spec: JobSpec, shape: MeshShape) -> None:
         if spec.train.activation_checkpointing:
             raise ConfigError("train.activation_checkpointing recomputes the model's blocks: model.kind='mlp' "
                               "has none (pipeline_parts)")
+        if spec.train.fused_head_loss:
+            raise ConfigError("train.fused_head_loss fuses an LM head with its loss: model.kind='mlp' is a "
+                              "classifier (jobs.models.hf's causal LMs and model.kind='gpt' have one)")
         return
     if model.n_heads % shape.tp:
         raise LayoutError(f"model.n_heads={model.n_heads} is not divisible by parallel.tp={shape.tp} "

@@ -89,11 +89,13 @@ class Stage(nn.Module):
     """One pipeline chunk as the executor calls it: its layers in order, under the run's autocast,
     the model's blocks optionally recomputed in backward instead of keeping their activations."""
 
-    def __init__(self, layers: Sequence[nn.Module], bf16_autocast: bool, recompute: Collection[nn.Module] = ()):
+    def __init__(self, layers: Sequence[nn.Module], bf16_autocast: bool, blocks: Collection[nn.Module] = (),
+                 recompute: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.bf16_autocast = bf16_autocast
-        self.recompute = {id(layer) for layer in recompute}
+        self.blocks = [layer for layer in layers if any(layer is block for block in blocks)]  # the model's blocks
+        self.recompute = {id(layer) for layer in self.blocks} if recompute else set()
 
     def compile_layers(self) -> None:
         """``torch.compile`` each layer in place (``nn.Module.compile``: names, parameters and checkpoints stay
@@ -130,7 +132,7 @@ def keep_stages(model: nn.Module, p: int, rank: int, v: int, bf16_autocast: bool
     for k, chunk in enumerate(split_into_stages(blocks, p, v)[rank]):
         stage = k * p + rank
         layers = [*([first] if stage == 0 else []), *chunk, *([last] if stage == final else [])]
-        chunks.append(Stage(layers, bf16_autocast, blocks if recompute else ()))
+        chunks.append(Stage(layers, bf16_autocast, chunk, recompute))
     held = {id(param) for stage in chunks for param in stage.parameters()}
     if p * v > 1:
         check_pipeline(model, p * v, f"parallel.pp * virtual_stages = {p}*{v}")

@@ -29,10 +29,11 @@ from jobs.data.datasets import DataSplits, dp_shard, global_batch_indices
 from jobs.data.protocol import build_data
 from jobs.models.materialize import NotReplayable, build_on_meta
 from jobs.models.moe import expert_parameters, moe_layers
-from jobs.models.protocol import build_model, tied_across_stages, tp_plan
+from jobs.models.protocol import build_model, fused_head, tied_across_stages, tp_plan
+from jobs.train.float8 import apply_float8
 from jobs.train.parallelize import Stage, keep_stages, parallelize_ep, parallelize_tp
 from parallel.ep import ExpertGroups, build_expert_groups
-from parallel.tensor_parallel import IGNORE_INDEX
+from parallel.tensor_parallel import IGNORE_INDEX, LinearCrossEntropy, mean_over_counted
 from parallel.tied import EmbeddingGroup, build_embedding_group
 from parallel.transport import TorchTransport, Transport, make_transport
 
@@ -91,6 +92,12 @@ class Workload:
                 model = build_model(spec)
                 self._cut_share(model)
         model.to(self.device)  # this rank's share only (already there when materialized)
+        if spec.train.float8 != "off":  # on the materialized share, before compile traces it
+            apply_float8(model, [block for chunk in self.chunks for block in chunk.blocks], spec.train.float8,
+                         self.device)
+        if spec.train.compile:
+            for chunk in self.chunks:
+                chunk.compile_layers()
         self.model: nn.Module = model  # this rank's share, with the single-device parameter names
         # sharded experts: their gradients are reduced over their replicas, not the DP group (parallel/ep.py)
         self.expert_params = expert_parameters(model) if self.expert_groups else []
@@ -100,18 +107,22 @@ class Workload:
         applied, the experts sharded, this pipeline rank's stages kept (``jobs.train.parallelize``)."""
         spec, mesh, train, par = self.spec, self.mesh, self.spec.train, self.spec.parallel
         self.split_output = parallelize_tp(model, tp_plan(model, spec), self.tp_group) if self.tp_group else False
+        self.fused_head: LinearCrossEntropy | None = None
+        if train.fused_head_loss:  # before the cut: the last stage's head module is this one
+            self.fused_head = LinearCrossEntropy.from_head(
+                fused_head(model), torch.bfloat16 if train.bf16_autocast else torch.float32)
+            parent, _, child = model.head_name.rpartition(".")
+            setattr(model.get_submodule(parent), child, self.fused_head)
+            self.split_output = False
         self.moe_names = [name for name, _ in moe_layers(model)]  # every MoE layer, before the pipeline cut
         self.moe_experts = max((layer.n_experts for _, layer in moe_layers(model)), default=0)
         parallelize_ep(model, self.expert_groups, par.microbatches,
                        spec.data.batch_size // (mesh.size("dp") * par.microbatches))
         if getattr(model, "pipeline_parts", None) is None:
-            self.chunks = [Stage([model], train.bf16_autocast)]
+            self.chunks = [Stage([model], train.bf16_autocast, [model])]
         else:
             self.chunks = keep_stages(model, mesh.size("pp"), mesh.index("pp"), par.virtual_stages,
                                       train.bf16_autocast, train.activation_checkpointing)
-        if train.compile:
-            for chunk in self.chunks:
-                chunk.compile_layers()
 
     def moe_totals(self) -> torch.Tensor | None:
         """What the MoE layers routed since the last call, over the global batch, as one float64 tensor
@@ -162,7 +173,10 @@ class Workload:
         return fetch(train, dp_shard(np.asarray(indices), self.mesh.index("dp"), self.mesh.size("dp")))
 
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss of a (micro)batch from the last stage's output (over its counted targets: not -100)."""
+        """Mean loss of a (micro)batch from the last stage's output (over its counted targets: not -100); with
+        ``train.fused_head_loss`` that output is the head's input, and the fused head makes the loss."""
+        if self.fused_head is not None:
+            return mean_over_counted(self.fused_head(output, targets), targets)
         if self.split_output:
             return self.model.loss(output, targets, tp_group=self.tp_group)
         return self.model.loss(output, targets)

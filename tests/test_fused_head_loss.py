@@ -1,0 +1,121 @@
+"""``train.fused_head_loss``: the LM head and its cross-entropy a chunk of tokens at a time
+(``parallel.tensor_parallel.LinearCrossEntropy``) must give the unfused head's loss and gradients, whole and
+split over the vocabulary by TP, without ever making a tensor of the logits' size; the trainer's runs with it
+are in tests/test_3d.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpc.runtime.mesh import MeshShape, build_mesh
+from tests.ranks import run_ranks
+from tests.test_tensor_parallel import _logit_sized
+
+TOKENS, HIDDEN, VOCAB = (3, 20), 16, 96
+IGNORED = [0, 7]  # positions of every row whose target is -100
+
+
+def _case(dtype_name: str = "float32"):
+    import torch
+
+    torch.manual_seed(0)
+    hidden = torch.randn(*TOKENS, HIDDEN, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN) * 0.5)
+    targets = torch.randint(0, VOCAB, TOKENS).index_fill_(1, torch.tensor(IGNORED), -100)
+    upstream = torch.rand(TOKENS)
+    return hidden, weight, targets, upstream
+
+
+def _unfused(hidden, weight, targets, upstream):
+    import torch
+    import torch.nn.functional as F
+
+    losses = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), targets.flatten(), reduction="none")
+    return losses.view(TOKENS), torch.autograd.grad((losses.view(TOKENS) * upstream).sum(), (hidden, weight))
+
+
+def _fused(hidden, weight, targets, upstream, chunk_elements, dtype=None, group=None):
+    import torch
+
+    from parallel.tensor_parallel import LinearCrossEntropy
+
+    head = LinearCrossEntropy(weight, group, dtype or torch.float32, chunk_elements)
+    assert head(hidden) is hidden  # the model's own head call passes the hidden state on
+    losses = head(hidden, targets)
+    return losses, torch.autograd.grad((losses * upstream).sum(), (hidden, weight))
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 60])
+def test_the_fused_head_loss_is_the_linear_then_torch_s_cross_entropy(chunk_rows: int) -> None:
+    """float32: chunks of 1, 7 (a ragged last one) and all 60 rows give torch's losses and both gradients,
+    the ignored targets no loss and no gradient."""
+    import torch
+
+    hidden, weight, targets, upstream = _case()
+    expected, (grad_h, grad_w) = _unfused(hidden, weight, targets, upstream)
+    losses, (fused_h, fused_w) = _fused(hidden, weight, targets, upstream, chunk_rows * VOCAB)
+    # float32 sums of 16 products and of 96 exponentials in another order: a few ulps of the largest term
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_h, grad_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_w, grad_w, rtol=1e-5, atol=1e-5)
+    assert not losses[:, IGNORED].any() and not fused_h[:, IGNORED].any()
+
+
+def test_in_bf16_it_is_the_autocast_head_within_bf16_rounding() -> None:
+    """dtype bf16: the product rounds as the head's own under autocast (its inputs to bf16); the loss within a
+    bf16 ulp of the logits, relative to the unfused loss on bf16-rounded inputs."""
+    import torch
+
+    hidden, weight, targets, upstream = _case()
+    low = (hidden.detach().bfloat16().float().requires_grad_(), weight.detach().bfloat16().float())
+    expected, _ = _unfused(low[0], torch.nn.Parameter(low[1]), targets, upstream)
+    losses, (grad_h, grad_w) = _fused(hidden, weight, targets, upstream, 7 * VOCAB, torch.bfloat16)
+    # the only rounding left is the bf16 product's: each logit within 2^-8 of its own size
+    logit_scale = (low[0] @ low[1].t()).abs().max().item()
+    torch.testing.assert_close(losses, expected, rtol=0, atol=2 * logit_scale * 2**-8)
+    assert grad_h.dtype == hidden.dtype and grad_w.dtype == weight.dtype
+
+
+def test_no_tensor_of_the_logits_size_is_made_forward_or_backward() -> None:
+    """Chunks of 8 rows: forward and backward make no logit-sized tensor; the unfused head makes the logits, and
+    torch's loss its copies, in both directions."""
+    import torch
+
+    hidden, weight, targets, upstream = _case()
+    logits = TOKENS[0] * TOKENS[1] * VOCAB
+    results = {}
+
+    def forward_fused() -> None:
+        from parallel.tensor_parallel import LinearCrossEntropy
+
+        results["fused"] = LinearCrossEntropy(weight, None, torch.float32, 8 * VOCAB)(hidden, targets)
+
+    def backward_fused() -> None:
+        torch.autograd.grad((results["fused"] * upstream).sum(), (hidden, weight))
+
+    assert (_logit_sized(forward_fused, logits), _logit_sized(backward_fused, logits)) == (0, 0)
+    assert _logit_sized(lambda: _unfused(hidden, weight, targets, upstream), logits) >= 3
+
+
+def _split_over_tp(world):
+    """Each rank's vocabulary slice of the head, the hidden state through ``copy_to_tp``: losses and the hidden
+    state's gradient whole, the weight's gradient this rank's slice."""
+    import torch
+    import torch.distributed as dist
+
+    group = build_mesh(MeshShape(dp=1, tp=world.size, pp=1), world.rank).group("tp")
+    hidden, weight, targets, upstream = _case()
+    expected, (grad_h, grad_w) = _unfused(hidden, weight, targets, upstream)
+    rank_weight = torch.nn.Parameter(weight.detach().chunk(world.size)[dist.get_rank(group)].clone())
+    losses, (fused_h, fused_w) = _fused(hidden, rank_weight, targets, upstream, 7 * VOCAB, group=group)
+    own = grad_w.chunk(world.size)[dist.get_rank(group)]
+    return [(a.detach().numpy(), e.detach().numpy()) for a, e in ((losses, expected), (fused_h, grad_h),
+                                                                  (fused_w, own))]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_split_over_the_vocabulary_it_is_the_whole_head_s_loss(tp: int) -> None:
+    for rank, pairs in enumerate(run_ranks(tp, _split_over_tp)):
+        for name, (actual, expected) in zip(("loss", "hidden grad", "weight grad"), pairs, strict=True):
+            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank}: {name}")
