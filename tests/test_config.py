@@ -262,7 +262,8 @@ def test_unknown_key_suggests_the_closest() -> None:
         "optimizer, momentum, trust_coefficient, weight_decay, grad_clip, freeze, warmup_steps, lr_schedule, "
         "log_every, "
         "lr_reference_batch, "
-        "bf16_autocast, activation_checkpointing, float8, fused_head_loss, compile, timeline, stall_warn_s, stall_abort_s, health_check, "
+        "bf16_autocast, activation_checkpointing, float8, fused_head_loss, compile, timeline, stall_warn_s, "
+        "stall_abort_s, health_check, "
         "health_check_timeout_s, health_cluster, straggler_every, straggler_threshold)"
     )
 
