@@ -14,7 +14,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 export OMP_NUM_THREADS := 1
 
-.PHONY: install debs run test test-gpu lint bench bench-gpu slurm-up slurm-up-2nodes slurm-down submit-demo
+.PHONY: install debs run test test-gpu lint bench bench-gpu bench-gpu-deps slurm-up slurm-up-2nodes slurm-down submit-demo
 
 install: debs $(STAMPS)/pip
 
@@ -46,11 +46,23 @@ bench: install
 	hpc bench checkpoint -n 2 --size 1G --iters 3
 	hpc bench memory -n 2,4
 
-# On a GPU machine, from the checkout, installing nothing (jobs/bench/gpu.py): our trainer against a
-# hand-written transformers loop, the codecs against a device copy, the async checkpoint's stall, DP on
-# one shared GPU. Rows go to runs/bench-gpu/rows.jsonl; docs/BENCHMARKS.md keeps the card and the table.
+# On a GPU machine, from the checkout, installing nothing (jobs/bench/gpu.py): our trainer against the
+# expert's transformers loop and torchtitan, Float8 and the fused head loss, the codecs against a device copy,
+# the async checkpoint's stall, DP on one shared GPU. Rows go to runs/bench-gpu/rows.jsonl; docs/BENCHMARKS.md
+# keeps the card and the table. The peers' packages come from $(BENCH_SITE) (make bench-gpu-deps, run where
+# pip reaches the registry: the GPU machine has no network; carry the folder there).
+BENCH_SITE := .bench-site
+BENCH_PACKAGES := torchtitan==0.2.2 torchao==0.17.0 torchdata==0.11.0 tyro==1.0.17 tomli==2.5.0 \
+	docstring-parser==0.18.0 typeguard==4.6.1
 bench-gpu:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m jobs.bench.gpu
+	PYTHONPATH=$(CURDIR):$(CURDIR)/$(BENCH_SITE) $(PYTHON) -m jobs.bench.gpu
+
+bench-gpu-deps:
+	rm -rf $(BENCH_SITE) && mkdir -p $(BENCH_SITE)/wheels
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 -d $(BENCH_SITE)/wheels $(BENCH_PACKAGES)
+	for wheel in $(BENCH_SITE)/wheels/*.whl; do $(PYTHON) -m zipfile -e $$wheel $(BENCH_SITE); done
+	rm -rf $(BENCH_SITE)/wheels
 
 # The tests marked cuda, on a GPU machine that installs nothing (only the files that hold them are collected:
 # the others may import what such a machine lacks, hypothesis or mpirun's tools). OMP_NUM_THREADS as set above.

@@ -1,17 +1,22 @@
 """``make bench-gpu``: our trainer on one GPU beside what a user would run instead, from one run.
 
-Each row is a fresh process (the GPU's memory and compile caches start empty):
+Each row is a fresh process (the GPU's memory and compile caches start empty), and the rows a verdict weighs
+run ``--repeat`` times, interleaved (ours, theirs, ours, ...), their median and spread reported:
 
-- the 0.72B Llama of ``jobs/bench/llama_bench.toml`` through ``hpc run -n 1``, eager and with
-  ``train.compile = true``, against the hand-written transformers loop (``jobs/bench/plain_llama.py``:
-  torch's default AdamW, its fused AdamW, and compiled): tokens/s, model TFLOP/s, MFU, peak memory;
-- the ring's codecs against a device-to-device copy (``hpc bench codecs``);
-- the asynchronous checkpoint's stall against the device-to-host copy (``hpc bench checkpoint``);
-- a data-parallel step of 2 ranks sharing the GPU over Gloo against 1 rank, the GPT example.
+- the 0.72B Llama of ``jobs/bench/llama_bench.toml`` through ``hpc run -n 1`` against the expert's transformers
+  loop (``jobs/bench/plain_llama.py``), eager; compiled (``train.compile``) against torchtitan's model, per-block
+  compile and loss in that loop (``jobs/bench/titan_llama.py``), and torchtitan eager once;
+- the fused head loss (``train.fused_head_loss``) at Llama 3's vocabulary of 128,256 on that body, with and
+  without recomputed blocks: peak memory and tokens/s against our unfused loss;
+- Float8 (``train.float8``) against bf16, compiled, on the 3.2B Llama of ``jobs/bench/llama3b_bench.toml``;
+- with ``--only``: the ring's codecs against a device-to-device copy (``hpc bench codecs``), the asynchronous
+  checkpoint's stall against the device-to-host copy (``hpc bench checkpoint``), a data-parallel step of 2 ranks
+  sharing the GPU over Gloo against 1 rank (the GPT example).
 
-It installs nothing (the GPU machine has no network): run from the checkout with ``PYTHONPATH``.
-Every row is appended to ``--out``/rows.jsonl as it finishes, so a run cut short keeps what it measured;
-the last lines weigh the rows against the bars of issue 29 (``verdicts``).
+It installs nothing (the GPU machine has no network): run from the checkout with ``PYTHONPATH`` holding the
+peers' packages (``make bench-gpu-deps``). Every row is appended to ``--out``/rows.jsonl as it finishes, and a
+row that would start past ``--budget-s`` is skipped, so a run cut short keeps what it measured; the last lines
+weigh the rows against the bars of issues 29 and 44 (``verdicts``).
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ def _run(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
 
 
+SPEC_3B = REPO / "jobs" / "bench" / "llama3b_bench.toml"
+VOCAB_128K = ["model.args.vocab_size=128256", "model.args.tie_word_embeddings=true"]  # Llama 3's tokenizer
+LOSS_TAIL = 5  # the steps whose mean loss compares two runs of the same data (Float8 against bf16)
+
+
 def ours(name: str, out: Path, overrides: Sequence[str], steps: int, ranks: int = 1, spec: Path = SPEC) -> dict:
     """``hpc run`` of a spec; the median step of its metrics after the warm-up, its peak memory and MFU."""
     run_dir = out / name.replace(" ", "-")
@@ -70,11 +80,13 @@ def ours(name: str, out: Path, overrides: Sequence[str], steps: int, ranks: int 
     mfu = statistics.median(r["mfu"] for r in records[WARMUP_STEPS:]) if records[0].get("mfu") else None
     result = json.loads(result_file.read_text())
     return {"loop": name, "step_s": step_s, unit: rate, "mfu": mfu, "loss": records[-1]["loss"],
+            "loss_tail": statistics.fmean(r["loss"] for r in records[-LOSS_TAIL:]),
             "peak_memory_bytes": result.get("peak_memory_bytes"), "summary": done.stdout.strip().splitlines()[-1]}
 
 
-def plain(name: str, options: Sequence[str], steps: int) -> dict:
-    done = _run(["-m", "jobs.bench.plain_llama", "--steps", str(steps), "--warmup", str(WARMUP_STEPS), *options], 900)
+def peer(name: str, module: str, options: Sequence[str], steps: int) -> dict:
+    """A peer's loop (``jobs.bench.plain_llama``, ``jobs.bench.titan_llama``): its one JSON line."""
+    done = _run(["-m", module, "--steps", str(steps), "--warmup", str(WARMUP_STEPS), *options], 900)
     if done.returncode:
         return {"loop": name, "error": done.stderr.strip().splitlines()[-3:]}
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "loop": name}
@@ -86,25 +98,41 @@ def bench_output(name: str, argv: Sequence[str]) -> dict:
     return {"loop": name, "returncode": done.returncode, "output": (done.stdout + done.stderr).strip()[-20000:]}
 
 
-def rows(out: Path, steps: int, only: set[str]) -> list[tuple[str, callable]]:
-    """(group, thunk) in the order they run: the issue's bars first, the quick ones before the compiled rows,
-    whose compilation takes minutes (a run cut short keeps what ran)."""
+def _interleaved(repeat: int, *rows: tuple[str, callable]) -> list[tuple[str, callable]]:
+    return [row for _ in range(repeat) for row in rows]
+
+
+def rows(out: Path, steps: int, repeat: int, only: set[str]) -> list[tuple[str, callable]]:
+    """(group, thunk) in the order they run: the issues' bars first, each group's rows interleaved ``repeat``
+    times; the quick ones before the compiled rows, whose compilation takes minutes."""
     dp = ["parallel.tp=1", "parallel.pp=1", "checkpoint.every_steps=0", "parallel.microbatches=1"]
     shared = [*dp, "parallel.backend=gloo", "parallel.device=cuda"]
+    compiled = ["train.compile=true"]
+    recompute = ["train.activation_checkpointing=true"]
+    fused = ["train.fused_head_loss=true"]
     table = [
-        ("llama", lambda: ours("ours eager", out, [], steps)),
-        ("llama", lambda: plain("plain eager AdamW", [], steps)),
-        ("llama", lambda: plain("plain eager fused AdamW", ["--fused"], steps)),
+        *_interleaved(repeat, ("eager", lambda: ours("ours eager", out, [], steps)),
+                      ("eager", lambda: peer("plain eager", "jobs.bench.plain_llama", [], steps))),
+        *_interleaved(repeat, ("compiled", lambda: ours("ours compiled", out, compiled, steps)),
+                      ("compiled", lambda: peer("torchtitan compiled", "jobs.bench.titan_llama", ["--compile"],
+                                                steps))),
+        ("float8", lambda: ours("3b bf16 compiled", out, compiled, steps, spec=SPEC_3B)),
+        ("float8", lambda: ours("3b float8 rowwise compiled", out, [*compiled, "train.float8=rowwise"], steps,
+                                spec=SPEC_3B)),
+        ("head-loss", lambda: ours("128k recompute", out, [*VOCAB_128K, *compiled, *recompute], steps)),
+        ("head-loss", lambda: ours("128k recompute fused", out, [*VOCAB_128K, *compiled, *recompute, *fused], steps)),
+        ("head-loss", lambda: ours("128k", out, [*VOCAB_128K, *compiled], steps)),
+        ("head-loss", lambda: ours("128k fused", out, [*VOCAB_128K, *compiled, *fused], steps)),
+        ("titan-eager", lambda: peer("torchtitan eager", "jobs.bench.titan_llama", [], steps)),
         ("codecs", lambda: bench_output("codecs", ["codecs", "--json"])),
         ("checkpoint", lambda: bench_output("checkpoint", ["checkpoint", "-n", "1", "--size", "512M", "--iters", "3",
                                                            "--json", "--launcher", "local", "--device", "cuda",
                                                            "--dir", str(out / "checkpoint")])),
-        ("compiled", lambda: ours("ours compiled", out, ["train.compile=true"], steps)),
-        ("compiled", lambda: plain("plain compiled fused AdamW", ["--compile", "--fused"], steps)),
         ("dp", lambda: ours("gpt 1 rank cuda", out, [*shared], 30, 1, GPT)),
         ("dp", lambda: ours("gpt dp=2 sharing the gpu", out, [*shared], 30, 2, GPT)),
     ]
-    return [(group, thunk) for group, thunk in table if not only or group in only]
+    default = {"eager", "compiled", "float8", "head-loss", "titan-eager"}
+    return [(group, thunk) for group, thunk in table if group in (only or default)]
 
 
 def _json_lines(row: dict | None) -> list[dict]:
@@ -116,61 +144,98 @@ def _json_lines(row: dict | None) -> list[dict]:
     return [row for row in rows if isinstance(row, dict)]
 
 
-def _bar(name: str, ratio: float | None, bar: float, at_most: bool = False) -> str:
+def _bar(name: str, ratio: float | None, bar: float, at_most: bool = False, spread: str = "") -> str:
     if ratio is None:
         return f"{name}: not measured"
     met = ratio <= bar if at_most else ratio >= bar
-    return f"{name}: {ratio:.3f}x (bar {'<=' if at_most else '>='} {bar}x) {'met' if met else 'NOT met'}"
+    return f"{name}: {ratio:.3f}x{spread} (bar {'<=' if at_most else '>='} {bar}x) {'met' if met else 'NOT met'}"
+
+
+def spreads(rows: Sequence[dict]) -> dict[str, dict]:
+    """Per loop: its runs' tokens/s (median, min, max, spread = (max - min) / median) and median peak memory."""
+    by: dict[str, list[dict]] = {}
+    for row in rows:
+        if "error" not in row and "tokens_per_s" in row:
+            by.setdefault(row["loop"], []).append(row)
+    table = {}
+    for loop, runs in by.items():
+        rates = [run["tokens_per_s"] for run in runs]
+        median = statistics.median(rates)
+        table[loop] = {"runs": len(runs), "tokens_per_s": median, "min": min(rates), "max": max(rates),
+                       "spread": (max(rates) - min(rates)) / median,
+                       "peak_memory_bytes": statistics.median(run["peak_memory_bytes"] for run in runs),
+                       "loss_tail": statistics.median(run.get("loss_tail", run.get("loss")) for run in runs)}
+    return table
 
 
 def verdicts(rows: Sequence[dict]) -> list[str]:
-    """Issue 29's bars from one run's rows: ours against the better eager loop (tokens/s and peak memory), the
-    compiled loops, each codec against the copy at the largest size, the async checkpoint's stall."""
+    """Issue 44's bars from one run's rows (medians of the repeated runs, with the ratio's range over the runs:
+    ours' slowest over their fastest to ours' fastest over their slowest), then issue 29's codec and checkpoint
+    bars where those rows ran."""
+    table = spreads(rows)
+
+    def ratio(ours: str, theirs: str, bar: float, title: str) -> str:
+        if ours not in table or theirs not in table:
+            return _bar(title, None, bar)
+        a, b = table[ours], table[theirs]
+        spread = f" (runs {a['runs']}/{b['runs']}: {a['min'] / b['max']:.3f}-{a['max'] / b['min']:.3f})"
+        return _bar(title, a["tokens_per_s"] / b["tokens_per_s"], bar, spread=spread)
+
+    lines = [ratio("ours eager", "plain eager", 1.0, "eager tokens/s, ours over the expert's plain loop"),
+             ratio("ours compiled", "torchtitan compiled", 1.05, "compiled tokens/s, ours over torchtitan's"),
+             ratio("3b float8 rowwise compiled", "3b bf16 compiled", 1.25, "3B tokens/s, Float8 over bf16")]
+    if "3b float8 rowwise compiled" in table and "3b bf16 compiled" in table:
+        low, high = table["3b float8 rowwise compiled"]["loss_tail"], table["3b bf16 compiled"]["loss_tail"]
+        lines.append(_bar(f"3B loss of the last {LOSS_TAIL} steps, Float8 over bf16 ({low:.4f} / {high:.4f})",
+                          low / high, 1.01, at_most=True))
+    for base in ("128k recompute", "128k"):
+        fused = f"{base} fused"
+        if base in table and fused in table:
+            memory = table[fused]["peak_memory_bytes"] / table[base]["peak_memory_bytes"]
+            lines.append(_bar(f"{base}: peak memory, fused head loss over unfused", memory, 0.75, at_most=True))
+        lines.append(ratio(fused, base, 1.0, f"{base}: tokens/s, fused head loss over unfused"))
     by = {row["loop"]: row for row in rows if "error" not in row}
-    rate = lambda name: by[name]["tokens_per_s"] if name in by else None  # noqa: E731
-    plain = [by[name] for name in ("plain eager AdamW", "plain eager fused AdamW") if name in by]
-    best = max(plain, key=lambda row: row["tokens_per_s"]) if plain else None
-    ours = by.get("ours eager")
-    lines = [
-        _bar("eager tokens/s, ours over the better plain loop",
-             ours["tokens_per_s"] / best["tokens_per_s"] if ours and best else None, 1.0),
-        _bar("eager peak memory, ours over that loop's",
-             ours["peak_memory_bytes"] / best["peak_memory_bytes"] if ours and best else None, 1.1, at_most=True),
-        _bar("compiled tokens/s, ours over the compiled plain loop",
-             rate("ours compiled") / rate("plain compiled fused AdamW")
-             if rate("ours compiled") and rate("plain compiled fused AdamW") else None, 1.0),
-    ]
     codecs = _json_lines(by.get("codecs"))
     largest = max((row["bytes"] for row in codecs), default=None)
     for codec, bar in (("int8", 0.5), ("fp16", 0.6), ("bf16", 0.6)):
-        ratio = next((row["vs_copy"] for row in codecs if row["codec"] == codec and row["bytes"] == largest), None)
-        lines.append(_bar(f"{codec} encode + decode over the device copy", ratio, bar))
+        if codecs:
+            found = next((row["vs_copy"] for row in codecs if row["codec"] == codec and row["bytes"] == largest), None)
+            lines.append(_bar(f"{codec} encode + decode over the device copy", found, bar))
     stall = next((row["stall_of_memcpy"] for row in _json_lines(by.get("checkpoint"))
                   if row["impl"] == "hdf5-async" and row["op"] == "save"), None)
-    lines.append(_bar("async checkpoint stall over the device-to-host copy", stall, 1.3, at_most=True))
+    if by.get("checkpoint"):
+        lines.append(_bar("async checkpoint stall over the device-to-host copy", stall, 1.3, at_most=True))
     return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.bench.gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/bench-gpu", help="rows.jsonl and the runs' directories")
-    # 20: a median over 17 steps for 5 s more a row (a step is about 0.23 s eager): the bars sit near 1.0x
-    parser.add_argument("--steps", type=int, default=20, help="steps of each Llama run (3 warm-up)")
-    parser.add_argument("--only", default="", help="comma list of llama, codecs, checkpoint, dp, compiled")
+    # 15: a median over 12 steps (a step is about 0.23 s eager, 0.16 s compiled); three runs give the spread
+    parser.add_argument("--steps", type=int, default=15, help="steps of each Llama run (3 warm-up)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each row a bar weighs, interleaved")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="start no row past this many seconds (the GPU lease's time)")
+    parser.add_argument("--only", default="", help="comma list of eager, compiled, float8, head-loss, titan-eager, "
+                                                   "codecs, checkpoint, dp (default: the first five)")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    done = []
+    done, started_all = [], time.perf_counter()
     with (out / "rows.jsonl").open("a") as log:
-        for _, thunk in rows(out, args.steps, set(filter(None, args.only.split(",")))):
+        for group, thunk in rows(out, args.steps, args.repeat, set(filter(None, args.only.split(",")))):
+            if time.perf_counter() - started_all > args.budget_s:
+                print(json.dumps({"skipped": group, "after_s": round(time.perf_counter() - started_all)}))
+                continue
             started = time.perf_counter()
-            row = {**thunk(), "wall_s": round(time.perf_counter() - started, 1)}
+            row = {**thunk(), "group": group, "wall_s": round(time.perf_counter() - started, 1)}
             done.append(row)
             log.write(json.dumps(row) + "\n")
             log.flush()
             print(json.dumps(row), flush=True)
         lines = verdicts(done)
-        log.write(json.dumps({"verdicts": lines}) + "\n")
+        log.write(json.dumps({"spreads": spreads(done), "verdicts": lines}) + "\n")
+    print(json.dumps(spreads(done)))
     print("\n".join(lines))
     return 0
 

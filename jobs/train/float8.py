@@ -12,8 +12,8 @@ unchanged), and one line refusing hardware without FP8 before anything trains. t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -69,17 +69,18 @@ class Float8Product:
         return y if bias is None else y + bias.to(y.dtype)
 
 
-def apply_float8(model: nn.Module, blocks: list[nn.Module], recipe: str, device: torch.device) -> int:
+def apply_float8(blocks: list[nn.Module], recipe: str, device: torch.device, emulate: bool = False) -> int:
     """Convert the eligible Linears of ``blocks`` (this rank's pipeline blocks; the whole model when it has
     none) to Float8 training with torchao's ``recipe``, in place; how many. Refuses in one line
-    (``float8_refusal``) where FP8 cannot run."""
-    refusal = float8_refusal(recipe, device)
+    (``float8_refusal``) where FP8 cannot run, unless ``emulate`` (torchao's emulation: the same casts and
+    scales, the product in high precision; what the CPU tests run)."""
+    refusal = None if emulate else float8_refusal(recipe, device)
     if refusal:
         raise ConfigError(refusal)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    product: Callable | None = None
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    product: Float8Product | None = None
     converted = 0
 
     def eligible(module: nn.Module, name: str) -> bool:

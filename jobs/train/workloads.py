@@ -93,8 +93,7 @@ class Workload:
                 self._cut_share(model)
         model.to(self.device)  # this rank's share only (already there when materialized)
         if spec.train.float8 != "off":  # on the materialized share, before compile traces it
-            apply_float8(model, [block for chunk in self.chunks for block in chunk.blocks], spec.train.float8,
-                         self.device)
+            apply_float8([block for chunk in self.chunks for block in chunk.blocks], spec.train.float8, self.device)
         if spec.train.compile:
             for chunk in self.chunks:
                 chunk.compile_layers()
