@@ -125,11 +125,11 @@ def test_bench_gpu_reads_a_run_of_ours_into_one_row(tmp_path) -> None:
     broken (only its device figures, MFU and peak memory, are the GPU's)."""
     from pathlib import Path
 
-    from jobs.bench.gpu import WARMUP_STEPS, ours
+    from jobs.bench.gpu import WARMUP_STEPS, _ours
 
     spec = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "mlp.toml"
     for _ in range(2):  # a rerun into the same --out measures afresh: no resume, no steps of the first run
-        row = ours("mlp on the cpu", tmp_path, ["parallel.tp=1", "parallel.pp=1"], WARMUP_STEPS + 3, spec=spec)
+        row = _ours("mlp on the cpu", tmp_path, ["parallel.tp=1", "parallel.pp=1"], WARMUP_STEPS + 3, spec=spec)
         assert "error" not in row, row
         assert row["loop"] == "mlp on the cpu" and row["step_s"] > 0 and row["samples_per_s"] > 0
         assert row["mfu"] is None and "summary: 6 steps" in row["summary"], row["summary"]

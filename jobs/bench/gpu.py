@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 SPEC = REPO / "jobs" / "bench" / "llama_bench.toml"
 GPT = REPO / "jobs" / "examples" / "gpt.toml"
 WARMUP_STEPS = 3  # left out of every median: allocation, autotuning, compilation
+ROW_TIMEOUT_S = 900.0  # one row's process at most (--row-timeout-s)
 
 
 def _run(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess:
@@ -64,12 +66,14 @@ VOCAB_128K = ["model.args.vocab_size=128256", "model.args.tie_word_embeddings=tr
 LOSS_TAIL = 5  # the steps whose mean loss compares two runs of the same data (Float8 against bf16)
 
 
-def ours(name: str, out: Path, overrides: Sequence[str], steps: int, ranks: int = 1, spec: Path = SPEC) -> dict:
+def _ours(name: str, out: Path, overrides: Sequence[str], steps: int, ranks: int = 1, spec: Path = SPEC,
+         timeout_s: float = ROW_TIMEOUT_S) -> dict:
     """``hpc run`` of a spec; the median step of its metrics after the warm-up, its peak memory and MFU."""
     run_dir = out / name.replace(" ", "-")
     shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: a rerun's medians must be its own steps
     sets = [arg for item in (f"job.run_dir={run_dir}", f"train.steps={steps}", *overrides) for arg in ("--set", item)]
-    done = _run(["-m", "hpc.cli.main", "run", "-n", str(ranks), "--launcher", "local", str(spec), *sets], 900)
+    done = _run(["-m", "hpc.cli.main", "run", "-n", str(ranks), "--launcher", "local", str(spec), *sets],
+                timeout_s)
     if done.returncode:
         return {"loop": name, "error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
     (result_file,) = run_dir.glob("*/result.json")
@@ -84,9 +88,9 @@ def ours(name: str, out: Path, overrides: Sequence[str], steps: int, ranks: int 
             "peak_memory_bytes": result.get("peak_memory_bytes"), "summary": done.stdout.strip().splitlines()[-1]}
 
 
-def peer(name: str, module: str, options: Sequence[str], steps: int) -> dict:
+def _peer(name: str, module: str, options: Sequence[str], steps: int, timeout_s: float = ROW_TIMEOUT_S) -> dict:
     """A peer's loop (``jobs.bench.plain_llama``, ``jobs.bench.titan_llama``): its one JSON line."""
-    done = _run(["-m", module, "--steps", str(steps), "--warmup", str(WARMUP_STEPS), *options], 900)
+    done = _run(["-m", module, "--steps", str(steps), "--warmup", str(WARMUP_STEPS), *options], timeout_s)
     if done.returncode:
         return {"loop": name, "error": done.stderr.strip().splitlines()[-3:]}
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "loop": name}
@@ -102,9 +106,12 @@ def _interleaved(repeat: int, *rows: tuple[str, callable]) -> list[tuple[str, ca
     return [row for _ in range(repeat) for row in rows]
 
 
-def rows(out: Path, steps: int, repeat: int, only: set[str]) -> list[tuple[str, callable]]:
+def rows(out: Path, steps: int, repeat: int, only: set[str], timeout_s: float = ROW_TIMEOUT_S,
+         ) -> list[tuple[str, callable]]:
     """(group, thunk) in the order they run: the issues' bars first, each group's rows interleaved ``repeat``
     times; the quick ones before the compiled rows, whose compilation takes minutes."""
+    ours = functools.partial(_ours, timeout_s=timeout_s)
+    peer = functools.partial(_peer, timeout_s=timeout_s)
     dp = ["parallel.tp=1", "parallel.pp=1", "checkpoint.every_steps=0", "parallel.microbatches=1"]
     shared = [*dp, "parallel.backend=gloo", "parallel.device=cuda"]
     compiled = ["train.compile=true"]
@@ -121,8 +128,8 @@ def rows(out: Path, steps: int, repeat: int, only: set[str]) -> list[tuple[str, 
                                 spec=SPEC_3B)),
         ("head-loss", lambda: ours("128k recompute", out, [*VOCAB_128K, *compiled, *recompute], steps)),
         ("head-loss", lambda: ours("128k recompute fused", out, [*VOCAB_128K, *compiled, *recompute, *fused], steps)),
-        ("head-loss", lambda: ours("128k", out, [*VOCAB_128K, *compiled], steps)),
-        ("head-loss", lambda: ours("128k fused", out, [*VOCAB_128K, *compiled, *fused], steps)),
+        ("head-loss-kept", lambda: ours("128k", out, [*VOCAB_128K, *compiled], steps)),
+        ("head-loss-kept", lambda: ours("128k fused", out, [*VOCAB_128K, *compiled, *fused], steps)),
         ("titan-eager", lambda: peer("torchtitan eager", "jobs.bench.titan_llama", [], steps)),
         ("codecs", lambda: bench_output("codecs", ["codecs", "--json"])),
         ("checkpoint", lambda: bench_output("checkpoint", ["checkpoint", "-n", "1", "--size", "512M", "--iters", "3",
@@ -131,7 +138,7 @@ def rows(out: Path, steps: int, repeat: int, only: set[str]) -> list[tuple[str, 
         ("dp", lambda: ours("gpt 1 rank cuda", out, [*shared], 30, 1, GPT)),
         ("dp", lambda: ours("gpt dp=2 sharing the gpu", out, [*shared], 30, 2, GPT)),
     ]
-    default = {"eager", "compiled", "float8", "head-loss", "titan-eager"}
+    default = {"eager", "compiled", "float8", "head-loss", "head-loss-kept", "titan-eager"}
     return [(group, thunk) for group, thunk in table if group in (only or default)]
 
 
@@ -216,14 +223,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each row a bar weighs, interleaved")
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no row past this many seconds (the GPU lease's time)")
-    parser.add_argument("--only", default="", help="comma list of eager, compiled, float8, head-loss, titan-eager, "
-                                                   "codecs, checkpoint, dp (default: the first five)")
+    parser.add_argument("--row-timeout-s", type=float, default=ROW_TIMEOUT_S, help="one row's process at most")
+    parser.add_argument("--only", default="", help="comma list of eager, compiled, float8, head-loss (recomputed "
+                                                   "blocks), head-loss-kept, titan-eager, codecs, checkpoint, dp "
+                                                   "(default: the first six)")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     done, started_all = [], time.perf_counter()
     with (out / "rows.jsonl").open("a") as log:
-        for group, thunk in rows(out, args.steps, args.repeat, set(filter(None, args.only.split(",")))):
+        for group, thunk in rows(out, args.steps, args.repeat, set(filter(None, args.only.split(","))),
+                                 args.row_timeout_s):
             if time.perf_counter() - started_all > args.budget_s:
                 print(json.dumps({"skipped": group, "after_s": round(time.perf_counter() - started_all)}))
                 continue
