@@ -26,8 +26,11 @@ debs:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
+# torchao (train.float8's library) in a folder of its own that only tests/test_float8.py puts on its path:
+# installed beside transformers, every rank that imports transformers would import it too (a second a process).
 $(STAMPS)/pip: setup.cfg pyproject.toml
 	$(PYTHON) -m pip install -q -e '.[dev,hf]'
+	$(PYTHON) -m pip install -q --no-deps --upgrade --target $(STAMPS)/torchao 'torchao>=0.17'
 	@mkdir -p $(STAMPS) && touch $@
 
 run: install

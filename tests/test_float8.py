@@ -5,6 +5,7 @@ the head left in bf16."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,12 @@ from hpc.config import spec_from_dict
 from hpc.errors import ConfigError
 from hpc.runtime.mesh import MeshShape, build_mesh
 from tests.ranks import run_ranks
+
+# make test installs torchao here, apart from transformers (which imports it wherever it is installed); the
+# ranks' forkserver hands them this path
+TORCHAO = Path(__file__).resolve().parents[1] / ".stamps" / "torchao"
+if TORCHAO.is_dir() and str(TORCHAO) not in sys.path:
+    sys.path.insert(0, str(TORCHAO))
 
 TINY_GPT = {"kind": "gpt", "n_layers": 2, "n_heads": 2, "d_model": 64, "seq_len": 32}  # every Linear a multiple of 16
 STEPS = 30

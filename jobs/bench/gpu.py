@@ -193,8 +193,8 @@ def verdicts(rows: Sequence[dict]) -> list[str]:
              ratio("3b float8 rowwise compiled", "3b bf16 compiled", 1.25, "3B tokens/s, Float8 over bf16")]
     if "3b float8 rowwise compiled" in table and "3b bf16 compiled" in table:
         low, high = table["3b float8 rowwise compiled"]["loss_tail"], table["3b bf16 compiled"]["loss_tail"]
-        lines.append(_bar(f"3B loss of the last {LOSS_TAIL} steps, Float8 over bf16 ({low:.4f} / {high:.4f})",
-                          low / high, 1.01, at_most=True))
+        lines.append(_bar(f"3B loss of the last {LOSS_TAIL} steps, Float8's distance from bf16's "
+                          f"({low:.4f} / {high:.4f})", 1 + abs(low / high - 1), 1.01, at_most=True))
     for base in ("128k recompute", "128k"):
         fused = f"{base} fused"
         if base in table and fused in table:
