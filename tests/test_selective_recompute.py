@@ -105,3 +105,51 @@ def test_compiled_selective_recomputes_no_product() -> None:
     assert calls[ATTENTION] == 0
     assert calls[torch.ops.aten.native_layer_norm.default] == 2
     assert calls[torch.ops.aten.gelu.default] == 1
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_selective_keeps_less_than_none_more_than_full_and_redoes_no_product() -> None:
+    """bf16 autocast on the GPU (cuBLAS, CUDA's SDPA kernel): what forward leaves for backward shrinks from none to
+    selective to full, as the planner models it (parallel/plan.py: Korthikanti's count, product_bytes, the layer
+    input); selective's backward redoes no product and no attention; its gradients are none's. Prints the
+    measured kept bytes and step times."""
+    from parallel.plan import Transformer
+
+    device, batch, seq, width, heads, depth = torch.device("cuda"), 8, 1024, 1024, 16, 4
+    torch.manual_seed(0)
+    blocks = [Block(width, heads, 0.0).to(device) for _ in range(depth)]
+    x = torch.randn(batch, seq, width, device=device, requires_grad=True)
+    kept, calls, grads, times = {}, {}, {}, {}
+    for policy in ("", "selective", "full"):
+        stage = Stage(blocks, True, blocks, recompute=bool(policy), policy=policy or "full")
+        for _ in range(3):  # warm-up, then the kept bytes and the ops of one step
+            x.grad = None
+            for param in stage.parameters():
+                param.grad = None
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            y = stage(x)
+            kept[policy] = (torch.cuda.memory_allocated() - before - y.numel() * y.element_size()) / depth
+            with OpCounter() as counter:
+                y.float().square().mean().backward()
+        calls[policy], grads[policy] = counter.calls, [x.grad, *(param.grad for param in stage.parameters())]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            stage(x).float().square().mean().backward()
+        end.record()
+        torch.cuda.synchronize()
+        times[policy] = start.elapsed_time(end) / 10
+    attention = [op for op in SELECTIVELY_KEPT_OPS if "attention" in str(op)]
+    model = Transformer(depth, width, heads, seq, 256)
+    tokens = batch * seq
+    planned = {"": model.activation_bytes(tokens, 1, 2, scores=False),
+               "selective": model.product_bytes(tokens, 1, 2), "full": tokens * width * 2}
+    for policy in kept:
+        print(f"recompute={policy or 'none'}: kept {kept[policy] / 2**20:.1f} MiB per block (planned "
+              f"{planned[policy] / 2**20:.1f}), step {times[policy]:.2f} ms")
+    assert kept[""] > kept["selective"] > kept["full"]
+    assert _products(calls["selective"]) == _products(calls[""]) < _products(calls["full"])
+    assert sum(calls["selective"][op] for op in attention) == 0 < sum(calls["full"][op] for op in attention)
+    for reference, grad in zip(grads[""], grads["selective"], strict=True):  # bf16 kernels, atomics in some
+        assert (grad - reference).norm() <= 1e-2 * reference.norm()  # attention backward: close, maybe not bitwise
