@@ -178,6 +178,11 @@ class TrainConfig:
            "(linear scaling, Goyal et al. 2017); 0 = off", min=0)
     bf16_autocast: bool = _field(False, "forward (loss excluded) under torch.autocast with bfloat16")
     activation_checkpointing: bool = _field(False, "recompute each GPT block's activations in backward")
+    recompute: Literal["full", "selective"] = _field(
+        "full", "with activation_checkpointing: full recomputes each block's whole forward in backward; selective "
+                "keeps the outputs of the matrix products and attention and recomputes only the cheap elementwise "
+                "ops between them (norms, activations, rotary, residual adds): torchtitan's op-level selective "
+                "checkpointing")
     float8: Literal["off", "rowwise", "tensorwise"] = _field(
         "off", "the blocks' matmuls in Float8 through torchao (jobs/train/float8.py): rowwise or tensorwise "
                "scaling; the LM head and MoE routers stay bf16; needs a GPU of compute capability 8.9+ and torchao")
@@ -203,6 +208,9 @@ class TrainConfig:
                                               "comparisons running, is named as a straggler", gt=1)
 
     def field_conflict(self) -> tuple[str, str] | None:
+        if self.recompute == "selective" and not self.activation_checkpointing:
+            return "recompute", ("'full' without train.activation_checkpointing = true (it chooses what the "
+                                 "checkpointed blocks recompute)")
         if self.stall_abort_s <= self.stall_warn_s:
             return "stall_abort_s", f"greater than stall_warn_s={self.stall_warn_s:g}"
         return None

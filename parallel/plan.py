@@ -4,7 +4,9 @@ Pure functions of frozen dataclasses, standard library only: no processes, no to
 with its source, in docs/PLANNER.md; the names below follow it:
 
 - compute from FLOPs: a transformer layer's forward is 24 b s h^2 + 4 b s^2 h (Narayanan et al. SC21, section
-  5.1), the logits 2 b s h V; backward twice the forward; activation checkpointing recomputes the layers' forward.
+  5.1), the logits 2 b s h V; backward twice the forward; activation checkpointing recomputes the layers' forward
+  (full), or all of it but the matrix products and attention, whose outputs it keeps (selective: torchtitan's op-level
+  selective checkpointing, jobs/train/parallelize.py), only their elementwise work done again.
   In general 2 b s FLOPs per matrix parameter (grouped-query attention's K and V have k/a of Q's; a gated MLP
   three h x ffn matrices) and 4 b s s' h for the scores and weighted values, s' = s or the sliding window.
   Matrix products run at ``matmul_efficiency`` of the device's peak; the elementwise work (layer norms, softmax,
@@ -30,7 +32,8 @@ with its source, in docs/PLANNER.md; the names below follow it:
   microbatches pay it m - 1 times a step.
 - memory per rank: parameters, gradients and optimizer state per parameter (ZeRO's 2 + 2 + 12 bytes for mixed
   precision Adam, each sharded over dp from stage 3, 2 and 1), and activations of the microbatches in flight
-  (GPipe m, 1F1B min(m, p), interleaved p + (p-1)/v).
+  (GPipe m, 1F1B min(m, p), interleaved p + (p-1)/v): a layer's Korthikanti count, under full checkpointing its
+  input, under selective its input and the products' outputs.
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ if TYPE_CHECKING:
     from hpc.config import JobSpec
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Recompute = Literal["", "selective", "full"]  # activation checkpointing: none, selective (products kept), full
 Family = Literal["gpt", "llama"]
 SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved")
+RECOMPUTES: tuple[Recompute, ...] = ("", "selective", "full")
 GIB = 1 << 30
 
 
@@ -184,6 +189,15 @@ class Transformer:
         split = (4 * (a + self.kv) * self.dim + (8 if self.gated else 4) * self.intermediate) / h
         return tokens * h * (10 + split / tp + scores * 5 * a * s / (h * tp)) * act_bytes / 2
 
+    def product_bytes(self, tokens: int, tp: int, act_bytes: int) -> float:
+        """Bytes selective checkpointing keeps of one layer: its input (the checkpoint's) and what its matrix
+        products and attention output: Q, K and V ((a + 2k) d / t), attention's output (a d / t), the MLP's first
+        products (ffn / t, gated 2 ffn / t) and the two row-parallel products (h each: every TP rank holds its
+        partial sum whole, before the all-reduce)."""
+        h = self.hidden
+        split = ((2 * self.heads + 2 * self.kv) * self.dim + (2 if self.gated else 1) * self.intermediate) / tp
+        return tokens * (3 * h + split) * act_bytes
+
 
 @dataclass(frozen=True)
 class Training:
@@ -218,7 +232,7 @@ class Layout:
     microbatches: int  # per step and replica
     schedule: Schedule = "1f1b"
     virtual_stages: int = 1
-    checkpointing: bool = False
+    checkpointing: Recompute = ""
     zero: int = 0
     ep: int = 1  # expert parallelism: each MoE layer's experts spread over ep ranks of the dp group
     scope: str = "flat"  # of the DP gradient exchange; estimate() sets the one it predicts
@@ -228,8 +242,19 @@ class Layout:
         zero = f" z{self.zero}" if self.zero else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         scope = " inter-node" if self.scope == "inter-node" else ""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} m={self.microbatches} {sched}"
-                f"{' ckpt' if self.checkpointing else ''}{zero}{ep}{scope}")
+        ckpt = {"": "", "selective": " sac", "full": " ckpt"}[self.checkpointing]
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} m={self.microbatches} {sched}{ckpt}{zero}{ep}{scope}"
+
+    @property
+    def flop_passes(self) -> int:
+        """Passes of the layers' matrix products: forward, backward (two forwards' worth), and under full
+        checkpointing the recomputed forward; selective keeps the products."""
+        return 4 if self.checkpointing == "full" else 3
+
+    @property
+    def elementwise_passes(self) -> int:
+        """Passes of the layers' elementwise work: either checkpointing redoes it in backward."""
+        return 4 if self.checkpointing else 3
 
 
 @dataclass(frozen=True)
@@ -292,25 +317,26 @@ def microbatch_parts(model: Transformer, train: Training, cluster: Cluster, lay:
     """(compute, TP, point-to-point) seconds of one microbatch on the last stage, all its chunks: the slowest, as it
     holds the head and the loss; ``head=False``: on a stage without them, what the pipeline's bubble is made of."""
     tokens = train.batch // (lay.dp * lay.microbatches) * model.seq_len
-    passes = 4 if lay.checkpointing else 3  # forward, backward = 2 forwards, recomputed forward
     layers = model.layers / lay.pp
     rate = cluster.peak_flops(train.dtype) * cluster.matmul_efficiency
     moe = model.moe_layers / lay.pp * model.moe_extra_flops(tokens)
-    flops = passes * (layers * model.layer_flops(tokens) + moe) + 3 * head * model.logit_flops(tokens)
+    flops = lay.flop_passes * (layers * model.layer_flops(tokens) + moe) + 3 * head * model.logit_flops(tokens)
     matmul = flops / lay.tp / rate
-    # Elementwise work: forward writes the kept activations, backward reads them and writes as much again.
-    moved = (passes - 1) * layers * model.activation_bytes(tokens, lay.tp, train.act_bytes, not train.fused_attention)
+    # Elementwise work: forward writes the kept activations, backward reads them and writes as much again; either
+    # recomputation writes them once more.
+    moved = (lay.elementwise_passes - 1) * layers * model.activation_bytes(tokens, lay.tp, train.act_bytes,
+                                                                         not train.fused_attention)
     moved *= 1 if train.compiled else cluster.eager_traffic  # unfused: each op reads and writes its tensors again
     # Gradient accumulation: every microbatch after the first adds its weight gradients to the stage's (torch's
     # AccumulateGrad; Megatron-LM's main_grad.add_), reading both and writing the sum: (m-1)/m adds per microbatch.
     moved += (1 - 1 / lay.microbatches) * stage_params(model, lay) * 3 * train.grad_bytes
     # Fixed cost per layer pass (CPU ranks: the interpreter and dispatcher), the head's counted as one layer's.
-    fixed = (passes / 3 * layers + head) * cluster.layer_overhead_us * 1e-6
+    fixed = (lay.elementwise_passes / 3 * layers + head) * cluster.layer_overhead_us * 1e-6
     ranks = lay.dp * lay.tp * lay.pp
     compute = (matmul + moved / (cluster.memory_gbps * 1e9)) / cluster.core_share(ranks)
     compute += fixed / cluster.interpreter_share(ranks)
     message = tokens * model.hidden * train.act_bytes
-    allreduces = layers * (6 if lay.checkpointing else 4)
+    allreduces = layers * (6 if lay.checkpointing else 4)  # either checkpointing redoes the forward's two
     # The vocabulary-split head: its input's gradient, and the loss's three numbers per token (max, target logit,
     # sum of exponentials, fp32); the vocabulary-split embedding's lookup is on the first stage (here when pp = 1).
     allreduces += head * (1 + (lay.pp == 1))
@@ -405,12 +431,16 @@ def memory_bytes(model: Transformer, train: Training, cluster: Cluster, lay: Lay
                        + train.optimizer_bytes / (lay.dp if lay.zero >= 1 else 1))
     tokens = train.batch // (lay.dp * lay.microbatches) * model.seq_len
     layer = kept_bytes(model, train, cluster, tokens, lay.tp)
-    kept = tokens * model.hidden * train.act_bytes if lay.checkpointing else layer  # per layer and microbatch
+    kept = {"": layer, "selective": model.product_bytes(tokens, lay.tp, train.act_bytes),  # per layer, microbatch
+            "full": tokens * model.hidden * train.act_bytes}[lay.checkpointing]
     p, m, v = lay.pp, lay.microbatches, lay.virtual_stages
     in_flight = {"gpipe": m, "1f1b": min(m, p), "interleaved": min(m, p + (p - 1) / v)}[lay.schedule]
-    if not lay.checkpointing:  # an MoE layer keeps top_k MLPs' activations (19 s b h of the 34, Korthikanti) and
-        kept += model.moe_layers / model.layers * tokens * (  # its router's fp32 probabilities
-            19 * model.hidden * (model.top_k - 1) * train.act_bytes / 2 / lay.tp + 4 * model.experts)
+    if lay.checkpointing != "full":  # an MoE layer keeps top_k - 1 more MLPs' activations (19 s b h of Korthikanti's
+        # 34; selective: their products, as product_bytes counts them) and its router's fp32 output
+        mlp = {"": 19 * model.hidden * train.act_bytes / 2 / lay.tp,
+               "selective": ((2 if model.gated else 1) * model.intermediate / lay.tp + model.hidden) * train.act_bytes,
+               }[lay.checkpointing]
+        kept += model.moe_layers / model.layers * tokens * (mlp * (model.top_k - 1) + 4 * model.experts)
     activations = model.layers / p * in_flight * kept + (layer if lay.checkpointing else 0.0)
     logits = 4.0 * tokens * model.vocab / lay.tp  # fp32 logits of the microbatch for the loss
     return cluster.rank_base_mib * (1 << 20) + states + activations + logits
@@ -427,7 +457,7 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     behind, exposed = dp_comm_s(model, train, cluster, lay)
     if train.dp_overlap:  # behind the last backward, bucket by bucket: the last one starts when backward ends
         buckets = max(1, math.ceil(stage_params(model, lay) * train.grad_bytes / train.bucket_bytes))
-        window = compute * (0.5 if lay.checkpointing else 2 / 3) * (buckets - 1) / buckets
+        window = compute * 2 / lay.flop_passes * (buckets - 1) / buckets  # backward's products
         behind = max(behind / buckets, behind - window)
     dp = behind + exposed
     shard = lay.dp if lay.zero >= 1 else 1
@@ -444,7 +474,7 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     tokens = train.batch * model.seq_len
     layer_flops = model.layers * model.layer_flops(tokens) + model.moe_layers * model.moe_extra_flops(tokens)
     model_flops = 3 * (layer_flops + model.logit_flops(tokens))
-    executed = model_flops + (layer_flops if lay.checkpointing else 0.0)
+    executed = model_flops + (layer_flops if lay.checkpointing == "full" else 0.0)
     scope = gradient_exchange_s(stage_params(model, lay) - stage_expert_params(model, lay), train, cluster, lay)[1]
     return Estimate(
         layout=replace(lay, scope=scope), step_s=step, compute_s=m * compute, tp_s=m * tp, pp_s=m * p2p + bubble,
@@ -526,7 +556,7 @@ def _schedules(model: Transformer, train: Training, mesh: dict[str, int],
     dp, pp = mesh["dp"], mesh["pp"]
     schedules = (("1f1b", None), ("gpipe", None), *(("interleaved", v) for v in _divisors(model.layers // pp)[1:]))
     for m in _divisors(train.batch // dp):
-        for ckpt in (False, True):
+        for ckpt in RECOMPUTES:
             for zero in zero_stages if dp > 1 else (0,):
                 for name, v in schedules:
                     if layout_problem(model, train, {**mesh, "m": m, "schedule": (name, v), "zero": zero}) is None:
@@ -578,7 +608,8 @@ def best_of(estimates: tuple[Estimate, ...], dp: int, tp: int, pp: int) -> Estim
 # hpc plan ranks among the others. Every model.args.* key too (jobs/models/shape.py reads a model.entry's config or
 # counts it).
 SPEC_LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.microbatches",
-                    "parallel.schedule", "parallel.virtual_stages", "train.activation_checkpointing")
+                    "parallel.schedule", "parallel.virtual_stages", "train.activation_checkpointing",
+                    "train.recompute")
 PLANNED_KEYS = ("model.kind", "model.entry", "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len",
                 "model.moe_experts", "model.moe_top_k", "model.moe_every", "data.batch_size", "train.optimizer",
                 "train.momentum", "train.bf16_autocast", "train.compile", "parallel.compression",
@@ -611,5 +642,5 @@ def spec_layout(spec: JobSpec, ranks: int) -> Layout:
     par = spec.parallel
     dp = ranks // (par.tp * par.pp) if par.dp == "auto" else par.dp
     return Layout(dp, par.tp, par.pp, par.microbatches, par.schedule,
-                  par.virtual_stages if par.schedule == "interleaved" else 1, spec.train.activation_checkpointing,
-                  par.zero, par.ep)
+                  par.virtual_stages if par.schedule == "interleaved" else 1,
+                  spec.train.recompute if spec.train.activation_checkpointing else "", par.zero, par.ep)

@@ -162,6 +162,19 @@ def test_recomputed_blocks_train_exactly_and_bf16_autocast_closely(single_proces
     _check_close_in_bf16(single_process, tmp_path, "bf16", [per_rank[1] for per_rank in results])
 
 
+def test_selectively_recomputed_blocks_train_exactly_under_pp_tp_and_compiled_zero3(single_process,
+                                                                                   tmp_path) -> None:
+    """``train.recompute = "selective"``: the blocks' products kept, their elementwise ops and (under TP) their
+    all-reduces redone in backward, compiled with the checkpoint inside under ZeRO-3's gathers: the same training
+    as one process."""
+    cases = [("selective-pp2", (1, 1, 2), "gpipe", 2, 1), ("selective-tp2", (1, 2, 1), "1f1b", 1, 1),
+             ("selective-compiled-dp2-zero3", (2, 1, 1), "1f1b", 1, 1)]
+    options = {name: {"activation_checkpointing": True, "recompute": "selective"} for name, *_ in cases}
+    options["selective-compiled-dp2-zero3"].update(compile=True, zero=3)
+    results = run_ranks(2, _train_cases, str(tmp_path), cases, options, timeout=300)
+    _check_matches(single_process, tmp_path, cases, results)
+
+
 def test_compiled_blocks_train_like_one_process_under_tp_pp_recompute_zero3_and_bf16(single_process,
                                                                                     tmp_path) -> None:
     """``train.compile``: each block a torch.compile graph, inside a pipeline stage with its blocks recomputed,

@@ -62,6 +62,7 @@ FULL = {
         "lr_reference_batch": 256,
         "bf16_autocast": True,
         "activation_checkpointing": True,
+        "recompute": "selective",
         "float8": "rowwise",
         "fused_head_loss": True,
         "compile": True,
@@ -220,6 +221,11 @@ def test_int_is_accepted_for_a_float() -> None:
             "[train]\nstall_warn_s = 300",
             "job.toml: train.stall_abort_s must be greater than stall_warn_s=300, got 240.0",
         ),
+        (
+            "[train]\nrecompute = 'selective'",
+            "job.toml: train.recompute must be 'full' without train.activation_checkpointing = true (it chooses what "
+            "the checkpointed blocks recompute), got 'selective'",
+        ),
         ("[data]\nname = 'text'", "job.toml: data.name must be one of digits, licenses; got 'text'"),
     ],
 )
@@ -262,8 +268,8 @@ def test_unknown_key_suggests_the_closest() -> None:
         "optimizer, momentum, trust_coefficient, weight_decay, grad_clip, freeze, warmup_steps, lr_schedule, "
         "log_every, "
         "lr_reference_batch, "
-        "bf16_autocast, activation_checkpointing, float8, fused_head_loss, compile, timeline, stall_warn_s, "
-        "stall_abort_s, health_check, "
+        "bf16_autocast, activation_checkpointing, recompute, float8, fused_head_loss, compile, timeline, "
+        "stall_warn_s, stall_abort_s, health_check, "
         "health_check_timeout_s, health_cluster, straggler_every, straggler_threshold)"
     )
 

@@ -20,6 +20,7 @@ MODEL_KEYS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "seq": "
               "kv_heads": "kv_heads", "ffn": "ffn", "gated": "gated", "tied": "tied"}  # the last four optional
 REQUIRED_MODEL_KEYS = ("layers", "hidden", "heads", "seq", "vocab")
 LAYOUT_KEYS = ("dp", "tp", "pp", "m", "schedule", "ckpt", "zero", "ep")  # --layout's, as Layout.label() spells them
+RECOMPUTE_OF = {"off": "", "selective": "selective", "on": "full"}  # --checkpointing and ckpt=: Layout.checkpointing
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -41,12 +42,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                            "--validate passes every one to hpc run)")
     plan.add_argument("--zero", action="store_true", help="also consider ZeRO stages 1, 2 and 3")
     plan.add_argument("--no-overlap", action="store_true", help="DP all-reduce after backward, not behind it")
-    plan.add_argument("--checkpointing", choices=("any", "on", "off"), default="any",
-                      help="activation checkpointing: consider both (default), or only on, or only off")
+    plan.add_argument("--checkpointing", choices=("any", *RECOMPUTE_OF), default="any",
+                      help="activation checkpointing: consider every choice (default), or only off, selective "
+                           "(train.recompute = 'selective': the products kept) or on (full recomputation)")
     plan.add_argument("--layout", metavar="dp=,tp=,pp=[,...]",
                       help="predict this layout alone: dp=,tp=,pp= and optionally m= (microbatches), schedule= "
-                           "(1f1b, gpipe, interleaved, interleaved/V), ckpt=on|off, zero=0-3, ep=; what is left out "
-                           "is chosen as the planner would (the fastest that fits); --gpus defaults to dp tp pp")
+                           "(1f1b, gpipe, interleaved, interleaved/V), ckpt=off|selective|on, zero=0-3, ep=; what "
+                           "is left out is chosen as the planner would (the fastest that fits); --gpus defaults to "
+                           "dp tp pp")
     plan.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     plan.add_argument("--json", action="store_true", help="the plan as one JSON object")
     plan.add_argument("--calibrate", action="store_true",
@@ -111,11 +114,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _checkpointing(args: argparse.Namespace, result):
-    """The plan with only the fitting layouts --checkpointing on or off allows."""
+    """The plan with only the fitting layouts --checkpointing allows."""
     if args.checkpointing == "any":
         return result
     return replace(result, fitting=tuple(e for e in result.fitting
-                                         if e.layout.checkpointing == (args.checkpointing == "on")))
+                                         if e.layout.checkpointing == RECOMPUTE_OF[args.checkpointing]))
 
 
 def _print_plan(args: argparse.Namespace, model, train, cluster, result) -> None:
@@ -189,9 +192,9 @@ def _parse_layout(args: argparse.Namespace) -> dict:
     if missing:
         raise ConfigError(f"--layout is missing {', '.join(missing)} (give at least dp=,tp=,pp=)")
     if args.checkpointing != "any":
-        if want.setdefault("ckpt", args.checkpointing == "on") != (args.checkpointing == "on"):
-            raise ConfigError(f"--layout ckpt={'on' if want['ckpt'] else 'off'} contradicts --checkpointing "
-                              f"{args.checkpointing}")
+        if want.setdefault("ckpt", RECOMPUTE_OF[args.checkpointing]) != RECOMPUTE_OF[args.checkpointing]:
+            given = next(name for name, recompute in RECOMPUTE_OF.items() if recompute == want["ckpt"])
+            raise ConfigError(f"--layout ckpt={given} contradicts --checkpointing {args.checkpointing}")
     if args.gpus is not None and want["dp"] * want["tp"] * want["pp"] != args.gpus:
         raise ConfigError(f"--layout dp={want['dp']} tp={want['tp']} pp={want['pp']} is "
                           f"{want['dp'] * want['tp'] * want['pp']} ranks, --gpus {args.gpus}")
@@ -208,9 +211,9 @@ def _layout_value(key: str, value: str):
                               f"least 2, got {show_text(value)}")
         return name, int(chunks) if slash else None
     if key == "ckpt":
-        if value not in ("on", "off"):
-            raise ConfigError(f"--layout ckpt must be on or off, got {show_text(value)}")
-        return value == "on"
+        if value not in RECOMPUTE_OF:
+            raise ConfigError(f"--layout ckpt must be off, selective or on, got {show_text(value)}")
+        return RECOMPUTE_OF[value]
     low, high = (0, 3) if key == "zero" else (1, None)
     if not _digits(value) or int(value) < low or (high is not None and int(value) > high):
         wanted = "0, 1, 2 or 3" if key == "zero" else "a positive integer"

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from hpc.errors import LayoutError
 from hpc.observe.probe import group_collective
@@ -85,28 +85,69 @@ def parallelize_ep(model: nn.Module, groups: ExpertGroups | None, microbatches: 
                 layer.experts[index] = Elsewhere(f"{name}.experts.{index}", "expert-parallel")
 
 
+# The products train.recompute = "selective" keeps: matrix products and every SDPA kernel this torch has.
+SELECTIVELY_KEPT_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name))
+
+
+def keep_products(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The selective recompute policy (torchtitan's op-level SAC, torchtitan/distributed/activation_checkpoint.py
+    ``_apply_op_sac``): keep what the matrix products and attention output, nearly all of a block's FLOPs, and
+    recompute in backward only the elementwise ops between them (norms, activations, rotary, residual adds),
+    cheap to redo but most of the bytes a block keeps. Collectives (the TP all-reduces) are recomputed, as full
+    checkpointing does, by every rank alike."""
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVELY_KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Recomputed(nn.Module):
+    """A block run under ``checkpoint``: recomputed in backward whole (``policy="full"``) or all but its
+    products (``"selective"``: ``keep_products``)."""
+
+    def __init__(self, block: nn.Module, policy: str) -> None:
+        super().__init__()
+        self.block = block
+        self.context_fn = (functools.partial(create_selective_checkpoint_contexts, keep_products)
+                           if policy == "selective" else noop_context_fn)
+
+    def compile(self, *args, **kwargs) -> None:
+        """Full: the block compiled, the checkpoint around it. Selective: the checkpoint compiled with the block
+        inside (torchtitan's order), so the compiler keeps what ``keep_products`` keeps: around compiled code the
+        policy would only see the calls the kernels make."""
+        if self.context_fn is noop_context_fn:
+            self.block.compile(*args, **kwargs)
+        else:
+            super().compile(*args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False, context_fn=self.context_fn)
+
+
 class Stage(nn.Module):
     """One pipeline chunk as the executor calls it: its layers in order, under the run's autocast,
-    the model's blocks optionally recomputed in backward instead of keeping their activations."""
+    the model's blocks optionally recomputed in backward (``Recomputed``) instead of keeping their activations."""
 
     def __init__(self, layers: Sequence[nn.Module], bf16_autocast: bool, blocks: Collection[nn.Module] = (),
-                 recompute: bool = False):
+                 recompute: bool = False, policy: str = "full"):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.bf16_autocast = bf16_autocast
         self.blocks = [layer for layer in layers if any(layer is block for block in blocks)]  # the model's blocks
-        self.recompute = {id(layer) for layer in self.blocks} if recompute else set()
+        recomputed = {id(layer) for layer in self.blocks} if recompute else set()
+        # what forward calls, not registered: the parameters stay the layers' (and their names the model's)
+        self.calls = [Recomputed(layer, policy) if id(layer) in recomputed else layer for layer in layers]
 
     def compile_layers(self) -> None:
         """``torch.compile`` each layer in place (``nn.Module.compile``: names, parameters and checkpoints stay
         the module's): one graph per block, reused by every block of the same shape."""
-        for layer in self.layers:
-            layer.compile()
+        for call in self.calls:
+            call.compile()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast):
-            for layer in self.layers:
-                x = checkpoint(layer, x, use_reentrant=False) if id(layer) in self.recompute else layer(x)
+            for call in self.calls:
+                x = call(x)
         return x
 
 
@@ -122,9 +163,10 @@ class Elsewhere(nn.Module):
         raise LayoutError(f"{self.name} is held by another {self.axis} rank; run this rank's share instead")
 
 
-def keep_stages(model: nn.Module, p: int, rank: int, v: int, bf16_autocast: bool, recompute: bool) -> list[Stage]:
+def keep_stages(model: nn.Module, p: int, rank: int, v: int, bf16_autocast: bool, recompute: bool,
+                policy: str = "full") -> list[Stage]:
     """Cut ``model.pipeline_parts()`` into p*v stages and keep pipeline rank ``rank``'s v chunks,
-    replacing every module it does not hold by ``Elsewhere``."""
+    replacing every module it does not hold by ``Elsewhere``; ``recompute``: their blocks by ``policy``."""
     first, blocks, last = model.pipeline_parts()
     blocks = list(blocks)
     final = p * v - 1
@@ -132,7 +174,7 @@ def keep_stages(model: nn.Module, p: int, rank: int, v: int, bf16_autocast: bool
     for k, chunk in enumerate(split_into_stages(blocks, p, v)[rank]):
         stage = k * p + rank
         layers = [*([first] if stage == 0 else []), *chunk, *([last] if stage == final else [])]
-        chunks.append(Stage(layers, bf16_autocast, chunk, recompute))
+        chunks.append(Stage(layers, bf16_autocast, chunk, recompute, policy))
     held = {id(param) for stage in chunks for param in stage.parameters()}
     if p * v > 1:
         check_pipeline(model, p * v, f"parallel.pp * virtual_stages = {p}*{v}")

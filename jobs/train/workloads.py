@@ -121,7 +121,7 @@ class Workload:
             self.chunks = [Stage([model], train.bf16_autocast, [model])]
         else:
             self.chunks = keep_stages(model, mesh.size("pp"), mesh.index("pp"), par.virtual_stages,
-                                      train.bf16_autocast, train.activation_checkpointing)
+                                      train.bf16_autocast, train.activation_checkpointing, train.recompute)
 
     def moe_totals(self) -> torch.Tensor | None:
         """What the MoE layers routed since the last call, over the global batch, as one float64 tensor
