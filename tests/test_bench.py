@@ -164,12 +164,17 @@ def test_bench_gpu_weighs_its_rows_against_the_issues_bars() -> None:
             run("ours compiled", 102000), run("torchtitan compiled", 98000),
             run("3b bf16 compiled", 20000, 90e9, 5.0), run("3b float8 rowwise compiled", 26000, 85e9, 5.03),
             run("128k recompute", 60000, 30e9), run("128k recompute fused", 61000, 21e9),
+            run("recompute full compiled", 80000, 15e9), run("recompute selective compiled", 90000, 20e9),
             {"loop": "codecs", "output": codecs}, {"loop": "checkpoint", "output": checkpoint}]
     assert verdicts(rows) == [
         "eager tokens/s, ours over the expert's plain loop: 1.021x (runs 3/3: 0.993-1.043) (bar >= 1.0x) met",
         "compiled tokens/s, ours over torchtitan's: 1.031x (runs 2/1: 1.020-1.041) (bar >= 1.05x) NOT met",
-        "3B tokens/s, Float8 over bf16: 1.300x (runs 1/1: 1.300-1.300) (bar >= 1.25x) met",
-        "3B loss of the last 5 steps, Float8's distance from bf16's (5.0300 / 5.0000): 1.006x (bar <= 1.01x) met",
+        "3B tokens/s, Float8 rowwise over bf16: 1.300x (runs 1/1: 1.300-1.300) (bar >= 1.25x) met",
+        "3B tokens/s, Float8 tensorwise over bf16: not measured",
+        "3b float8 rowwise compiled: loss of the last 5 steps, its distance from bf16's (5.0300 / 5.0000): 1.006x "
+        "(bar <= 1.01x) met",
+        "selective recompute over full: tokens/s 1.125x, peak memory 1.333x",
+        "selective recompute over none: tokens/s 0.891x, peak memory 0.500x",
         "128k recompute: peak memory, fused head loss over unfused: 0.700x (bar <= 0.75x) met",
         "128k recompute: tokens/s, fused head loss over unfused: 1.017x (runs 1/1: 1.017-1.017) (bar >= 1.0x) met",
         "128k: tokens/s, fused head loss over unfused: not measured",
