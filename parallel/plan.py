@@ -218,8 +218,10 @@ class Training:
     # Megatron-LM's scatter/gather: each of a stage's tp ranks sends 1/tp of the activation (ibid. section 4.1);
     # our pipeline (parallel/pipeline.py) sends the whole of it from every tp rank.
     p2p_split_over_tp: bool = True
+    fused_head_loss: bool = False  # train.fused_head_loss: the logits made a chunk at a time, never whole
 
 
+FUSED_LOSS_CHUNK_BYTES = 4 * (1 << 26)  # parallel.tensor_parallel.FUSED_CHUNK_ELEMENTS in float32 (torch-free here)
 MIXED_ADAM = Training(batch=1)  # Megatron-LM and ZeRO: fp16/bf16 weights and gradients, fp32 Adam state
 OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lars": 4}  # state per parameter: moments, momentum
 
@@ -443,6 +445,8 @@ def memory_bytes(model: Transformer, train: Training, cluster: Cluster, lay: Lay
         kept += model.moe_layers / model.layers * tokens * (mlp * (model.top_k - 1) + 4 * model.experts)
     activations = model.layers / p * in_flight * kept + (layer if lay.checkpointing else 0.0)
     logits = 4.0 * tokens * model.vocab / lay.tp  # fp32 logits of the microbatch for the loss
+    if train.fused_head_loss:  # one chunk of them at a time
+        logits = min(logits, FUSED_LOSS_CHUNK_BYTES)
     return cluster.rank_base_mib * (1 << 20) + states + activations + logits
 
 
@@ -634,7 +638,8 @@ def spec_training(spec: JobSpec, hidden: int, batch: int | None = None, overlap:
     return Training(batch=spec.data.batch_size if batch is None else batch, dtype="bf16" if half else "fp32",
                     act_bytes=2 if half else 4, param_bytes=4, grad_bytes=4, optimizer_bytes=state, wire_ratio=ratio,
                     dp_overlap=par.overlap and overlap, bucket_bytes=par.bucket_mb * 2**20, p2p_split_over_tp=False,
-                    compression_scope=par.compression_scope, fused_attention=True, compiled=spec.train.compile)
+                    compression_scope=par.compression_scope, fused_attention=True, compiled=spec.train.compile,
+                    fused_head_loss=spec.train.fused_head_loss)
 
 
 def spec_layout(spec: JobSpec, ranks: int) -> Layout:

@@ -119,3 +119,23 @@ def test_split_over_the_vocabulary_it_is_the_whole_head_s_loss(tp: int) -> None:
     for rank, pairs in enumerate(run_ranks(tp, _split_over_tp)):
         for name, (actual, expected) in zip(("loss", "hidden grad", "weight grad"), pairs, strict=True):
             np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank}: {name}")
+
+
+def test_the_planner_counts_one_chunk_of_logits_with_the_fused_loss() -> None:
+    """``hpc plan`` (torch-free) keeps its own copy of the chunk's size: the same as the loss's; a spec with the
+    fused loss is predicted that much lighter at Llama 3's vocabulary."""
+    from pathlib import Path
+
+    from hpc.config import load_spec
+    from jobs.models.shape import spec_model
+    from parallel.cluster import load_cluster
+    from parallel.plan import FUSED_LOSS_CHUNK_BYTES, Layout, memory_bytes, spec_training
+    from parallel.tensor_parallel import FUSED_CHUNK_ELEMENTS
+
+    assert FUSED_LOSS_CHUNK_BYTES == 4 * FUSED_CHUNK_ELEMENTS
+    path = Path(__file__).resolve().parents[1] / "jobs" / "bench" / "llama3b_bench.toml"
+    spec, fused = load_spec(path, []), load_spec(path, ["train.fused_head_loss=true"])
+    model, cluster, layout = spec_model(spec), load_cluster("h100-dgx"), Layout(1, 1, 1, 1)
+    saved = (memory_bytes(model, spec_training(spec, model.hidden), cluster, layout)
+             - memory_bytes(model, spec_training(fused, model.hidden), cluster, layout))
+    assert saved == 4 * 8 * 1024 * 128256 - FUSED_LOSS_CHUNK_BYTES
