@@ -84,6 +84,9 @@ class NodeGroups:
     local_rank: int
     local_size: int
     nodes: int
+    # per local rank l, the DP group's ranks (in it) of the cross-node group of the l-th ranks, in that group's
+    # rank order (torch orders a group's ranks by their global rank)
+    cross_members: tuple[tuple[int, ...], ...]
 
 
 def build_node_groups(mesh: Mesh, transport: str = "torch") -> NodeGroups:
@@ -93,8 +96,11 @@ def build_node_groups(mesh: Mesh, transport: str = "torch") -> NodeGroups:
 
     timeout = None if mesh.timeout_s is None else datetime.timedelta(seconds=mesh.timeout_s)
     mine: dict[str, tuple[ProcessGroup, tuple[int, ...]]] = {}
+    cross_members: tuple[tuple[int, ...], ...] = ()
     for dp_ranks in mesh.shape.group_ranks("dp"):
         node_groups, cross_groups = split_by_node(dp_ranks, mesh.nodes)
+        if mesh.rank in dp_ranks:
+            cross_members = tuple(tuple(dp_ranks.index(rank) for rank in sorted(ranks)) for ranks in cross_groups)
         for kind, groups in (("node", node_groups), ("cross", cross_groups)):
             for ranks in groups:
                 group = dist.new_group(list(ranks), timeout=timeout)
@@ -102,7 +108,7 @@ def build_node_groups(mesh: Mesh, transport: str = "torch") -> NodeGroups:
                     mine[kind] = (group, ranks)
     (node, node_ranks), (cross, cross_ranks) = mine["node"], mine["cross"]
     return NodeGroups(node, make_transport(transport, node), make_transport(transport, cross),
-                      node_ranks.index(mesh.rank), len(node_ranks), len(cross_ranks))
+                      node_ranks.index(mesh.rank), len(node_ranks), len(cross_ranks), cross_members)
 
 
 def owners(tensors: Sequence[torch.Tensor], g: int) -> list[int]:
@@ -120,6 +126,36 @@ class HierarchicalReducer(Reducer):
 
     def __init__(self, inner: Reducer, groups: NodeGroups) -> None:
         self.inner, self.groups, self.name, self.nodes = inner, groups, inner.name, groups.nodes
+        self.supports_reduce_scatter = inner.supports_reduce_scatter
+
+    def reduce_scatter(self, key: str, flat: torch.Tensor, transport: Transport, average: bool,
+                       ) -> tuple[torch.Tensor, int]:
+        """ZeRO stages 2 and 3 cut by node: ``flat`` in the flat ring's layout (n equal chunks, DP rank r's in
+        chunk r + 1, as ``ZeroShards.flatten_by_owner`` makes it), its chunks reordered so that the node's
+        uncompressed reduce-scatter leaves each local rank the node's sums of the chunks its counterparts on every
+        node own, then the codec's reduce-scatter across nodes leaves it its own: this rank's reduced chunk, and
+        the bytes it sent. No all-gather: what a rank does not own it drops."""
+        g, nodes = self.groups.local_size, self.groups.nodes
+        n = g * nodes  # the DP group's size
+        chunks = flat.view(n, -1)
+        # the cross ring leaves its rank k piece k + 1 of the shard; the node's ring leaves local rank l shard
+        # l + 1 (NCCL's: shard l); each piece is the chunk of the rank it ends on, chunk r + 1 for DP rank r
+        node_shift = 0 if self._native(flat) else 1
+        order = [0] * n
+        for local in range(g):
+            for piece in range(nodes):
+                owner = self.groups.cross_members[local][(piece - 1) % nodes]
+                order[((local + node_shift) % g) * nodes + piece] = (owner + 1) % n
+        arranged = chunks[order].reshape(-1)
+        shard = self._reduce_scatter_in_node(arranged) if g > 1 else arranged
+        sent = (g - 1) * shard.nbytes
+        owned = shard
+        if nodes > 1:
+            owned, crossed = self.inner.reduce_scatter(f"{key}/node-shard", shard, self.groups.cross, average)
+            sent += crossed
+        if average and g > 1:
+            owned.div_(g)
+        return owned, sent
 
     def reduce(self, key: str, tensors: Sequence[torch.Tensor], transport: Transport, average: bool) -> int:
         if self.inner.whole_tensors:

@@ -361,8 +361,8 @@ def gradient_exchange_s(n: float, train: Training, cluster: Cluster, lay: Layout
     """(seconds, scope) of the DP group's exchange of ``n`` gradients: the flat ring, the codec on every hop (ZeRO-2
     and 3: its reduce-scatter alone), or cut by node (parallel/hierarchy.py): an uncompressed reduce-scatter and
     all-gather inside the node, the codec across the nodes on 1/g of the bytes, the g rings in parallel, each on
-    its own link. ``train.compression_scope`` auto, with a codec: the faster (a run's auto cuts by node wherever a
-    codec crosses nodes: hpc plan says where that pays)."""
+    its own link (ZeRO-2 and 3: the two reduce-scatters alone). ``train.compression_scope`` auto, with a codec:
+    the faster (a run's auto cuts by node wherever a codec crosses nodes: hpc plan says where that pays)."""
     flat = ring_allreduce_s(n * train.grad_bytes * train.wire_ratio, lay.dp, cluster.link(lay.dp * lay.tp))
     flat /= 2 if lay.zero >= 2 else 1
     g = dp_ranks_per_node(cluster, lay)
@@ -371,7 +371,7 @@ def gradient_exchange_s(n: float, train: Training, cluster: Cluster, lay: Layout
         return flat, "flat"
     inside = ring_allreduce_s(n * train.grad_bytes, g, cluster.link(g * lay.tp))
     across = ring_allreduce_s(n * train.grad_bytes * train.wire_ratio / g, lay.dp // g, cluster.link(lay.dp * lay.tp))
-    cut = inside + across  # all-reduced, then ZeRO-2/3 drop what they do not own
+    cut = (inside + across) / (2 if lay.zero >= 2 else 1)  # ZeRO-2/3: both stages reduce-scatters, no gathers
     return (cut, "inter-node") if train.compression_scope == "inter-node" or cut < flat else (flat, "flat")
 
 

@@ -76,6 +76,36 @@ def test_the_uncompressed_exchange_sums_as_the_flat_all_reduce(per_node) -> None
     assert run_ranks(4, _exact_against_the_flat_all_reduce, per_node) == [[]] * 4
 
 
+def _scattered_against_the_sums(world, nodes: tuple[int, ...], codec: str) -> list:
+    """ZeRO's reduce-scatter cut by node: each rank's reduced chunk (the flat ring's layout: rank r's in chunk
+    r + 1) against the group's sum of that chunk; integers, so any order sums them exactly. Mismatches."""
+    from parallel.compression.registry import make_reducer
+
+    mesh = build_mesh(MeshShape(world.size, 1, 1), world.rank, node_rank=nodes[world.rank])
+    reducer = HierarchicalReducer(make_reducer(codec), build_node_groups(mesh))
+    assert reducer.supports_reduce_scatter
+    wrong = []
+    for chunk in (1, 5, 300):
+        for average in (False, True):
+            x = _inputs(world.rank, world.size * chunk, integer=True)
+            total = x.clone()
+            dist.all_reduce(total)
+            owned, sent = reducer.reduce_scatter(f"b{chunk}", x.clone(), None, average)
+            expected = total.view(world.size, -1)[(world.rank + 1) % world.size] / (world.size if average else 1)
+            if not torch.equal(owned, expected) or sent <= 0:
+                wrong.append((chunk, average))
+    return wrong
+
+
+@pytest.mark.parametrize("nodes", [(0, 0, 1, 1), (0, 1, 0, 1), (0, 1, 1, 0), (0, 0, 0, 0), (0, 1, 2, 3)],
+                         ids=["2x2", "interleaved", "crossed", "one-node", "one-rank-a-node"])
+def test_zero_s_reduce_scatter_cut_by_node_leaves_each_rank_the_sum_of_its_own_chunk(nodes) -> None:
+    """However the launcher placed the ranks (in blocks, interleaved, crossed so that a cross-node group's rank
+    order is not the nodes'), on one node or one a node; fp16 sums these integers exactly too."""
+    for codec in ("none", "fp16"):
+        assert run_ranks(4, _scattered_against_the_sums, nodes, codec) == [[]] * 4, codec
+
+
 def _int8_steps(world, per_node: int | None, steps: int, state=None, first: int = 0) -> tuple:
     """Steps ``first`` to ``first + steps`` of int8 reductions of per-rank, per-step gradients (error feedback
     on), hierarchical over nodes of ``per_node`` ranks or the flat ring (None); from ``state`` (a reducer's
@@ -132,7 +162,7 @@ def test_within_one_node_no_codec_runs_and_across_two_nodes_only_each_ranks_shar
         assert sent - inside < 0.6 * flat_sent  # what crossed: the 2-rank int8 ring on half the bucket
 
 
-def _train(world, run_dir: str, name: str, per_node: int, compression: str, scope: str) -> list[float]:
+def _train(world, run_dir: str, name: str, per_node: int, compression: str, scope: str, zero: int = 0) -> list[float]:
     from jobs.train.loop import train
 
     spec = spec_from_dict({
@@ -140,7 +170,7 @@ def _train(world, run_dir: str, name: str, per_node: int, compression: str, scop
         "model": {"kind": "gpt", "n_layers": 2, "n_heads": 2, "d_model": 32, "seq_len": 16},
         "data": {"name": "licenses", "batch_size": 8},
         "train": {"steps": 6, "lr": 3e-3, "optimizer": "adam", "log_every": 100},
-        "parallel": {"compression": compression, "compression_scope": scope, "bucket_mb": 0.01},
+        "parallel": {"compression": compression, "compression_scope": scope, "bucket_mb": 0.01, "zero": zero},
     })
     mesh = build_mesh(MeshShape(world.size, 1, 1), world.rank, node_rank=world.rank // per_node)
     assert dp_nodes(mesh) == world.size // per_node
@@ -161,6 +191,18 @@ def test_the_gpt_trains_on_two_nodes_of_two_ranks_as_the_flat_exchange_does(tmp_
     assert len(flat) == 6 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(flat, cut, strict=True))
     assert all(abs(a - b) <= 2e-2 * abs(a) for a, b in zip(flat, int8, strict=True)) and int8 != flat
     assert all(abs(a - b) <= 5e-2 * abs(a) for a, b in zip(flat, powersgd, strict=True)) and powersgd != flat
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_reduce_scatters_cut_by_node_and_trains_as_the_flat_exchange_does(tmp_path, zero) -> None:
+    """ZeRO-2 and 3 on 2 nodes of 2 ranks: each bucket reduce-scattered inside the node, then across nodes, with
+    no all-gather (HierarchicalReducer.reduce_scatter): uncompressed the flat ZeRO-0's losses (sums in another
+    order), int8 within the int8 ring's distance; under NCCL's rules."""
+    flat = run_ranks(4, _train, str(tmp_path), "flat", 2, "none", "flat", backend=NCCL_RULES)[0]
+    cut = run_ranks(4, _train, str(tmp_path), f"cut-z{zero}", 2, "none", "inter-node", zero, backend=NCCL_RULES)[0]
+    int8 = run_ranks(4, _train, str(tmp_path), f"int8-z{zero}", 2, "int8", "auto", zero, backend=NCCL_RULES)[0]
+    assert len(cut) == 6 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(flat, cut, strict=True))
+    assert all(abs(a - b) <= 2e-2 * abs(a) for a, b in zip(flat, int8, strict=True)) and int8 != flat
 
 
 def _powersgd_steps(world, per_node: int | None, steps: int, state=None, first: int = 0) -> tuple:
