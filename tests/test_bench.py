@@ -40,6 +40,24 @@ def test_bench_allreduce_json_rows() -> None:
     assert "max_rel_err" in format_table(rows).splitlines()[0]
 
 
+@pytest.mark.slow
+def test_bench_reduce_scatter_json_rows() -> None:
+    """``--op reduce-scatter``: ZeRO's exchange, each rank's chunk checked against the exact sum (torch's chunk r,
+    the ring's r + 1); busbw (n-1)/n of algbw; codecs without a reduce-scatter left out."""
+    done = subprocess.run(
+        [sys.executable, "-m", "hpc.cli.main", "bench", "allreduce", "-n", "2", "--launcher", "local",
+         "--sizes", "64K", "--codecs", "none,int8,topk", "--iters", "2", "--op", "reduce-scatter", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["op"], r["impl"], r["codec"]) for r in rows] == [
+        ("reduce-scatter", "torch", "none"), ("reduce-scatter", "ring", "none"), ("reduce-scatter", "ring", "int8")]
+    for r in rows:
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] / 2)
+        assert r["max_rel_error"] < (1e-6 if r["codec"] == "none" else 1e-2)
+
+
 def test_bench_rejects_unknown_codec(capsys) -> None:
     from hpc.cli.main import main
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hpc import text
 from parallel.compression.registry import RING_CODECS, make_codec, make_reducer
-from parallel.hierarchy import HierarchicalReducer, NodeGroups, build_node_groups
+from parallel.hierarchy import REDUCE_SCATTER, HierarchicalReducer, NodeGroups, build_node_groups
 from parallel.ring import ring_allreduce
 from parallel.transport import make_transport
 
@@ -48,16 +48,19 @@ def _time_op(op, reset, iters: int, warmup: int) -> float:
 
 def bench_allreduce(
     sizes: Sequence[int], codecs: Sequence[str], transports: Sequence[str], iters: int = 5, warmup: int = 1,
-    scopes: Sequence[str] = ("flat",),
+    scopes: Sequence[str] = ("flat",), op: str = "allreduce",
 ) -> list[dict]:
+    """``op`` ``reduce-scatter``: ZeRO-2/3's exchange instead (torch's reduce_scatter_tensor, the ring's
+    reduce-scatter with each ring codec, and cut by node), each rank's reduced chunk checked."""
     transports_by_name = {name: make_transport(name, None) for name in transports}
     unknown = set(scopes) - {"flat", "inter-node"}
     if unknown:
         raise ValueError(f"scopes {sorted(unknown)}: valid are flat, inter-node")
     node_groups = {name: _node_groups(name) for name in transports} if "inter-node" in scopes else {}
+    bench_size = _bench_size if op == "allreduce" else _bench_reduce_scatter
     rows = []
     for nbytes in sizes:
-        rows += _bench_size(nbytes, codecs, transports_by_name, iters, warmup, "flat" in scopes, node_groups)
+        rows += bench_size(nbytes, codecs, transports_by_name, iters, warmup, "flat" in scopes, node_groups)
     return rows
 
 
@@ -107,6 +110,52 @@ def _bench_size(nbytes: int, codecs: Sequence[str], transports: dict, iters: int
                 shape = (numel,) if codec_name in RING_CODECS else (_rows(numel), -1)
                 reduce = partial(cut.reduce, "bench", [buffer.view(shape)], transport, False)
                 rows.append(row("cut", transport_name, codec_name, _time_op(reduce, reset, iters, warmup)))
+    return rows
+
+
+def _bench_reduce_scatter(nbytes: int, codecs: Sequence[str], transports: dict, iters: int, warmup: int,
+                          flat: bool, node_groups: dict[str, NodeGroups]) -> list[dict]:
+    """One size of ZeRO's exchange: each rank's chunk of the sum (torch's: chunk r; the ring's and the cut's:
+    chunk r + 1, the layout ``ZeroShards.flatten_by_owner`` makes), its error against the exact chunk; busbw is
+    algbw * (n-1)/n, nccl-tests' for a reduce-scatter. Codecs without a reduce-scatter (top-k, PowerSGD) are
+    left out, as ZeRO all-reduces them."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    numel = nbytes // 4 // n * n
+    source = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    exact = source.double()
+    dist.all_reduce(exact)
+    chunks, scale = exact.view(n, -1), exact.abs().max().clamp_min(1e-30)
+    buffer = torch.empty_like(source)
+    owned: list[torch.Tensor] = []
+
+    def reset() -> None:
+        buffer.copy_(source)
+        owned.clear()
+
+    def row(impl: str, transport: str, codec: str, seconds: float, chunk: int) -> dict:
+        error = ((owned[0].double() - chunks[chunk]).abs().max() / scale).item() if numel else 0.0
+        algbw = nbytes / seconds / 1e9
+        values = (nbytes, n, impl, transport, codec, seconds, algbw, algbw * (n - 1) / n, error)
+        return {**dict(zip(COLUMNS, values, strict=True)), "op": "reduce-scatter"}
+
+    def torch_scatter() -> None:
+        out = buffer.new_empty(numel // n)
+        REDUCE_SCATTER(out, buffer)
+        owned.append(out)
+
+    def ours(reducer, transport) -> None:
+        owned.append(reducer.reduce_scatter("bench", buffer, transport, False)[0])
+
+    rows = [row("torch", dist.get_backend(), "none", _time_op(torch_scatter, reset, iters, warmup), rank)]
+    for transport_name, transport in transports.items():
+        for codec_name in (codec for codec in codecs if codec in RING_CODECS):
+            if flat:
+                timed = _time_op(partial(ours, make_reducer(codec_name), transport), reset, iters, warmup)
+                rows.append(row("ring", transport_name, codec_name, timed, (rank + 1) % n))
+            if transport_name in node_groups:
+                cut = HierarchicalReducer(make_reducer(codec_name), node_groups[transport_name])
+                timed = _time_op(partial(ours, cut, transport), reset, iters, warmup)
+                rows.append(row("cut", transport_name, codec_name, timed, (rank + 1) % n))
     return rows
 
 

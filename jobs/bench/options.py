@@ -26,6 +26,8 @@ def _allreduce(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codecs", default=",".join(CODEC_NAMES), help="gradient codecs (default %(default)s)")
     parser.add_argument("--transports", help=f"ring transports: torch, mpi {TRANSPORTS}")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per row (default 5)")
+    parser.add_argument("--op", choices=("allreduce", "reduce-scatter"), default="allreduce",
+                        help="the exchange: the all-reduce, or ZeRO-2/3's reduce-scatter (default %(default)s)")
     _scopes(parser)
 
 

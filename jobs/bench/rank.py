@@ -65,7 +65,7 @@ def _allreduce(args: argparse.Namespace, _group) -> list[dict]:
 
     return bench_allreduce(
         [parse_size(s) for s in args.sizes.split(",")], args.codecs.split(","), _transports(args), iters=args.iters,
-        scopes=args.scopes.split(","),
+        scopes=args.scopes.split(","), op=args.op,
     )
 
 

@@ -14,6 +14,7 @@
 #   KIND=train CODECS=none,powersgd DDP=ddp,ddp-powersgd TRAIN_ARGS="--target-loss 2.5 --width 512" PLOT=x.png
 #   RANKS_PER_HOST=2 SCOPES=flat,inter-node: ours also cut by node (parallel.compression_scope)
 #   NICS=2: each host has 2 links, each shaped to RATE; a host's rank j talks on NIC j % NICS (a NIC per GPU)
+#   OP=reduce-scatter: ZeRO-2/3's exchange instead of the all-reduce (KIND=allreduce)
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -31,6 +32,7 @@ PLOT=${PLOT:-}
 RANKS_PER_HOST=${RANKS_PER_HOST:-1}
 SCOPES=${SCOPES:-flat}
 NICS=${NICS:-1}
+OP=${OP:-allreduce}
 HOSTS=("$@")
 [[ $# -gt 0 ]] || HOSTS=(2 4)
 
@@ -41,7 +43,7 @@ rank_options() {  # the options of `python -m jobs.bench.rank KIND` after --out
         echo --transports torch --codecs "$CODECS" --scopes "$SCOPES" --ddp "$DDP" --steps 1 --warmup 0 --rounds 1 \
             $TRAIN_ARGS
     else
-        echo --sizes "$SIZES" --codecs "$CODECS" --scopes "$SCOPES" --transports torch --iters "$ITERS"
+        echo --sizes "$SIZES" --codecs "$CODECS" --scopes "$SCOPES" --transports torch --iters "$ITERS" --op "$OP"
     fi
 }
 read -r -a options <<<"$(rank_options)"
