@@ -221,7 +221,7 @@ class Training:
     fused_head_loss: bool = False  # train.fused_head_loss: the logits made a chunk at a time, never whole
 
 
-FUSED_LOSS_CHUNK_BYTES = 4 * (1 << 26)  # parallel.tensor_parallel.FUSED_CHUNK_ELEMENTS in float32 (torch-free here)
+FUSED_LOSS_CHUNK_BYTES = 4 * (1 << 26)  # parallel.tensor_parallel.LOSS_CHUNK_ELEMENTS in float32 (torch-free here)
 MIXED_ADAM = Training(batch=1)  # Megatron-LM and ZeRO: fp16/bf16 weights and gradients, fp32 Adam state
 OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lars": 4}  # state per parameter: moments, momentum
 

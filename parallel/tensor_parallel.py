@@ -215,7 +215,12 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
-LOSS_CHUNK_ELEMENTS = 1 << 22  # logits taken to float32 at a time by the loss: 16 MiB of temporaries
+# Logits taken to float32 at a time by the loss, fused with the head or not: 256 MiB of temporaries at most, and
+# at most an eighth of the logits. Fewer, larger chunks than the 16 MiB it took before: at Llama 3's vocabulary
+# of 128k and 16k tokens, 16 MiB was 32 rows, 512 chunks and some 9,000 kernel launches a step, which the GPU
+# waited on (make bench-gpu's 128k row took 0.36 s where hpc plan predicts 0.25).
+LOSS_CHUNK_ELEMENTS = 1 << 26
+MIN_LOSS_CHUNKS = 8
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -279,11 +284,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: ProcessGro
     full-vocabulary ids, or ``ignore_index`` where a token is not counted (loss 0 and no gradient there, as
     ``F.cross_entropy(reduction="none")``); other ids outside the vocabulary are not checked (a check would read
     the device from the host)."""
-    chunk_rows = max(1, chunk_elements // logits.shape[-1])
+    chunk_rows = max(1, min(chunk_elements, logits.numel() // MIN_LOSS_CHUNKS) // logits.shape[-1])
     return _CrossEntropy.apply(logits, targets, group, ignore_index, chunk_rows)
-
-
-FUSED_CHUNK_ELEMENTS = 1 << 26  # logits made at a time by the fused head and loss: 256 MiB in float32
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -360,7 +362,7 @@ class LinearCrossEntropy(nn.Module):
     product runs in ``dtype`` (bf16 under autocast, as the head's own would), the softmax in float32."""
 
     def __init__(self, weight: nn.Parameter, group: ProcessGroup | None, dtype: torch.dtype,
-                 chunk_elements: int = FUSED_CHUNK_ELEMENTS) -> None:
+                 chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> None:
         super().__init__()
         self.weight, self.group, self.dtype, self.chunk_elements = weight, group, dtype, chunk_elements
         self.partition_dims = {"weight": 0} if group is not None else {}

@@ -130,9 +130,9 @@ def test_the_planner_counts_one_chunk_of_logits_with_the_fused_loss() -> None:
     from jobs.models.shape import spec_model
     from parallel.cluster import load_cluster
     from parallel.plan import FUSED_LOSS_CHUNK_BYTES, Layout, memory_bytes, spec_training
-    from parallel.tensor_parallel import FUSED_CHUNK_ELEMENTS
+    from parallel.tensor_parallel import LOSS_CHUNK_ELEMENTS
 
-    assert FUSED_LOSS_CHUNK_BYTES == 4 * FUSED_CHUNK_ELEMENTS
+    assert FUSED_LOSS_CHUNK_BYTES == 4 * LOSS_CHUNK_ELEMENTS
     path = Path(__file__).resolve().parents[1] / "jobs" / "bench" / "llama3b_bench.toml"
     spec, fused = load_spec(path, []), load_spec(path, ["train.fused_head_loss=true"])
     model, cluster, layout = spec_model(spec), load_cluster("h100-dgx"), Layout(1, 1, 1, 1)

@@ -90,14 +90,14 @@ def test_the_tiny_gpt_learns_the_held_out_text() -> None:
 
 
 def test_logits_past_the_chunk_size_get_the_same_loss_without_a_float32_copy() -> None:
-    """Logits larger than ``LOSS_CHUNK_ELEMENTS`` (bf16, 2 x 2048 tokens x 1100 vocabulary) are not copied to
+    """Logits larger than ``TORCH_LOSS_ELEMENTS`` (bf16, 2 x 2048 tokens x 1100 vocabulary) are not copied to
     float32 whole: the loss and its gradient are torch's on the float32 copy all the same."""
-    from parallel.tensor_parallel import LOSS_CHUNK_ELEMENTS
+    from jobs.models.gpt import TORCH_LOSS_ELEMENTS
     from tests.test_tensor_parallel import _logit_sized
 
     torch.manual_seed(0)
     logits = (torch.randn(2, 2048, 1100) * 3).bfloat16().requires_grad_()
-    assert logits.numel() > LOSS_CHUNK_ELEMENTS
+    assert logits.numel() > TORCH_LOSS_ELEMENTS
     targets = torch.randint(0, 1100, (2, 2048))
     loss = {}
     assert _logit_sized(lambda: loss.update(ours=lm_loss(logits, targets)), logits.numel()) == 0

@@ -36,7 +36,7 @@ from torch import nn
 from jobs.models.materialize import run_init
 from jobs.models.moe import MoE
 from jobs.models.protocol import moe_args
-from parallel.tensor_parallel import IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, cross_entropy, mean_over_counted
+from parallel.tensor_parallel import IGNORE_INDEX, cross_entropy, mean_over_counted
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -217,12 +217,15 @@ def build_gpt(model_cfg: ModelConfig, seed: int) -> GPT:
                model_cfg.dropout, seed, **moe_args(model_cfg))
 
 
+TORCH_LOSS_ELEMENTS = 1 << 22  # logits this small take torch's loss on a float32 copy: 16 MiB at most
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy in float32 over the targets that are not ``IGNORE_INDEX`` (-100: prompt
     tokens, as torch and Hugging Face count them; 0 when none is counted), from logits of any float dtype (bf16
     under autocast); with ``tp_group`` the logits are that group's vocabulary slices. Logits of up to
-    ``LOSS_CHUNK_ELEMENTS`` whole on one rank go through torch's own loss on a float32 copy (16 MiB at most);
+    ``TORCH_LOSS_ELEMENTS`` whole on one rank go through torch's own loss on a float32 copy (16 MiB at most);
     larger ones, or split ones, through ``parallel.tensor_parallel.cross_entropy``, which makes no copy."""
-    if tp_group is None and logits.numel() <= LOSS_CHUNK_ELEMENTS:
+    if tp_group is None and logits.numel() <= TORCH_LOSS_ELEMENTS:
         return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
     return mean_over_counted(cross_entropy(logits, targets, tp_group, IGNORE_INDEX), targets)
