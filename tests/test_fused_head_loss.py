@@ -139,3 +139,31 @@ def test_the_planner_counts_one_chunk_of_logits_with_the_fused_loss() -> None:
     saved = (memory_bytes(model, spec_training(spec, model.hidden), cluster, layout)
              - memory_bytes(model, spec_training(fused, model.hidden), cluster, layout))
     assert saved == 4 * 8 * 1024 * 128256 - FUSED_LOSS_CHUNK_BYTES
+
+
+def _train_on_gpu(world, run_dir: str, name: str, fused: bool) -> list[float]:
+    import json
+
+    from hpc.config import spec_from_dict
+    from jobs.train.loop import train
+
+    spec = spec_from_dict({
+        "job": {"run_dir": run_dir, "name": name, "seed": 5},
+        "model": {"kind": "gpt", "n_layers": 2, "n_heads": 2, "d_model": 64, "seq_len": 32},
+        "data": {"name": "licenses", "batch_size": 16},
+        "train": {"steps": 10, "lr": 3e-3, "optimizer": "adamw", "log_every": 100, "bf16_autocast": True,
+                  "fused_head_loss": fused},
+        "parallel": {"dp": 1, "tp": world.size, "pp": 1},
+    })
+    train(spec, world, build_mesh(MeshShape(1, world.size, 1), world.rank, world.device))
+    return [json.loads(line)["loss"] for line in (spec.run_path / "metrics.jsonl").open()] if world.rank == 0 else []
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tp", [1, 2])
+def test_on_the_gpu_in_bf16_the_fused_head_loss_trains_as_the_unfused_one(tmp_path, tp: int) -> None:
+    """bf16 autocast on the GPU, whole and split over TP (ranks sharing the GPU over Gloo): the fused head's bf16
+    products round as the unfused head's, so the losses stay within bf16's rounding of each other."""
+    unfused = run_ranks(tp, _train_on_gpu, str(tmp_path), "unfused", False, timeout=300, device="cuda")[0]
+    fused = run_ranks(tp, _train_on_gpu, str(tmp_path), "fused", True, timeout=300, device="cuda")[0]
+    assert len(fused) == 10 and fused == pytest.approx(unfused, rel=2e-2)
