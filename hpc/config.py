@@ -192,6 +192,9 @@ class TrainConfig:
     compile: bool = _field(False, "torch.compile each layer of this rank's stages (each transformer block, the "
                                   "embedding, the head; a model with no pipeline parts whole), as torchtitan does")
     timeline: bool = _field(False, "Chrome-trace spans of every rank in <run_path>/timeline.json (hpc/observe)")
+    profile_steps: int = _field(0, "torch.profiler over this many steps after the first 3: each rank's trace and "
+                                   "its ops by device time in <run_path>/profile/ (hpc/observe/profile.py); 0 = off",
+                                min=0)
     stall_warn_s: float = _field(
         60.0, "a rank waiting this long in a collective or pipeline receive reports who has not arrived", gt=0)
     stall_abort_s: float = _field(240.0, "past this wait the job aborts with that report instead of hanging", gt=0)

@@ -201,3 +201,14 @@ def test_bench_gpu_weighs_its_rows_against_the_issues_bars() -> None:
         "bf16 encode + decode over the device copy: 0.563x (bar >= 0.6x) NOT met",
         "async checkpoint stall over the device-to-host copy: 1.070x (bar <= 1.3x) met",
     ]
+
+
+def test_bench_gpu_keeps_the_top_of_a_profiled_row_s_ops_table(tmp_path) -> None:
+    """The profile group's rows carry their rank 0's ops table (hpc/observe/profile.py's file), cut to the top."""
+    from jobs.bench.gpu import PROFILE_LINES, profiled
+
+    (tmp_path / "run" / "profile").mkdir(parents=True)
+    (tmp_path / "run" / "profile" / "rank0.ops.txt").write_text("\n".join(f"line {i}" for i in range(100)))
+    row = profiled({"loop": "ours"}, tmp_path)
+    assert row["loop"] == "ours" and row["ops"] == [f"line {i}" for i in range(PROFILE_LINES)]
+    assert profiled({"loop": "theirs", "error": ["failed"]}, tmp_path / "none")["ops"] is None

@@ -67,6 +67,7 @@ FULL = {
         "fused_head_loss": True,
         "compile": True,
         "timeline": True,
+        "profile_steps": 5,
         "stall_warn_s": 5.0,
         "stall_abort_s": 20.0,
         "health_check": True,
@@ -269,7 +270,7 @@ def test_unknown_key_suggests_the_closest() -> None:
         "log_every, "
         "lr_reference_batch, "
         "bf16_autocast, activation_checkpointing, recompute, float8, fused_head_loss, compile, timeline, "
-        "stall_warn_s, stall_abort_s, health_check, "
+        "profile_steps, stall_warn_s, stall_abort_s, health_check, "
         "health_check_timeout_s, health_cluster, straggler_every, straggler_threshold)"
     )
 

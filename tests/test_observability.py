@@ -512,3 +512,31 @@ def test_a_link_far_below_the_cluster_files_fails_the_health_check_on_one_rank(t
         assert re.match(rf"host {socket.gethostname()} failed its health check: the link (world|dp) rank [01] -> [01] ",
                         failed[0]), failed
         assert "x the 0.00 ms that model's model gives" in failed[0]
+
+
+def _profiled_run(world, run_dir: str) -> str:
+    from hpc.runtime.mesh import MeshShape, build_mesh
+    from jobs.train.loop import train
+
+    spec = spec_from_dict({
+        "job": {"name": "profiled", "run_dir": run_dir},
+        "model": {"kind": "gpt", "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 16},
+        "data": {"name": "licenses", "batch_size": 8},
+        "train": {"steps": 7, "profile_steps": 2, "log_every": 100},
+    })
+    train(spec, world, build_mesh(MeshShape(2, 1, 1), world.rank))
+    return str(spec.run_path)
+
+
+def test_profile_steps_write_each_ranks_trace_and_its_ops_after_the_warm_up(tmp_path) -> None:
+    """train.profile_steps = 2 of 7: steps 4 and 5 (the first 3 left out) in every rank's trace, and its ops
+    table ranks the matrix products the GPT's step runs."""
+    from hpc.observe.profile import PROFILE_AFTER
+
+    run_path = Path(run_ranks(2, _profiled_run, str(tmp_path), timeout=120)[0])
+    for rank in (0, 1):
+        events = json.loads((run_path / "profile" / f"rank{rank}.trace.json").read_text())["traceEvents"]
+        steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+        assert steps == [f"ProfilerStep#{PROFILE_AFTER}", f"ProfilerStep#{PROFILE_AFTER + 1}"]
+        table = (run_path / "profile" / f"rank{rank}.ops.txt").read_text()
+        assert "aten::mm" in table and "aten::addmm" in table

@@ -11,6 +11,8 @@ run ``--repeat`` times, interleaved (ours, theirs, ours, ...), their median and 
 - Float8 (``train.float8``, rowwise and tensorwise) against bf16, compiled, on the 3.2B Llama of
   ``jobs/bench/llama3b_bench.toml``, and its loss against bf16's over the 0.72B's first 200 steps;
 - selective recompute (``train.recompute``) against full and none, compiled;
+- with ``--only profile``: ours compiled, torchtitan compiled and the 3.2B in Float8 under torch.profiler, the top of
+  each one's ops by device time in its row (``train.profile_steps``; the peers' ``--profile``);
 - with ``--only``: the ring's codecs against a device-to-device copy (``hpc bench codecs``), the asynchronous
   checkpoint's stall against the device-to-host copy (``hpc bench checkpoint``), a data-parallel step of 2 ranks
   sharing the GPU over Gloo against 1 rank (the GPT example).
@@ -66,6 +68,7 @@ def _run(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess:
 SPEC_3B = REPO / "jobs" / "bench" / "llama3b_bench.toml"
 VOCAB_128K = ["model.args.vocab_size=128256", "model.args.tie_word_embeddings=true"]  # Llama 3's tokenizer
 LOSS_TAIL = 5  # the steps whose mean loss compares two runs of the same data (Float8 against bf16)
+PROFILED, PROFILE_LINES = 3, 30  # the profile group's steps, and the ops table's lines a row keeps
 LOSS_STEPS = 200  # issue 44: Float8's loss within 1% of bf16's over the bench model's first 200 steps
 FLOAT8_RECIPES = ("rowwise", "tensorwise")
 FLOAT8_LOSS_RECIPE = "tensorwise"  # the faster recipe in torchao's tables: the one a speed bar needs
@@ -146,6 +149,14 @@ def rows(out: Path, steps: int, repeat: int, only: Sequence[str], timeout_s: flo
         ("head-loss-kept", lambda: ours("128k", out, [*VOCAB_128K, *compiled], steps)),
         ("head-loss-kept", lambda: ours("128k fused", out, [*VOCAB_128K, *compiled, *fused], steps)),
         ("titan-eager", lambda: peer("torchtitan eager", "jobs.bench.titan_llama", [], steps)),
+        ("profile", lambda: profiled(ours("ours compiled profiled", out, [*compiled, f"train.profile_steps={PROFILED}"],
+                                          steps), out / "ours-compiled-profiled")),
+        ("profile", lambda: profiled(peer("torchtitan compiled profiled", "jobs.bench.titan_llama",
+                                          ["--compile", "--profile", str(PROFILED), "--profile-dir",
+                                           str(out / "titan-profile")], steps), out / "titan-profile")),
+        ("profile", lambda: profiled(ours("3b float8 tensorwise profiled", out,
+                                          [*compiled, "train.float8=tensorwise", f"train.profile_steps={PROFILED}"],
+                                          steps, spec=SPEC_3B), out / "3b-float8-tensorwise-profiled")),
         ("codecs", lambda: bench_output("codecs", ["codecs", "--json"])),
         ("checkpoint", lambda: bench_output("checkpoint", ["checkpoint", "-n", "1", "--size", "512M", "--iters", "3",
                                                            "--json", "--launcher", "local", "--device", "cuda",
@@ -156,6 +167,12 @@ def rows(out: Path, steps: int, repeat: int, only: Sequence[str], timeout_s: flo
     order = only or DEFAULT_GROUPS
     return sorted(((group, thunk) for group, thunk in table if group in order),
                   key=lambda row: order.index(row[0]))  # stable: a group's rows keep their order
+
+
+def profiled(row: dict, where: Path) -> dict:
+    """A row with the top of its rank 0's ops table (torch.profiler, by device time) from under ``where``."""
+    tables = sorted(where.glob("**/rank0.ops.txt"))
+    return {**row, "ops": tables[0].read_text().splitlines()[:PROFILE_LINES] if tables else None}
 
 
 def _json_lines(row: dict | None) -> list[dict]:

@@ -32,16 +32,22 @@ def bench_settings(spec_path: Path = SPEC) -> dict:
             "lr": train["lr"], "weight_decay": train["weight_decay"], "clip": train["grad_clip"]}
 
 
-def train_steps(model: Any, forward: Callable, loss_fn: Callable, settings: dict, steps: int, warmup: int) -> dict:
+def train_steps(model: Any, forward: Callable, loss_fn: Callable, settings: dict, steps: int, warmup: int,
+                profile: int = 0, profile_dir: str = "") -> dict:
     """``steps`` steps of bf16-autocast forward, ``loss_fn(logits, targets)``, backward, foreach clipping and fused
     AdamW on random tokens; the median device time between steps' ends after ``warmup`` steps, the loss read
-    once at the end (an expert's loop does not synchronize every step)."""
+    once at the end (an expert's loop does not synchronize every step). ``profile``: torch.profiler over that
+    many steps after the first 3, written to ``profile_dir`` as our trainer writes its own
+    (hpc/observe/profile.py)."""
     import torch
+
+    from hpc.observe.profile import StepProfiler
 
     args, batch, seq = settings["args"], settings["batch"], settings["seq_len"]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings["lr"], weight_decay=settings["weight_decay"], fused=True)
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    profiler = StepProfiler(profile, Path(profile_dir), 0, torch.device("cuda"))
     ends[0].record()
     for step in range(steps):
         ids = torch.randint(0, args["vocab_size"], (batch, seq + 1), device="cuda")
@@ -53,6 +59,8 @@ def train_steps(model: Any, forward: Callable, loss_fn: Callable, settings: dict
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ends[step + 1].record()
+        profiler.step()
+    profiler.close()
     final_loss = loss.item()
     torch.cuda.synchronize()
     step_s = statistics.median(ends[i].elapsed_time(ends[i + 1]) / 1e3 for i in range(warmup, steps))
@@ -70,6 +78,8 @@ def loop_arguments(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--spec", default=str(SPEC), help="the job spec whose model, batch and optimizer to use")
+    parser.add_argument("--profile", type=int, default=0, help="torch.profiler over this many steps after the first 3")
+    parser.add_argument("--profile-dir", default="profile", help="where --profile writes its trace and ops table")
     return parser
 
 
@@ -89,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     result = train_steps(model, lambda ids: forward(input_ids=ids, use_cache=False).logits, loss_fn, settings,
-                         args.steps, args.warmup)
+                         args.steps, args.warmup, args.profile, args.profile_dir)
     print(json.dumps({"loop": "plain" + (" compiled" if args.compile else " eager"), **result}))
     return 0
 

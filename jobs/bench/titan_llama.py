@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loss_fn = torch.compile(loss_fn)
     tokens = settings["batch"] * settings["seq_len"]
     result = train_steps(model, model, lambda logits, targets: loss_fn(logits, targets) / tokens, settings,
-                         args.steps, args.warmup)
+                         args.steps, args.warmup, args.profile, args.profile_dir)
     import torchtitan
     print(json.dumps({"loop": "torchtitan" + (" compiled" if args.compile else " eager"),
                       "torchtitan": getattr(torchtitan, "__version__", TORCHTITAN_VERSION), **result}))

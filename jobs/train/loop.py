@@ -28,6 +28,7 @@ from hpc.errors import ConfigError, DeviceOutOfMemoryError, LayoutError, NodeUnh
 from hpc.observe.health import HealthReport, Link, check_mesh, check_nodes, slow_links
 from hpc.observe.metrics import RANK_TOTALS, device_peak_flops, peak_memory_bytes, write_rank_totals
 from hpc.observe.probe import Probe
+from hpc.observe.profile import StepProfiler
 from hpc.observe.progress import Progress
 from hpc.observe.stall import StallWatch
 from hpc.observe.straggler import Straggler, StragglerWatch
@@ -213,12 +214,14 @@ def _train(
     if probe.timeline is not None:
         dist.barrier()  # time zero, the same instant on every rank
         probe.timeline.start()
+    profiler = StepProfiler(spec.train.profile_steps, spec.run_path, world.rank, mesh.device)
     started = records.restart_clock()
     try:
         for step in range(start_step, spec.train.steps):
             report = steps.run(step)
             with probe.span("step report"):  # the step before's, once the device finished it (a GPU's runs on)
                 records.hold(report)
+            profiler.step()
             _checkpoint_or_stop(spec, step + 1, run, state, probe, records, start_step)
         records.settle()
         run.wait_for_saves()
@@ -227,6 +230,7 @@ def _train(
         records.settle()  # the last step that fitted, which the loop held, is in the metrics
         raise DeviceOutOfMemoryError(out_of_memory(mesh.device, world.rank, socket.gethostname())) from None
     finally:
+        profiler.close()
         steps.optimizer.close()
         records.close()
     wall = time.perf_counter() - started
