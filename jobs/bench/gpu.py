@@ -73,7 +73,7 @@ LOSS_STEPS = 200  # issue 44: Float8's loss within 1% of bf16's over the bench m
 FLOAT8_RECIPES = ("rowwise", "tensorwise")
 FLOAT8_LOSS_RECIPE = "tensorwise"  # the faster recipe in torchao's tables: the one a speed bar needs
 # the order a default run takes: the open bars first, what the last lease left unmeasured before the rest
-DEFAULT_GROUPS = ("head-loss", "float8", "compiled", "selective", "float8-loss", "eager", "head-loss-kept",
+DEFAULT_GROUPS = ("profile", "head-loss", "float8", "compiled", "selective", "float8-loss", "eager", "head-loss-kept",
                   "titan-eager")
 
 
