@@ -55,7 +55,7 @@ def test_the_cpu_is_refused_in_one_line_naming_the_key() -> None:
     check_float8_here(_spec("/tmp", "x", "off"))
 
 
-def _emulated_steps(world, tp: int, recipe: str, steps: int = 8):
+def _emulated_steps(world, tp: int, recipe: str, steps: int = 8, compile: bool = False):
     """The GPT split over ``tp`` ranks, its blocks converted with torchao's emulated Float8 (the casts and scales
     of the GPU's, the product in float32), trained ``steps`` steps of Adam in one process: the losses, and the
     blocks' layers converted (Float8Linear, or a TP layer's Float8 product)."""
@@ -73,6 +73,8 @@ def _emulated_steps(world, tp: int, recipe: str, steps: int = 8):
     if group is not None:
         parallelize_tp(model, model.tp_plan, group)
     count = apply_float8(list(model.blocks), recipe, torch.device("cpu"), emulate=True)
+    for block in model.blocks if compile else ():  # as the trainer does: converted, then compiled
+        block.compile()
     converted = sorted(name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"
                        or getattr(m, "product", None) not in (None, nn.functional.linear))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -103,6 +105,15 @@ def test_emulated_float8_converts_the_blocks_and_trains_alike_whole_and_split_ov
     for count, converted, split in run_ranks(2, _emulated_steps, 2, recipe):
         assert (count, converted) == (len(blocks), sorted(blocks))
         assert split == pytest.approx(whole, rel=0.02) and split != whole
+
+
+def test_emulated_float8_compiled_under_tp_trains_as_compiled_tp1() -> None:
+    """train.compile over converted blocks: torchao's Float8 matmul and our TP shards' Float8Product traced into
+    each block's graph; TP=2 within the same bound of TP=1."""
+    pytest.importorskip("torchao")
+    ((_, _, whole),) = run_ranks(1, _emulated_steps, 1, "rowwise", 4, True, timeout=300)
+    for _, _, split in run_ranks(2, _emulated_steps, 2, "rowwise", 4, True, timeout=300):
+        assert split == pytest.approx(whole, rel=0.02)
 
 
 def _train(world, run_dir: str, cases):
