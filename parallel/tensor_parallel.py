@@ -223,6 +223,36 @@ LOSS_CHUNK_ELEMENTS = 1 << 26
 MIN_LOSS_CHUNKS = 8
 
 
+def _slice_targets(targets: torch.Tensor, local_vocab: int, group: ProcessGroup | None, chunk_rows: int,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[slice]]:
+    """The targets as this rank's vocabulary slice (``group``'s rank-th, or the whole) indexes them: (the flat
+    targets, their ids in the slice, 0 where outside, the outside mask) and the rows' chunks."""
+    flat_targets = targets.reshape(-1)
+    vocab_start = dist.get_rank(group) * local_vocab if group is not None else 0
+    local_targets = flat_targets - vocab_start
+    outside = (local_targets < 0) | (local_targets >= local_vocab)
+    chunks = [slice(start, start + chunk_rows) for start in range(0, len(flat_targets), chunk_rows)]
+    return flat_targets, local_targets.masked_fill(outside, 0), outside, chunks
+
+
+def _join_slices(sums: torch.Tensor, outside: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Per token, (the sum of exponentials, the target logit) over the whole vocabulary from each slice's (all
+    below the same row max): the target logit counted by the slice holding it."""
+    sums[1].masked_fill_(outside, 0.0)
+    if group is not None:
+        with group_collective(group, "loss sums all-reduce"):
+            dist.all_reduce(sums, group=group)
+    return sums
+
+
+def _logit_gradient(logits: torch.Tensor, rows: slice, local_targets: torch.Tensor, hit: torch.Tensor,
+                    row_max: torch.Tensor, sum_exp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(softmax - one_hot(target)) * scale`` of one chunk's float32 ``logits``, in place."""
+    softmax = (logits - row_max[rows].unsqueeze(-1)).exp_().div_(sum_exp[rows].unsqueeze(-1))
+    softmax.scatter_add_(-1, local_targets[rows].unsqueeze(-1), -hit[rows])
+    return softmax.mul_(scale[rows])
+
+
 class _CrossEntropy(torch.autograd.Function):
     """forward: per-token cross-entropy, the logits read ``chunk_rows`` rows at a time in float32, so no copy of
     the whole logits is made (at a vocabulary of 128k and 16k tokens a float32 copy is 8 GiB). With a group the
@@ -234,13 +264,8 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: ProcessGroup | None, ignore_index: int,
                 chunk_rows: int) -> torch.Tensor:
-        flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        local_vocab = flat.shape[1]
-        vocab_start = dist.get_rank(group) * local_vocab if group is not None else 0
-        local_targets = flat_targets - vocab_start
-        outside = (local_targets < 0) | (local_targets >= local_vocab)
-        local_targets = local_targets.masked_fill(outside, 0)
-        chunks = [slice(start, start + chunk_rows) for start in range(0, len(flat), chunk_rows)]
+        flat = logits.reshape(-1, logits.shape[-1])
+        flat_targets, local_targets, outside, chunks = _slice_targets(targets, flat.shape[1], group, chunk_rows)
         row_max = torch.empty(len(flat), dtype=torch.float32, device=flat.device)
         for rows in chunks:
             row_max[rows] = flat[rows].amax(dim=-1)  # exact in float32 whatever the logits' dtype
@@ -252,11 +277,7 @@ class _CrossEntropy(torch.autograd.Function):
             shifted = flat[rows].float() - row_max[rows].unsqueeze(-1)
             sums[1, rows] = shifted.gather(-1, local_targets[rows].unsqueeze(-1)).squeeze(-1)
             sums[0, rows] = shifted.exp_().sum(dim=-1)
-        sums[1].masked_fill_(outside, 0.0)
-        if group is not None:
-            with group_collective(group, "loss sums all-reduce"):
-                dist.all_reduce(sums, group=group)
-        sum_exp, target_logit = sums
+        sum_exp, target_logit = _join_slices(sums, outside, group)
         ignored = flat_targets == ignore_index
         ctx.save_for_backward(logits, local_targets, outside, ignored, row_max, sum_exp)
         ctx.chunks = chunks
@@ -270,9 +291,7 @@ class _CrossEntropy(torch.autograd.Function):
         hit = (~outside).to(torch.float32).unsqueeze(-1)
         scale = grad_loss.reshape(-1).masked_fill(ignored, 0.0).unsqueeze(-1)
         for rows in ctx.chunks:
-            softmax = (flat[rows].float() - row_max[rows].unsqueeze(-1)).exp_().div_(sum_exp[rows].unsqueeze(-1))
-            softmax.scatter_add_(-1, local_targets[rows].unsqueeze(-1), -hit[rows])
-            grad[rows] = softmax.mul_(scale[rows])
+            grad[rows] = _logit_gradient(flat[rows].float(), rows, local_targets, hit, row_max, sum_exp, scale)
         return grad.view_as(logits), None, None, None, None
 
 
@@ -300,13 +319,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 group: ProcessGroup | None, ignore_index: int, chunk_rows: int, dtype: torch.dtype) -> torch.Tensor:
-        flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        local_vocab = weight.shape[0]
-        vocab_start = dist.get_rank(group) * local_vocab if group is not None else 0
-        local_targets = flat_targets - vocab_start
-        outside = (local_targets < 0) | (local_targets >= local_vocab)
-        local_targets = local_targets.masked_fill(outside, 0)
-        chunks = [slice(start, start + chunk_rows) for start in range(0, len(flat), chunk_rows)]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        flat_targets, local_targets, outside, chunks = _slice_targets(targets, weight.shape[0], group, chunk_rows)
         low = weight.to(dtype)
         row_max = torch.empty(len(flat), dtype=torch.float32, device=flat.device)
         sums = torch.empty(2, len(flat), dtype=torch.float32, device=flat.device)  # exponentials, target logit
@@ -323,11 +337,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             shift = local_max - row_max
             sums[0] *= shift.exp()
             sums[1] += shift
-        sums[1].masked_fill_(outside, 0.0)
-        if group is not None:
-            with group_collective(group, "loss sums all-reduce"):
-                dist.all_reduce(sums, group=group)
-        sum_exp, target_logit = sums
+        sum_exp, target_logit = _join_slices(sums, outside, group)
         ignored = flat_targets == ignore_index
         ctx.save_for_backward(hidden, weight, local_targets, outside, ignored, row_max, sum_exp)
         ctx.chunks, ctx.dtype = chunks, dtype
@@ -344,10 +354,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.reshape(-1).masked_fill(ignored, 0.0).unsqueeze(-1)
         for rows in ctx.chunks:
             inputs = flat[rows].to(ctx.dtype)
-            softmax = (F.linear(inputs, low).float() - row_max[rows].unsqueeze(-1)).exp_()
-            softmax.div_(sum_exp[rows].unsqueeze(-1))
-            softmax.scatter_add_(-1, local_targets[rows].unsqueeze(-1), -hit[rows])
-            grad_logits = softmax.mul_(scale[rows]).to(ctx.dtype)
+            logits = F.linear(inputs, low).float()
+            grad_logits = _logit_gradient(logits, rows, local_targets, hit, row_max, sum_exp, scale).to(ctx.dtype)
             grad_hidden[rows] = grad_logits @ low
             grad_weight += grad_logits.t() @ inputs
         return grad_hidden.view_as(hidden), grad_weight, None, None, None, None, None
