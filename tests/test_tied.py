@@ -34,7 +34,7 @@ MASKED = {"entry": "tests.test_finetune:masked_licenses", "args": {"seq_len": SE
 
 def tied_spec(run_dir: str, name: str, layout, model_type: str = "llama", steps: int = 10, microbatches: int = 1,
               schedule: str = "1f1b", virtual: int = 1, zero: int = 0, freeze=(), masked: bool = False,
-              every: int = 0, resume: str = "never", device: str = "cpu"):
+              every: int = 0, resume: str = "never", device: str = "cpu", fused: bool = False):
     dp, tp, pp = layout
     return spec_from_dict({
         "job": {"run_dir": run_dir, "name": name, "seed": 5},
@@ -42,7 +42,7 @@ def tied_spec(run_dir: str, name: str, layout, model_type: str = "llama", steps:
                   "seq_len": SEQ},
         "data": {**(MASKED if masked else {"name": "licenses"}), "batch_size": 8},
         "train": {"steps": steps, "lr": LR, "optimizer": "adam", "grad_clip": CLIP, "log_every": 100,
-                  "freeze": list(freeze)},
+                  "freeze": list(freeze), "fused_head_loss": fused},
         "parallel": {"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "microbatches": microbatches,
                      "virtual_stages": virtual, "zero": zero,
                      **({"device": device, "backend": "gloo"} if device != "cpu" else {})},
@@ -118,8 +118,10 @@ TWO_RANKS = [("pp2", (1, 1, 2), {"microbatches": 2, "every": 10}),
              ("masked-pp2", (1, 1, 2), {"microbatches": 2, "masked": True})]
 FOUR_RANKS = [("tp2-pp2", (1, 2, 2), {"microbatches": 2, "every": 10}),
               ("qwen2-tp2-pp2", (1, 2, 2), {"microbatches": 2, "model_type": "qwen2"}),
-              *[(f"dp2-pp2-zero{z}", (2, 1, 2), {"microbatches": 2, "zero": z}) for z in (1, 2, 3)]]
-REFERENCES = {"single": ["pp2", "pp2-interleaved", "tp2-pp2", "dp2-pp2-zero1", "dp2-pp2-zero2", "dp2-pp2-zero3"],
+              *[(f"dp2-pp2-zero{z}", (2, 1, 2), {"microbatches": 2, "zero": z}) for z in (1, 2, 3)],
+              ("fused-tp2-pp2", (1, 2, 2), {"microbatches": 2, "fused": True})]  # the head's loss fused, on pp 1
+REFERENCES = {"single": ["pp2", "pp2-interleaved", "tp2-pp2", "dp2-pp2-zero1", "dp2-pp2-zero2", "dp2-pp2-zero3",
+                         "fused-tp2-pp2"],
               "qwen2-single": ["qwen2-tp2-pp2"], "frozen-single": ["frozen-pp2"], "masked-single": ["masked-pp2"]}
 # a checkpoint of pp = 2 resumed under pp = 1, and one of pp = 1 under pp = 2, both to step 20
 RESUMES = [("pp2-to-pp1", (1, 1, 1), {"steps": 20, "resume": ("pp2", 10)}),
