@@ -489,6 +489,38 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     )
 
 
+# The codecs hpc plan weighs for a layout's DP exchange: the near-exact ones with error feedback, whose loss curve
+# follows the uncompressed one (docs/BENCHMARKS.md: time to loss); top-k and PowerSGD change the optimization too
+# much to be chosen for speed alone. "Pays": saves at least this share of the step.
+ADVISED_CODECS = ("none", "bf16", "int8")
+PAYS = 0.05
+
+
+def compression_advice(model: Transformer, train: Training, cluster: Cluster, gpus: int,
+                       zero_stages: tuple[int, ...] = (0,)) -> dict[str, Any] | None:
+    """Each of ``ADVISED_CODECS`` (flat, and cut by node) planned over every layout: the fastest, recommended only
+    where its step is ``PAYS`` shorter than the fastest uncompressed layout's, else none. None when nothing fits.
+    ``scope`` is where the codec runs: flat, or inter-node (parallel/hierarchy.py)."""
+    from parallel.compression.wire import wire_ratio
+
+    best = {}
+    for codec in ADVISED_CODECS:
+        for scope in ("flat", "inter-node") if codec != "none" else ("flat",):
+            trial = replace(train, wire_ratio=wire_ratio(codec, train.grad_bytes), compression_scope=scope)
+            fitting = plan(model, trial, cluster, gpus, zero_stages).fitting
+            if fitting:
+                best[codec, scope] = fitting[0]
+    if ("none", "flat") not in best:
+        return None
+    exact = best["none", "flat"]
+    (codec, scope), fastest = min(best.items(), key=lambda item: item[1].step_s)
+    if fastest.step_s > (1 - PAYS) * exact.step_s:
+        (codec, scope), fastest = ("none", "flat"), exact
+    return {"codec": codec, "scope": scope, "layout": fastest.layout.label(), "step_s": fastest.step_s,
+            "uncompressed_step_s": exact.step_s,
+            "steps": {f"{c} {s}": e.step_s for (c, s), e in best.items()}}
+
+
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted({*small, *(n // d for d in small)})

@@ -646,3 +646,19 @@ def test_a_tied_head_is_counted_once_on_one_stage_and_as_a_copy_on_the_last_of_a
     assert stage_params(tied, two) == stage_params(untied, two)
     cluster = load_cluster("h100-dgx")
     assert memory_bytes(tied, MIXED_ADAM, cluster, two) == memory_bytes(untied, MIXED_ADAM, cluster, two)
+
+
+def test_compression_is_recommended_only_where_it_pays() -> None:
+    """On NVLink nodes joined by 400 Gbit/s a GPT's DP exchange hides behind backward: no codec pays. Joined by
+    10 Gbit/s it does not: int8 cut by node (the codec across nodes only) wins, at a layout with more DP than the
+    uncompressed plan's, at least PAYS shorter."""
+    from parallel.plan import PAYS, compression_advice
+
+    model = Transformer(24, 2048, 16, 2048, 51200)
+    train = replace(MIXED_ADAM, batch=256)
+    fast = compression_advice(model, train, load_cluster("h100-dgx"), 32)
+    assert (fast["codec"], fast["scope"], fast["step_s"]) == ("none", "flat", fast["uncompressed_step_s"])
+    slow = compression_advice(model, train, Cluster(inter_gbps=1.25, inter_alpha_us=50), 32)
+    assert (slow["codec"], slow["scope"]) == ("int8", "inter-node")
+    assert slow["step_s"] <= (1 - PAYS) * slow["uncompressed_step_s"]
+    assert slow["steps"]["int8 inter-node"] < slow["steps"]["int8 flat"] < slow["steps"]["none flat"]

@@ -106,6 +106,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_layout(args, model, train, cluster, want)
     result = _checkpointing(args, plan(model, train, cluster, args.gpus, (0, 1, 2, 3) if args.zero else (0,)))
     _print_plan(args, model, train, cluster, result)
+    if result.fitting and not args.json:
+        print(plan_text.compression_line(plan_text.advice(model, train, cluster, args.gpus, result)))
     if spec is not None and result.fitting and not args.json:
         from parallel.plan import spec_layout
 

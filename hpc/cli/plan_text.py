@@ -90,6 +90,25 @@ def spec_layout_line(lay, result, gpus: int) -> str:
             f"among the fitting layouts of {gpus} ranks")
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def compression_line(advice: dict | None) -> str:
+    """What ``parallel.plan.compression_advice`` says, in one line."""
+    if advice is None:
+        return "compression: nothing fits to compare"
+    exact = advice["uncompressed_step_s"]
+    if advice["codec"] == "none":
+        best, seconds = min(advice["steps"].items(), key=lambda item: item[1])
+        return (f"compression: none pays here (the fastest, {best}, saves {1 - seconds / exact:.0%} of the best "
+                f"uncompressed step, {_duration(exact)})")
+    where = "across nodes only" if advice["scope"] == "inter-node" else "on every hop"
+    return (f"compression: {advice['codec']} {where} pays: {advice['layout']} with parallel.compression = "
+            f"\"{advice['codec']}\", compression_scope = \"{advice['scope']}\", {_duration(advice['step_s'])} a "
+            f"step against {_duration(exact)} uncompressed ({advice['step_s'] / exact - 1:+.0%})")
+
+
 def plan_json(model, train, cluster, gpus: int, result, top: int, asked: str | None) -> dict:
     """The plan as one JSON object; with --layout (``asked``), that and, when none of its layouts fits, the
     leanest."""
@@ -97,9 +116,20 @@ def plan_json(model, train, cluster, gpus: int, result, top: int, asked: str | N
     out = {"model": {**asdict(model), "params": model.params}, "training": asdict(train), "cluster": asdict(cluster),
            "gpus": gpus, "considered": result.considered, "fitting": len(result.fitting),
            "capacity_bytes": result.capacity_bytes, "shortfall_bytes": result.shortfall_bytes,
-           "recommended": rows[0] if rows else None, "layouts": rows}
+           "recommended": rows[0] if rows else None, "layouts": rows,
+           "compression": advice(model, train, cluster, gpus, result)}
     if asked:
         lean = result.leanest
         out.update(layout_asked=asked,
                    leanest={**asdict(lean), "shares": lean.shares()} if lean and not result.fitting else None)
     return out
+
+
+def advice(model, train, cluster, gpus: int, result) -> dict | None:
+    """``compression_advice`` over the plan's ZeRO stages; None when nothing fits."""
+    from parallel.plan import compression_advice
+
+    if not result.fitting:
+        return None
+    zero = (0, 1, 2, 3) if any(e.layout.zero for e in result.fitting) else (0,)
+    return compression_advice(model, train, cluster, gpus, zero)
