@@ -44,6 +44,8 @@ def _pp(schedule: str, tp: int = 1, virtual: int = 1) -> tuple[str, ...]:
 # with each ZeRO stage, TP, PP with each schedule, and one rank; two of four ranks on the two cores.
 CASES = (
     Case("one rank", 1, _dp()),
+    Case("one rank ckpt", 1, (*_dp(), "train.activation_checkpointing=true")),
+    Case("one rank sac", 1, (*_dp(), "train.activation_checkpointing=true", "train.recompute=selective")),
     Case("dp=2", 2, _dp()),
     Case("dp=2 fp16", 2, _dp("fp16")),
     Case("dp=2 zero=1", 2, _dp(zero=1)),
