@@ -245,10 +245,11 @@ def _join_slices(sums: torch.Tensor, outside: torch.Tensor, group: ProcessGroup 
     return sums
 
 
-def _logit_gradient(logits: torch.Tensor, rows: slice, local_targets: torch.Tensor, hit: torch.Tensor,
-                    row_max: torch.Tensor, sum_exp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``(softmax - one_hot(target)) * scale`` of one chunk's float32 ``logits``, in place."""
-    softmax = (logits - row_max[rows].unsqueeze(-1)).exp_().div_(sum_exp[rows].unsqueeze(-1))
+def _softmax_gradient(exponentials: torch.Tensor, rows: slice, local_targets: torch.Tensor, hit: torch.Tensor,
+                      sum_exp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(softmax - one_hot(target)) * scale`` of one chunk from its float32 ``exp(logit - row max)``, in place;
+    ``hit``: a float32 column, 1 where the row's target is in this slice of the vocabulary."""
+    softmax = exponentials.div_(sum_exp[rows].unsqueeze(-1))
     softmax.scatter_add_(-1, local_targets[rows].unsqueeze(-1), -hit[rows])
     return softmax.mul_(scale[rows])
 
@@ -291,7 +292,8 @@ class _CrossEntropy(torch.autograd.Function):
         hit = (~outside).to(torch.float32).unsqueeze(-1)
         scale = grad_loss.reshape(-1).masked_fill(ignored, 0.0).unsqueeze(-1)
         for rows in ctx.chunks:
-            grad[rows] = _logit_gradient(flat[rows].float(), rows, local_targets, hit, row_max, sum_exp, scale)
+            exponentials = (flat[rows].float() - row_max[rows].unsqueeze(-1)).exp_()
+            grad[rows] = _softmax_gradient(exponentials, rows, local_targets, hit, sum_exp, scale)
         return grad.view_as(logits), None, None, None, None
 
 
@@ -308,12 +310,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: ProcessGro
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """forward: per-token cross-entropy of ``hidden @ weight^T``, the logits made ``chunk_rows`` rows at a time
-    (the product in ``dtype``, the softmax's numbers in float32) and dropped, so they are never whole; per chunk
-    the row max, the sum of exponentials below it and the target logit, and with a group (``weight`` a
-    vocabulary slice) two all-reduces of per-token numbers join the ranks' slices. backward: each chunk's logits
-    made again, ``softmax - one_hot(target)`` into the hidden state's gradient (one matmul) and the weight's
-    (another, summed over the chunks in the weight's dtype); no communication (the hidden state's gradient is
+    """forward: the mean over the counted targets (not ``ignore_index``) of the cross-entropy of
+    ``hidden @ weight^T``, the logits made ``chunk_rows`` rows at a time (the product in ``dtype``, the softmax's
+    numbers in float32) and dropped, so they are never whole. Whole (no group), each chunk's rows are complete,
+    so their gradients are made at once from the same chunk, into the hidden state's (one matmul) and the
+    weight's (another, summed over the chunks in the weight's dtype), as Liger's fused linear cross-entropy
+    does: backward only scales them, and nothing is made twice. Split over a group (``weight`` a vocabulary
+    slice), the row max and the sum of exponentials need every rank's slice first (two all-reduces of per-token
+    numbers), so backward makes each chunk's logits again; no communication there (the hidden state's gradient is
     summed over the group by ``copy_to_tp`` before it)."""
 
     @staticmethod
@@ -321,15 +325,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 group: ProcessGroup | None, ignore_index: int, chunk_rows: int, dtype: torch.dtype) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
         flat_targets, local_targets, outside, chunks = _slice_targets(targets, weight.shape[0], group, chunk_rows)
+        counted = flat_targets != ignore_index
+        row_weight = counted.to(torch.float32) / counted.sum().clamp(min=1)  # the mean over the counted targets
         low = weight.to(dtype)
+        ahead = group is None and any(ctx.needs_input_grad[:2])  # the gradients made in the forward pass
+        grad_hidden = torch.empty_like(flat) if ahead else None
+        grad_weight = torch.zeros_like(weight) if ahead else None
+        every = torch.ones(len(flat), 1, dtype=torch.float32, device=flat.device)  # whole: each target is here
         row_max = torch.empty(len(flat), dtype=torch.float32, device=flat.device)
         sums = torch.empty(2, len(flat), dtype=torch.float32, device=flat.device)  # exponentials, target logit
         for rows in chunks:
-            logits = F.linear(flat[rows].to(dtype), low).float()
+            inputs = flat[rows].to(dtype)
+            logits = F.linear(inputs, low).float()
             row_max[rows] = logits.amax(dim=-1)
             logits -= row_max[rows].unsqueeze(-1)
             sums[1, rows] = logits.gather(-1, local_targets[rows].unsqueeze(-1)).squeeze(-1)
             sums[0, rows] = logits.exp_().sum(dim=-1)
+            if ahead:  # exp(logit - max), made above: the softmax's numerators
+                grad_logits = _softmax_gradient(logits, rows, local_targets, every, sums[0], row_weight.unsqueeze(-1))
+                grad_hidden[rows] = grad_logits.to(dtype) @ low
+                grad_weight += grad_logits.to(dtype).t() @ inputs
         if group is not None:  # each rank's sums are below its own max: rescale them below the group's
             local_max = row_max.clone()
             with group_collective(group, "loss max all-reduce"):
@@ -338,24 +353,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sums[0] *= shift.exp()
             sums[1] += shift
         sum_exp, target_logit = _join_slices(sums, outside, group)
-        ignored = flat_targets == ignore_index
-        ctx.save_for_backward(hidden, weight, local_targets, outside, ignored, row_max, sum_exp)
-        ctx.chunks, ctx.dtype = chunks, dtype
-        return (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0).view(targets.shape)
+        loss = ((sum_exp.log() - target_logit) * row_weight).sum()
+        if ahead:
+            ctx.save_for_backward(grad_hidden.view_as(hidden), grad_weight)
+        else:
+            ctx.save_for_backward(hidden, weight, local_targets, outside, row_weight, row_max, sum_exp)
+        ctx.ahead, ctx.chunks, ctx.dtype = ahead, chunks, dtype
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, local_targets, outside, ignored, row_max, sum_exp = ctx.saved_tensors
+        if ctx.ahead:
+            grad_hidden, grad_weight = ctx.saved_tensors
+            return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None
+        hidden, weight, local_targets, outside, row_weight, row_max, sum_exp = ctx.saved_tensors
         flat = hidden.reshape(-1, hidden.shape[-1])
         low = weight.to(ctx.dtype)
         grad_hidden = torch.empty_like(flat)
         grad_weight = torch.zeros_like(weight)
         hit = (~outside).to(torch.float32).unsqueeze(-1)
-        scale = grad_loss.reshape(-1).masked_fill(ignored, 0.0).unsqueeze(-1)
+        scale = (row_weight * grad_loss).unsqueeze(-1)
         for rows in ctx.chunks:
             inputs = flat[rows].to(ctx.dtype)
-            logits = F.linear(inputs, low).float()
-            grad_logits = _logit_gradient(logits, rows, local_targets, hit, row_max, sum_exp, scale).to(ctx.dtype)
+            logits = (F.linear(inputs, low).float() - row_max[rows].unsqueeze(-1)).exp_()
+            grad_logits = _softmax_gradient(logits, rows, local_targets, hit, sum_exp, scale).to(ctx.dtype)
             grad_hidden[rows] = grad_logits @ low
             grad_weight += grad_logits.t() @ inputs
         return grad_hidden.view_as(hidden), grad_weight, None, None, None, None, None
@@ -363,9 +384,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 class LinearCrossEntropy(nn.Module):
     """An LM head fused with its loss (``train.fused_head_loss``): called with the head's input and the targets,
-    it returns per-token cross-entropy (float32, ``reduction="none"``, 0 at ``ignore_index``) without the logits
-    ever being whole (``_LinearCrossEntropy``); called with the input alone it returns it unchanged, so the model's
-    own head module passes its normed hidden state on to the loss. It holds the head's weight under the head's
+    it returns their mean cross-entropy over the targets that are not ``ignore_index`` (float32; 0 when none is),
+    the logits never whole (``_LinearCrossEntropy``); called with the input alone it returns it unchanged, so the
+    model's own head module passes its normed hidden state on to the loss. It holds the head's weight under the head's
     name (checkpoints unchanged): whole, or a ``ColumnParallelLinear``'s vocabulary slice with its group. The
     product runs in ``dtype`` (bf16 under autocast, as the head's own would), the softmax in float32."""
 

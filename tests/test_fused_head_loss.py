@@ -23,7 +23,7 @@ def _case(dtype_name: str = "float32"):
     hidden = torch.randn(*TOKENS, HIDDEN, requires_grad=True)
     weight = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN) * 0.5)
     targets = torch.randint(0, VOCAB, TOKENS).index_fill_(1, torch.tensor(IGNORED), -100)
-    upstream = torch.rand(TOKENS)
+    upstream = torch.tensor(0.7)  # the loss's gradient from above (a loss scale, a microbatch's share)
     return hidden, weight, targets, upstream
 
 
@@ -31,8 +31,8 @@ def _unfused(hidden, weight, targets, upstream):
     import torch
     import torch.nn.functional as F
 
-    losses = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), targets.flatten(), reduction="none")
-    return losses.view(TOKENS), torch.autograd.grad((losses.view(TOKENS) * upstream).sum(), (hidden, weight))
+    loss = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), targets.flatten())  # the mean, -100 left out
+    return loss, torch.autograd.grad(loss * upstream, (hidden, weight))
 
 
 def _fused(hidden, weight, targets, upstream, chunk_elements, dtype=None, group=None):
@@ -42,14 +42,14 @@ def _fused(hidden, weight, targets, upstream, chunk_elements, dtype=None, group=
 
     head = LinearCrossEntropy(weight, group, dtype or torch.float32, chunk_elements)
     assert head(hidden) is hidden  # the model's own head call passes the hidden state on
-    losses = head(hidden, targets)
-    return losses, torch.autograd.grad((losses * upstream).sum(), (hidden, weight))
+    loss = head(hidden, targets)
+    return loss, torch.autograd.grad(loss * upstream, (hidden, weight))
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 7, 60])
 def test_the_fused_head_loss_is_the_linear_then_torch_s_cross_entropy(chunk_rows: int) -> None:
-    """float32: chunks of 1, 7 (a ragged last one) and all 60 rows give torch's losses and both gradients,
-    the ignored targets no loss and no gradient."""
+    """float32: chunks of 1, 7 (a ragged last one) and all 60 rows give torch's mean loss and both gradients
+    (made in the forward pass, scaled by the loss's gradient in backward), the ignored targets no gradient."""
     import torch
 
     hidden, weight, targets, upstream = _case()
@@ -59,7 +59,7 @@ def test_the_fused_head_loss_is_the_linear_then_torch_s_cross_entropy(chunk_rows
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_h, grad_h, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused_w, grad_w, rtol=1e-5, atol=1e-5)
-    assert not losses[:, IGNORED].any() and not fused_h[:, IGNORED].any()
+    assert losses.dim() == 0 and not fused_h[:, IGNORED].any()
 
 
 def test_in_bf16_it_is_the_autocast_head_within_bf16_rounding() -> None:
@@ -96,6 +96,39 @@ def test_no_tensor_of_the_logits_size_is_made_forward_or_backward() -> None:
 
     assert (_logit_sized(forward_fused, logits), _logit_sized(backward_fused, logits)) == (0, 0)
     assert _logit_sized(lambda: _unfused(hidden, weight, targets, upstream), logits) >= 3
+
+
+def _products(fn) -> int:
+    """The matrix products ``fn`` makes (aten.mm and addmm calls)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
+
+
+def test_whole_the_gradients_are_made_in_the_forward_pass_and_nothing_twice() -> None:
+    """Whole (no TP group): forward makes each chunk's logits and its two gradient products, 3 per chunk, as the
+    unfused head and its backward do; backward only scales them (no product)."""
+    import torch
+
+    from parallel.tensor_parallel import LinearCrossEntropy
+
+    hidden, weight, targets, upstream = _case()
+    chunks = -(-TOKENS[0] * TOKENS[1] // 8)
+    loss = {}
+    made = _products(lambda: loss.update(value=LinearCrossEntropy(weight, None, torch.float32, 8 * VOCAB)(hidden,
+                                                                                                        targets)))
+    assert made == 3 * chunks
+    assert _products(lambda: torch.autograd.grad(loss["value"] * upstream, (hidden, weight))) == 0
 
 
 def _split_over_tp(world):

@@ -33,7 +33,7 @@ from jobs.models.protocol import build_model, fused_head, tied_across_stages, tp
 from jobs.train.float8 import apply_float8
 from jobs.train.parallelize import Stage, keep_stages, parallelize_ep, parallelize_tp
 from parallel.ep import ExpertGroups, build_expert_groups
-from parallel.tensor_parallel import IGNORE_INDEX, LinearCrossEntropy, mean_over_counted
+from parallel.tensor_parallel import IGNORE_INDEX, LinearCrossEntropy
 from parallel.tied import EmbeddingGroup, build_embedding_group
 from parallel.transport import TorchTransport, Transport, make_transport
 
@@ -175,7 +175,7 @@ class Workload:
         """Mean loss of a (micro)batch from the last stage's output (over its counted targets: not -100); with
         ``train.fused_head_loss`` that output is the head's input, and the fused head makes the loss."""
         if self.fused_head is not None:
-            return mean_over_counted(self.fused_head(output, targets), targets)
+            return self.fused_head(output, targets)
         if self.split_output:
             return self.model.loss(output, targets, tp_group=self.tp_group)
         return self.model.loss(output, targets)
