@@ -194,9 +194,11 @@ def test_the_fused_head_loss_trains_like_one_process_under_tp_pp_and_zero3(singl
     """``train.fused_head_loss``: the head's product and the loss made together on the last stage, the weight a
     vocabulary slice under TP, gathered by ZeRO-3's hooks around the loss's call: the same training as the
     unfused single process."""
-    cases = [("fused-tp2-pp2", (1, 2, 2), "1f1b", 2, 1), ("fused-dp2-tp2-zero3", (2, 2, 1), "1f1b", 1, 1)]
+    cases = [("fused-tp2-pp2", (1, 2, 2), "1f1b", 2, 1), ("fused-dp2-tp2-zero3", (2, 2, 1), "1f1b", 1, 1),
+             ("fused-dp4-zero3", (4, 1, 1), "1f1b", 1, 1)]
     options = {"fused-tp2-pp2": {"fused_head_loss": True},
-               "fused-dp2-tp2-zero3": {"fused_head_loss": True, "zero": 3}}
+               "fused-dp2-tp2-zero3": {"fused_head_loss": True, "zero": 3},
+               "fused-dp4-zero3": {"fused_head_loss": True, "zero": 3}}  # whole: its gradients made in forward
     results = run_ranks(4, _train_cases, str(tmp_path), cases, options, timeout=300)
     _check_matches(single_process, tmp_path, cases, results)
 
