@@ -3,8 +3,9 @@
 In a synchronous job every rank waits for the slowest at each collective, so one slow GPU (thermal
 throttling, a noisy neighbour, a failing HBM stack) slows the whole job without any error. Each rank
 keeps the compute time of its steps (the step less its waits for communication); every
-``train.straggler_every`` steps the ranks gather their means (one all-gather of a number, collective:
-every rank at the same step), and a rank above ``train.straggler_threshold`` times the median for two
+``train.straggler_every`` steps the ranks gather their medians (one all-gather of a number, collective:
+every rank at the same step; a median, so that one slow step, the first's allocation or a collector's pause,
+is not a slow window), and a rank above ``train.straggler_threshold`` times the median for two
 windows running is named with its host and slowdown: in metrics.jsonl (``stragglers``), on rank 0's
 output, and from there in ``hpc status`` and ``hpc report``.
 """
@@ -27,7 +28,7 @@ PATIENCE = 2  # windows in a row above the threshold before a rank is named: one
 class Straggler:
     rank: int
     host: str
-    slowdown: float  # its mean compute over the median rank's, in the last window
+    slowdown: float  # its median step compute over the median rank's, in the last window
 
     def line(self) -> str:
         return f"straggler: rank {self.rank} on {self.host} computes {self.slowdown:.2f}x the median rank's step"
@@ -36,12 +37,12 @@ class Straggler:
         return {"rank": self.rank, "host": self.host, "slowdown": round(self.slowdown, 3)}
 
 
-def slow_ranks(means: list[float], threshold: float) -> dict[int, float]:
-    """Rank -> its slowdown, for the ranks whose mean is above ``threshold`` times the median (pure)."""
-    median = statistics.median(means)
+def slow_ranks(times: list[float], threshold: float) -> dict[int, float]:
+    """Rank -> its slowdown, for the ranks whose time is above ``threshold`` times the median rank's (pure)."""
+    median = statistics.median(times)
     if median <= 0:
         return {}
-    return {rank: mean / median for rank, mean in enumerate(means) if mean > threshold * median}
+    return {rank: time / median for rank, time in enumerate(times) if time > threshold * median}
 
 
 class StragglerWatch:
@@ -67,11 +68,11 @@ class StragglerWatch:
         import torch
         import torch.distributed as dist
 
-        mine = torch.tensor([sum(self.seconds) / len(self.seconds) if self.seconds else 0.0], device=self.device)
-        means = torch.empty(dist.get_world_size(), device=self.device)
-        getattr(dist, ALL_GATHER, dist.all_gather_into_tensor)(means, mine)
+        mine = torch.tensor([statistics.median(self.seconds) if self.seconds else 0.0], device=self.device)
+        medians = torch.empty(dist.get_world_size(), device=self.device)
+        getattr(dist, ALL_GATHER, dist.all_gather_into_tensor)(medians, mine)
         self.seconds = []
-        slow = slow_ranks(means.tolist(), self.threshold)
+        slow = slow_ranks(medians.tolist(), self.threshold)
         self.above = {rank: self.above.get(rank, 0) + 1 for rank in slow}
         return [Straggler(rank, self.hosts[rank], slow[rank]) for rank, windows in sorted(self.above.items())
                 if windows >= PATIENCE]
