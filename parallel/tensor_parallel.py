@@ -332,6 +332,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(flat) if ahead else None
         grad_weight = torch.zeros_like(weight) if ahead else None
         every = torch.ones(len(flat), 1, dtype=torch.float32, device=flat.device)  # whole: each target is here
+        scale = row_weight.unsqueeze(-1)
         row_max = torch.empty(len(flat), dtype=torch.float32, device=flat.device)
         sums = torch.empty(2, len(flat), dtype=torch.float32, device=flat.device)  # exponentials, target logit
         for rows in chunks:
@@ -342,9 +343,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sums[1, rows] = logits.gather(-1, local_targets[rows].unsqueeze(-1)).squeeze(-1)
             sums[0, rows] = logits.exp_().sum(dim=-1)
             if ahead:  # exp(logit - max), made above: the softmax's numerators
-                grad_logits = _softmax_gradient(logits, rows, local_targets, every, sums[0], row_weight.unsqueeze(-1))
-                grad_hidden[rows] = grad_logits.to(dtype) @ low
-                grad_weight += grad_logits.to(dtype).t() @ inputs
+                grad_logits = _softmax_gradient(logits, rows, local_targets, every, sums[0], scale).to(dtype)
+                grad_hidden[rows] = grad_logits @ low
+                grad_weight += grad_logits.t() @ inputs
         if group is not None:  # each rank's sums are below its own max: rescale them below the group's
             local_max = row_max.clone()
             with group_collective(group, "loss max all-reduce"):
