@@ -126,6 +126,56 @@ def test_the_rotary_tables_are_made_once_for_every_block_unless_they_change_with
     assert len(calls) == (1 if rope is None else 2 * TINY["num_hidden_layers"])
     adapter(_ids(batch=1)[:, :SEQ // 2])  # another length: made anew
     assert len(calls) == (2 if rope is None else 3 * TINY["num_hidden_layers"])
+
+
+@pytest.mark.parametrize("model_type,window,masked", [("llama", None, False), ("mistral", SEQ + 1, False),
+                                                      ("mistral", 4, True)], ids=["full", "long-window", "window"])
+def test_sdpa_masks_causally_itself_where_transformers_would_in_eager_even_when_compiling(
+        monkeypatch, model_type, window, masked) -> None:
+    """Under torch.compile transformers 5.17 (the GPU machine's) never skips the causal mask (its
+    ``_ignore_causal_mask_sdpa`` answers False while tracing), and a mask tensor keeps SDPA off flash attention.
+    Emulated here: the blocks still hand SDPA no mask and ``is_causal`` where transformers would in eager mode,
+    a mask only where a sliding window is shorter than the sequence; the logits stay the transformers model's."""
+    import transformers.masking_utils
+
+    adapter, reference = _both(model_type, **({"sliding_window": window} if window else {}))
+    ids = _ids()
+    expected = reference(input_ids=ids).logits
+    monkeypatch.setattr(transformers.masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recorded(*args, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    torch.testing.assert_close(adapter(ids), expected, rtol=0, atol=1e-6)
+    assert calls == [(not masked, not masked)] * TINY["num_hidden_layers"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_a_compiled_block_runs_flash_attention() -> None:
+    """What the emulation above stands for, on the GPU with its transformers: a block compiled as
+    ``train.compile`` compiles it runs SDPA's flash kernel, not the masked memory-efficient one, and computes what
+    it computes uncompiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    adapter, _ = _both(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    adapter = adapter.cuda()
+    block = adapter.pipeline_parts()[1][0]
+    hidden = torch.randn(2, SEQ, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = block(hidden)
+        block.compile()
+        block(hidden)
+        with profile(activities=[ProfilerActivity.CPU]) as trace:
+            got = block(hidden)
+    names = {event.name for event in trace.events()}
+    assert any("flash_attention" in name for name in names), sorted(names)
+    assert not any("efficient_attention" in name for name in names)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
 def test_the_plan_names_real_modules_and_the_tp_checks_name_the_keys() -> None:
     from jobs.models.protocol import check_pipeline, check_tp, plan_targets
 

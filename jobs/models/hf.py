@@ -213,10 +213,24 @@ class DecoderBlock(nn.Module):
         from transformers import masking_utils
 
         positions, rotary = self.rotary(hidden)
-        make_mask = (masking_utils.create_sliding_window_causal_mask if self.attention_type == "sliding_attention"
-                     else masking_utils.create_causal_mask)
-        mask = make_mask(self.config, hidden, None, None)
+        mask = None
+        if not kernel_masks_causally(self.config, self.attention_type, hidden.shape[1]):
+            make_mask = (masking_utils.create_sliding_window_causal_mask
+                         if self.attention_type == "sliding_attention" else masking_utils.create_causal_mask)
+            mask = make_mask(self.config, hidden, None, None)
         return self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+
+
+def kernel_masks_causally(config: Any, attention_type: str, seq_len: int) -> bool:
+    """Whether SDPA's own causal masking (``is_causal``, no mask tensor) is this layer's mask: SDPA attention and
+    a window no shorter than the sequence, our rows being whole sequences at positions 0..s-1 with no padding.
+    transformers decides the same in eager mode, but under torch.compile (before transformers 5.2x on torch
+    < 2.14: 5.17 on the GPU machine) it always builds the boolean mask, and a mask keeps SDPA off its flash
+    kernel: deciding here keeps a compiled block on flash attention."""
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    window = getattr(config, "sliding_window", None) if attention_type == "sliding_attention" else None
+    return window is None or seq_len < window
 
 
 def attention_type(config: Any, index: int) -> str:
