@@ -365,8 +365,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.ahead:
-            grad_hidden, grad_weight = ctx.saved_tensors
-            return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None
+            grad_hidden, grad_weight = ctx.saved_tensors  # scaled in place: no second weight-sized tensor
+            return grad_hidden.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None, None, None, None
         hidden, weight, local_targets, outside, row_weight, row_max, sum_exp = ctx.saved_tensors
         flat = hidden.reshape(-1, hidden.shape[-1])
         low = weight.to(ctx.dtype)
