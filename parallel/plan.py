@@ -222,6 +222,7 @@ class Training:
 
 
 FUSED_LOSS_CHUNK_BYTES = 4 * (1 << 26)  # parallel.tensor_parallel.LOSS_CHUNK_ELEMENTS in float32 (torch-free here)
+FUSED_LOSS_KEPT_SHARE = 4  # parallel.tensor_parallel.KEPT_ROWS_SHARE
 MIXED_ADAM = Training(batch=1)  # Megatron-LM and ZeRO: fp16/bf16 weights and gradients, fp32 Adam state
 OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lars": 4}  # state per parameter: moments, momentum
 
@@ -445,8 +446,9 @@ def memory_bytes(model: Transformer, train: Training, cluster: Cluster, lay: Lay
         kept += model.moe_layers / model.layers * tokens * (mlp * (model.top_k - 1) + 4 * model.experts)
     activations = model.layers / p * in_flight * kept + (layer if lay.checkpointing else 0.0)
     logits = 4.0 * tokens * model.vocab / lay.tp  # fp32 logits of the microbatch for the loss
-    if train.fused_head_loss:  # one chunk of them at a time
-        logits = min(logits, FUSED_LOSS_CHUNK_BYTES)
+    if train.fused_head_loss:  # one chunk of them at a time, and the gradients of a group of chunks' logits kept
+        kept_rows = min(model.hidden, tokens / FUSED_LOSS_KEPT_SHARE)  # for one weight-gradient product
+        logits = min(logits, FUSED_LOSS_CHUNK_BYTES) + kept_rows * model.vocab / lay.tp * train.act_bytes
     return cluster.rank_base_mib * (1 << 20) + states + activations + logits
 
 

@@ -221,6 +221,7 @@ class VocabParallelEmbedding(nn.Module):
 # waited on (make bench-gpu's 128k row took 0.36 s where hpc plan predicts 0.25).
 LOSS_CHUNK_ELEMENTS = 1 << 26
 MIN_LOSS_CHUNKS = 8
+KEPT_ROWS_SHARE = 4  # the fused loss's kept gradients of the logits (_WeightGradient): at most a quarter of the rows
 
 
 def _slice_targets(targets: torch.Tensor, local_vocab: int, group: ProcessGroup | None, chunk_rows: int,
@@ -309,13 +310,47 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: ProcessGro
     return _CrossEntropy.apply(logits, targets, group, ignore_index, chunk_rows)
 
 
+class _WeightGradient:
+    """The fused head's weight gradient summed over the chunks, a group of chunks per product: each chunk's
+    gradient of the logits is kept in ``dtype`` until the group holds as many rows as the hidden size (its bytes
+    then no more than the weight's in ``dtype``; at most a quarter of the rows), then one product adds the group
+    into the sum. Added per chunk, the sum's read and write (8 bytes per weight element in float32: 1 GiB at
+    128k x 2048) cost more than the chunk's own product: on an H200 at 128k, 32 chunks made the fused loss 8%
+    slower than the unfused one."""
+
+    def __init__(self, weight: torch.Tensor, flat: torch.Tensor, chunk_rows: int, dtype: torch.dtype) -> None:
+        rows = min(flat.shape[1], len(flat) // KEPT_ROWS_SHARE)
+        self.group_rows = chunk_rows * max(1, rows // chunk_rows)
+        self.flat, self.dtype, self.start, self.kept = flat, dtype, 0, 0
+        self.total = torch.zeros_like(weight)
+        self.stash = torch.empty(min(self.group_rows, len(flat)), weight.shape[0], dtype=dtype, device=flat.device)
+
+    def add(self, grad_logits: torch.Tensor) -> torch.Tensor:
+        """Keep the next chunk's gradient of the logits (its rows follow the last chunk's), cast to ``dtype``; the
+        group's product once it is full. Returns the kept copy (valid until the next call)."""
+        kept = self.stash[self.kept:self.kept + len(grad_logits)]
+        kept.copy_(grad_logits)
+        self.kept += len(grad_logits)
+        if self.kept + len(grad_logits) > self.group_rows:
+            self.flush()
+        return kept
+
+    def flush(self) -> torch.Tensor:
+        """Add what is kept to the sum; the sum."""
+        if self.kept:
+            rows = self.flat[self.start:self.start + self.kept].to(self.dtype)
+            self.total += self.stash[:self.kept].t() @ rows
+            self.start, self.kept = self.start + self.kept, 0
+        return self.total
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """forward: the mean over the counted targets (not ``ignore_index``) of the cross-entropy of
     ``hidden @ weight^T``, the logits made ``chunk_rows`` rows at a time (the product in ``dtype``, the softmax's
     numbers in float32) and dropped, so they are never whole. Whole (no group), each chunk's rows are complete,
     so their gradients are made at once from the same chunk, into the hidden state's (one matmul) and the
-    weight's (another, summed over the chunks in the weight's dtype), as Liger's fused linear cross-entropy
-    does: backward only scales them, and nothing is made twice. Split over a group (``weight`` a vocabulary
+    weight's (another, a group of chunks at a time, summed in the weight's dtype: ``_WeightGradient``), as
+    Liger's fused linear cross-entropy does: backward only scales them, and nothing is made twice. Split over a group (``weight`` a vocabulary
     slice), the row max and the sum of exponentials need every rank's slice first (two all-reduces of per-token
     numbers), so backward makes each chunk's logits again; no communication there (the hidden state's gradient is
     summed over the group by ``copy_to_tp`` before it)."""
@@ -330,7 +365,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         low = weight.to(dtype)
         ahead = group is None and any(ctx.needs_input_grad[:2])  # the gradients made in the forward pass
         grad_hidden = torch.empty_like(flat) if ahead else None
-        grad_weight = torch.zeros_like(weight) if ahead else None
+        grad_weight = _WeightGradient(weight, flat, chunk_rows, dtype) if ahead else None
         every = torch.ones(len(flat), 1, dtype=torch.float32, device=flat.device)  # whole: each target is here
         scale = row_weight.unsqueeze(-1)
         row_max = torch.empty(len(flat), dtype=torch.float32, device=flat.device)
@@ -343,9 +378,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sums[1, rows] = logits.gather(-1, local_targets[rows].unsqueeze(-1)).squeeze(-1)
             sums[0, rows] = logits.exp_().sum(dim=-1)
             if ahead:  # exp(logit - max), made above: the softmax's numerators
-                grad_logits = _softmax_gradient(logits, rows, local_targets, every, sums[0], scale).to(dtype)
+                grad_logits = grad_weight.add(_softmax_gradient(logits, rows, local_targets, every, sums[0], scale))
                 grad_hidden[rows] = grad_logits @ low
-                grad_weight += grad_logits.t() @ inputs
         if group is not None:  # each rank's sums are below its own max: rescale them below the group's
             local_max = row_max.clone()
             with group_collective(group, "loss max all-reduce"):
@@ -356,10 +390,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         sum_exp, target_logit = _join_slices(sums, outside, group)
         loss = ((sum_exp.log() - target_logit) * row_weight).sum()
         if ahead:
-            ctx.save_for_backward(grad_hidden.view_as(hidden), grad_weight)
+            ctx.save_for_backward(grad_hidden.view_as(hidden), grad_weight.flush())
         else:
             ctx.save_for_backward(hidden, weight, local_targets, outside, row_weight, row_max, sum_exp)
-        ctx.ahead, ctx.chunks, ctx.dtype = ahead, chunks, dtype
+        ctx.ahead, ctx.chunks, ctx.chunk_rows, ctx.dtype = ahead, chunks, chunk_rows, dtype
         return loss
 
     @staticmethod
@@ -371,16 +405,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         flat = hidden.reshape(-1, hidden.shape[-1])
         low = weight.to(ctx.dtype)
         grad_hidden = torch.empty_like(flat)
-        grad_weight = torch.zeros_like(weight)
+        grad_weight = _WeightGradient(weight, flat, ctx.chunk_rows, ctx.dtype)
         hit = (~outside).to(torch.float32).unsqueeze(-1)
         scale = (row_weight * grad_loss).unsqueeze(-1)
         for rows in ctx.chunks:
-            inputs = flat[rows].to(ctx.dtype)
-            logits = (F.linear(inputs, low).float() - row_max[rows].unsqueeze(-1)).exp_()
-            grad_logits = _softmax_gradient(logits, rows, local_targets, hit, sum_exp, scale).to(ctx.dtype)
+            logits = (F.linear(flat[rows].to(ctx.dtype), low).float() - row_max[rows].unsqueeze(-1)).exp_()
+            grad_logits = grad_weight.add(_softmax_gradient(logits, rows, local_targets, hit, sum_exp, scale))
             grad_hidden[rows] = grad_logits @ low
-            grad_weight += grad_logits.t() @ inputs
-        return grad_hidden.view_as(hidden), grad_weight, None, None, None, None, None
+        return grad_hidden.view_as(hidden), grad_weight.flush(), None, None, None, None, None
 
 
 class LinearCrossEntropy(nn.Module):

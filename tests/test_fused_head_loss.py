@@ -62,6 +62,29 @@ def test_the_fused_head_loss_is_the_linear_then_torch_s_cross_entropy(chunk_rows
     assert losses.dim() == 0 and not fused_h[:, IGNORED].any()
 
 
+def test_the_weight_gradient_is_one_product_per_group_of_chunks_not_one_per_chunk() -> None:
+    """60 chunks of one row: their gradients of the logits are kept until a group holds min(hidden, rows / 4) = 15
+    rows, so the weight's gradient is summed in 4 products, not 60 (each adds into the whole float32 sum)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default:
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    hidden, weight, targets, upstream = _case()
+    with Products() as products:
+        _fused(hidden, weight, targets, upstream, VOCAB)
+    assert products.shapes.count((VOCAB, HIDDEN)) == 4
+
+
 def test_in_bf16_it_is_the_autocast_head_within_bf16_rounding() -> None:
     """dtype bf16: the product rounds as the head's own under autocast (its inputs to bf16); the loss within a
     bf16 ulp of the logits, relative to the unfused loss on bf16-rounded inputs."""
@@ -154,24 +177,26 @@ def test_split_over_the_vocabulary_it_is_the_whole_head_s_loss(tp: int) -> None:
             np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank}: {name}")
 
 
-def test_the_planner_counts_one_chunk_of_logits_with_the_fused_loss() -> None:
-    """``hpc plan`` (torch-free) keeps its own copy of the chunk's size: the same as the loss's; a spec with the
-    fused loss is predicted that much lighter at Llama 3's vocabulary."""
+def test_the_planner_counts_one_chunk_of_logits_and_a_group_s_kept_gradients_with_the_fused_loss() -> None:
+    """``hpc plan`` (torch-free) keeps its own copies of the chunk's size and of the share of the rows whose
+    gradients are kept: the same as the loss's; a spec with the fused loss is predicted lighter at Llama 3's
+    vocabulary by the fp32 logits less a chunk of them and the bf16 gradients of a group's logits (the hidden
+    size's rows or a quarter of the tokens, 2048 here)."""
     from pathlib import Path
 
     from hpc.config import load_spec
     from jobs.models.shape import spec_model
     from parallel.cluster import load_cluster
-    from parallel.plan import FUSED_LOSS_CHUNK_BYTES, Layout, memory_bytes, spec_training
-    from parallel.tensor_parallel import LOSS_CHUNK_ELEMENTS
+    from parallel.plan import FUSED_LOSS_CHUNK_BYTES, FUSED_LOSS_KEPT_SHARE, Layout, memory_bytes, spec_training
+    from parallel.tensor_parallel import KEPT_ROWS_SHARE, LOSS_CHUNK_ELEMENTS
 
-    assert FUSED_LOSS_CHUNK_BYTES == 4 * LOSS_CHUNK_ELEMENTS
+    assert FUSED_LOSS_CHUNK_BYTES == 4 * LOSS_CHUNK_ELEMENTS and FUSED_LOSS_KEPT_SHARE == KEPT_ROWS_SHARE
     path = Path(__file__).resolve().parents[1] / "jobs" / "bench" / "llama3b_bench.toml"
     spec, fused = load_spec(path, []), load_spec(path, ["train.fused_head_loss=true"])
     model, cluster, layout = spec_model(spec), load_cluster("h100-dgx"), Layout(1, 1, 1, 1)
     saved = (memory_bytes(model, spec_training(spec, model.hidden), cluster, layout)
              - memory_bytes(model, spec_training(fused, model.hidden), cluster, layout))
-    assert saved == 4 * 8 * 1024 * 128256 - FUSED_LOSS_CHUNK_BYTES
+    assert saved == 4 * 8 * 1024 * 128256 - FUSED_LOSS_CHUNK_BYTES - 2 * 2048 * 128256
 
 
 def _train_on_gpu(world, run_dir: str, name: str, fused: bool) -> list[float]:
