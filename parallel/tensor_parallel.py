@@ -350,8 +350,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     numbers in float32) and dropped, so they are never whole. Whole (no group), each chunk's rows are complete,
     so their gradients are made at once from the same chunk, into the hidden state's (one matmul) and the
     weight's (another, a group of chunks at a time, summed in the weight's dtype: ``_WeightGradient``), as
-    Liger's fused linear cross-entropy does: backward only scales them, and nothing is made twice. Split over a group (``weight`` a vocabulary
-    slice), the row max and the sum of exponentials need every rank's slice first (two all-reduces of per-token
+    Liger's fused linear cross-entropy does: backward only scales them, and nothing is made twice. Split over a
+    group (``weight`` a vocabulary slice), the row max and the sum of exponentials need every rank's slice first (two all-reduces of per-token
     numbers), so backward makes each chunk's logits again; no communication there (the hidden state's gradient is
     summed over the group by ``copy_to_tp`` before it)."""
 
