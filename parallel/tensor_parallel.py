@@ -345,15 +345,15 @@ class _WeightGradient:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """forward: the mean over the counted targets (not ``ignore_index``) of the cross-entropy of
-    ``hidden @ weight^T``, the logits made ``chunk_rows`` rows at a time (the product in ``dtype``, the softmax's
-    numbers in float32) and dropped, so they are never whole. Whole (no group), each chunk's rows are complete,
-    so their gradients are made at once from the same chunk, into the hidden state's (one matmul) and the
-    weight's (another, a group of chunks at a time, summed in the weight's dtype: ``_WeightGradient``), as
-    Liger's fused linear cross-entropy does: backward only scales them, and nothing is made twice. Split over a
-    group (``weight`` a vocabulary slice), the row max and the sum of exponentials need every rank's slice first (two all-reduces of per-token
-    numbers), so backward makes each chunk's logits again; no communication there (the hidden state's gradient is
-    summed over the group by ``copy_to_tp`` before it)."""
+    """forward: the mean over the counted targets (not ``ignore_index``) of the cross-entropy of ``hidden @
+    weight^T``, the logits made ``chunk_rows`` rows at a time (the product in ``dtype``, the softmax's numbers in
+    float32) and dropped, so they are never whole. Whole (no group), each chunk's rows are complete, so their
+    gradients are made at once from the same chunk, into the hidden state's (one matmul) and the weight's (another,
+    a group of chunks at a time, summed in the weight's dtype: ``_WeightGradient``), as Liger's fused linear
+    cross-entropy does: backward only scales them, and nothing is made twice. Split over a group (``weight`` a
+    vocabulary slice), the row max and the sum of exponentials need every rank's slice first (two all-reduces of
+    per-token numbers), so backward makes each chunk's logits again; no communication there (the hidden state's
+    gradient is summed over the group by ``copy_to_tp`` before it)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
