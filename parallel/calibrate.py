@@ -110,7 +110,8 @@ def testbed_cluster(cluster: Cluster, rate: str, link: tuple[float, float] | Non
     """The namespace testbed as the planner sees it: one rank and one of this machine's cores per virtual host
     (computing at a core's share of the node's rate with every core busy), hosts joined by links shaped to
     ``rate`` (tc's units: 1gbit, 100mbit): at that rate and this node's alpha, or at ``link`` = (alpha s,
-    beta B/s) when measured across the testbed."""
+    beta B/s) when measured across the testbed (``jobs.bench.plan_check.validate`` gives hosts of several ranks
+    their loopback as measured, and each row its ranks per host)."""
     unit = next((u for u in RATES if rate.endswith(u)), None)
     if unit is None or not rate[: -len(unit)].replace(".", "", 1).isdigit():
         raise ConfigError(f"--testbed: expected a rate such as 1gbit or 100mbit, got {show_text(rate)}")

@@ -420,6 +420,32 @@ def test_predicted_step_time_is_within_15_percent_of_the_measured_median(index: 
         assert row["step_ratio"] == pytest.approx(1.0, abs=0.15), row["label"]
 
 
+# Issue 41's exchange cut by node on the testbed: 2 hosts of 2 ranks (a NIC per rank, 1 Gbit/s; the loopback inside a
+# host), the GPT example at its width and at 256, flat and cut, uncompressed and int8, predicted with a calibration of
+# this machine made just before (docs/data/plan_cluster_testbed_nodes.toml). The planner counts a link's time only;
+# here the exchange's own work (the codec, the copies, Gloo's and the kernel's networking) runs on the two cores the
+# four ranks compute on, so it under-predicts, the more the more that work: recorded misses (predicted / measured).
+NODE_RECORDS = {"plan_testbed_nodes.json": {"2x2 dp=4": 0.877, "2x2 dp=4 cut": 0.750, "2x2 dp=4 int8": 0.731,
+                                            "2x2 dp=4 int8 cut": 0.657},
+                "plan_testbed_nodes_wide.json": {"2x2 dp=4": 0.915, "2x2 dp=4 cut": 0.840, "2x2 dp=4 int8": 0.734,
+                                                 "2x2 dp=4 int8 cut": 0.707}}
+
+
+@pytest.mark.parametrize("name", NODE_RECORDS)
+def test_nodes_of_two_ranks_on_the_testbed_are_predicted_with_their_loopback_and_a_link_per_rank(name) -> None:
+    """The recorded rows recomputed from their record (the testbed's cluster: the link and the loopback as measured
+    there, each row's ranks per host as its node): peak memory within 10%, the step's recorded miss reproduced,
+    and the cut predicted faster than the flat ring uncompressed, as measured."""
+    record = json.loads((REPO / "docs" / "data" / name).read_text())
+    rows = {row["label"]: row for row in compare(str(GPT), record["rows"], Cluster(**record["cluster"]))}
+    assert set(rows) == set(NODE_RECORDS[name]) and all(row["ranks_per_host"] == 2 for row in rows.values())
+    for label, row in rows.items():
+        assert row["memory_ratio"] == pytest.approx(1.0, abs=0.10), label
+        assert row["step_ratio"] == pytest.approx(NODE_RECORDS[name][label], abs=0.01), label
+    for key in ("predicted_step_s", "step_s"):
+        assert rows["2x2 dp=4 cut"][key] < rows["2x2 dp=4"][key]
+
+
 def test_the_testbed_is_one_core_per_host_and_links_at_the_shaped_rate_or_as_measured() -> None:
     bed = namespace_testbed(Cluster(cores_per_node=2, inter_alpha_us=50), "1gbit")
     assert (bed.devices_per_node, bed.cores_per_node, bed.inter_gbps) == (1, 1, 0.125)

@@ -61,8 +61,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--layouts", help="--validate: comma-separated layout labels (default: all; see "
                                         "jobs/bench/plan_check.py)")
     plan.add_argument("--testbed", metavar="RATE", help="--validate on the namespace testbed (slurm/testbed/netns.py; "
-                      "root): one rank per virtual host, links shaped to RATE, e.g. 1gbit; default layouts dp=2 and "
-                      "dp=2 fp16, predicted with --cluster's node and the link at RATE")
+                      "root): one rank per virtual host (the 2x2 layouts: nodes of 2 ranks, a link per rank), links "
+                      "shaped to RATE, e.g. 1gbit; default layouts dp=2 and dp=2 fp16, predicted with --cluster's node "
+                      "and the links as measured there")
     plan.add_argument("--steps", type=int, default=14, help="--validate: steps per run (default 14)")
     plan.add_argument("--warmup", type=int, default=4, help="--validate: first steps left out (default 4)")
     plan.add_argument("--repeats", type=int, default=3,

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from jobs.bench.rank import rank_command
@@ -23,11 +23,13 @@ RING_SIZES = "4K,64K,1M,4M,16M"  # the all-reduce messages a link's alpha and be
 
 @dataclass(frozen=True)
 class Case:
-    """One layout to run: a label, the ranks, and the spec overrides (KEY=VALUE) that make it."""
+    """One layout to run: a label, the ranks, the spec overrides (KEY=VALUE) that make it, and on the testbed the
+    ranks of each virtual host (a node)."""
 
     label: str
     nprocs: int
     overrides: tuple[str, ...]
+    ranks_per_host: int = 1
 
 
 def _dp(codec: str = "none", zero: int = 0) -> tuple[str, ...]:
@@ -58,13 +60,19 @@ CASES = (
     Case("dp=4", 4, _dp()),
     Case("tp=2 pp=2 1f1b", 4, _pp("1f1b", tp=2)),
 )
+# Issue 41's exchange cut by node, on the testbed only (its hosts are the nodes): 2 nodes of 2 ranks, flat and cut,
+# uncompressed and int8; --layouts names them.
+NODE_CASES = tuple(
+    Case(f"2x2 dp=4{' ' + codec if codec != 'none' else ''}{' cut' if scope == 'inter-node' else ''}", 4,
+         (*_dp(codec), f"parallel.compression_scope={scope}"), ranks_per_host=2)
+    for codec in ("none", "int8") for scope in ("flat", "inter-node"))
 
 
 def select(labels: list[str] | None) -> tuple[Case, ...]:
     """The named cases (all when ``labels`` is empty); an unknown label raises KeyError naming the known ones."""
     if not labels:
         return CASES
-    known = {case.label: case for case in CASES}
+    known = {case.label: case for case in (*CASES, *NODE_CASES)}
     missing = [label for label in labels if label not in known]
     if missing:
         raise KeyError(f"no layout {missing[0]!r}; known: {', '.join(known)}")
@@ -110,46 +118,53 @@ class Testbed:
     start one per host, torchrun-style as slurm/testbed/bench.sh starts them, one thread each. A context manager:
     the namespaces are removed after, also on failure. Needs root."""
 
-    def __init__(self, nprocs: int, rate: str = "1gbit", prefix: str = "hpcplan", subnet: str = "10.77.3") -> None:
-        self.nprocs, self.rate, self.subnet = nprocs, rate, subnet
+    def __init__(self, hosts: int, rate: str = "1gbit", prefix: str = "hpcplan", subnet: str = "10.77.3",
+                 nics: int = 1) -> None:
+        self.hosts, self.rate, self.subnet, self.nics = hosts, rate, subnet, nics
         self.netns = [sys.executable, "-m", "slurm.testbed.netns", "--prefix", prefix]
 
     def __enter__(self) -> Testbed:
-        subprocess.run([*self.netns, "create", str(self.nprocs), "--rate", self.rate, "--subnet", self.subnet],
-                       check=True, capture_output=True)
+        subprocess.run([*self.netns, "create", str(self.hosts), "--rate", self.rate, "--subnet", self.subnet,
+                        "--nics", str(self.nics)], check=True, capture_output=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
         subprocess.run([*self.netns, "destroy"], capture_output=True)
 
-    def run(self, what: str, *argv: str, n: int | None = None) -> None:
-        """``python *argv`` on the first n hosts (default all) at once; raises naming ``what`` with the failed
-        ranks' last words."""
-        ranks, n = [], n or self.nprocs
+    def run(self, what: str, *argv: str, n: int | None = None, per_host: int = 1) -> None:
+        """``python *argv`` as n ranks (default a rank on every host) at once, ``per_host`` on each of the first
+        hosts, rank j of a host on its NIC j, as slurm/testbed/bench.sh starts them; raises naming ``what`` with
+        the failed ranks' last words."""
+        ranks, n = [], n or self.hosts
         for rank in range(n):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": "0",
-                   "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "GROUP_WORLD_SIZE": str(n),
+            host, local = divmod(rank, per_host)
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(local),
+                   "LOCAL_WORLD_SIZE": str(per_host), "GROUP_RANK": str(host), "GROUP_WORLD_SIZE": str(n // per_host),
                    "MASTER_ADDR": f"{self.subnet}.1", "MASTER_PORT": "29517", "OMP_NUM_THREADS": "1"}
-            ranks.append(subprocess.Popen([*self.netns, "exec", str(rank), "--", sys.executable, *argv], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            ranks.append(subprocess.Popen([*self.netns, "exec", "--nic", str(local), str(host), "--", sys.executable,
+                                           *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                          text=True))
         failed = [(proc.wait(), proc.stderr.read()) for proc in ranks]
         if any(code for code, _ in failed):
             raise RuntimeError(f"{what} on the testbed: {[err[-400:] for _, err in failed]}")
 
-    def ring_rows(self, sizes: str) -> list[dict]:
-        """``hpc bench allreduce``'s rows of our ring (torch transport, no codec) across the testbed's links."""
+    def ring_rows(self, sizes: str, inside: int = 0) -> list[dict]:
+        """``hpc bench allreduce``'s rows of our ring (torch transport, no codec) across the testbed's links, a rank
+        a host; with ``inside``, among that many ranks of the first host, over its loopback."""
         with tempfile.TemporaryDirectory(prefix="hpc-plan-link-") as scratch:
             out = os.path.join(scratch, "rows.json")
             self.run("the all-reduce bench", *rank_command("allreduce", out, "--sizes", sizes, "--codecs", "none",
-                                                           "--transports", "torch", "--iters", "5"))
+                                                           "--transports", "torch", "--iters", "5"),
+                     n=inside or self.hosts, per_host=inside or 1)
             with open(out) as handle:
                 return json.load(handle)
 
     def run_case(self, spec: str, case: Case, extra: list[str], steps: int, warmup: int) -> dict:
-        """``case``, one rank per host, measured like :func:`run_case`."""
+        """``case``, ``case.ranks_per_host`` ranks a host, measured like :func:`run_case`."""
         with tempfile.TemporaryDirectory(prefix="hpc-plan-check-") as scratch:
-            self.run(case.label, "-m", "hpc.cli.rank", spec, *_sets(case, extra, steps, scratch), n=case.nprocs)
-            return _measured(case, extra, Path(scratch) / "check", warmup)
+            self.run(case.label, "-m", "hpc.cli.rank", spec, *_sets(case, extra, steps, scratch), n=case.nprocs,
+                     per_host=case.ranks_per_host)
+            return {**_measured(case, extra, Path(scratch) / "check", warmup), "ranks_per_host": case.ranks_per_host}
 
 
 def validate(
@@ -163,10 +178,14 @@ def validate(
     if testbed:
         from parallel.calibrate import ring_link, testbed_cluster
 
-        with Testbed(max(case.nprocs for case in cases), testbed) as bed:
+        per_host = max(case.ranks_per_host for case in cases)
+        with Testbed(max(case.nprocs // case.ranks_per_host for case in cases), testbed, nics=per_host) as bed:
             link = ring_link(bed.ring_rows(RING_SIZES))  # the link as measured across the testbed
+            inside = ring_link(bed.ring_rows(RING_SIZES, inside=per_host)) if per_host > 1 else None
             measured = in_rounds(repeats, cases, load, lambda case: bed.run_case(spec, case, extra, steps, warmup))
         cluster = testbed_cluster(cluster, testbed, link)
+        if inside:  # the loopback of a host, as measured there (the rows of nodes of several ranks use it)
+            cluster = replace(cluster, intra_alpha_us=inside[0] * 1e6, intra_gbps=inside[1] / 1e9)
     else:
         measured = in_rounds(repeats, cases, load, lambda case: run_case(spec, case, extra, steps, warmup, launcher))
     return cluster, compare(spec, measured, cluster), load
@@ -193,5 +212,6 @@ def compare(spec_path: str, rows: list[dict], cluster: Cluster) -> list[dict]:
     out = []
     for row in rows:
         spec = load_spec(spec_path, row["overrides"])
-        out.append(compared(row, predict(spec, spec_model(spec), row["nprocs"], cluster)))
+        node = replace(cluster, devices_per_node=row.get("ranks_per_host", cluster.devices_per_node))
+        out.append(compared(row, predict(spec, spec_model(spec), row["nprocs"], node)))
     return out
