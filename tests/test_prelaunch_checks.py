@@ -417,8 +417,10 @@ def test_nccl_on_the_cpu_is_one_line_before_launch(tmp_path, no_slurm) -> None:
     (["--layout", "", "--cluster", "x.toml", "--gpus", "2"], "--layout is empty: give dp=,tp=,pp="),
     (["--layout", " , ", "--cluster", "x.toml"], "--layout is empty"),
     (["--validate", "--layouts", "", str(MLP), "--cluster", "x.toml"], "--layouts is empty"),
+    (["--validate", "--layouts", "dp=2,2x2 dp=4 cut", str(MLP), "--cluster", "h100-dgx"],
+     "--layouts: '2x2 dp=4 cut' runs nodes of several ranks, which only the namespace testbed has: add --testbed"),
 ])
-def test_an_empty_layout_is_refused_not_ignored(tmp_path, args, message) -> None:
+def test_an_empty_or_testbed_only_layout_is_refused_not_ignored(tmp_path, args, message) -> None:
     _refused(["plan", *args], message, tmp_path / "runs")
 
 

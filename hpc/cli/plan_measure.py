@@ -53,6 +53,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         cases = select(labels)
     except KeyError as error:
         raise ConfigError(f"--layouts: {error.args[0]}") from None
+    nodes = [case.label for case in cases if case.ranks_per_host > 1]
+    if nodes and not args.testbed:
+        raise ConfigError(f"--layouts: {nodes[0]!r} runs nodes of several ranks, which only the namespace testbed "
+                          "has: add --testbed RATE (root)")
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
     cluster, rows, load = validate(args.spec, cases, cluster, list(args.overrides), args.steps, args.warmup,
