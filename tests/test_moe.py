@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -530,6 +531,60 @@ def test_a_users_model_with_an_moe_layer_trains_under_ep_like_one_process(refere
     assert one[-1]["loss"] < one[0]["loss"] and 0 < one[0]["moe_dropped_fraction"] < 0.5
     assert single.keys() == {"held_out_loss"}
     for evaluation in evaluations:  # the one sample's loss, on every rank
+        assert evaluation == pytest.approx(single, rel=1e-5)
+
+
+class RecordedHeldOut:
+    """Five held-out digits that record how many samples each fetch asks for (evaluation's forwards)."""
+
+    fetches: ClassVar[list[int]] = []
+
+    def __init__(self) -> None:
+        from jobs.data.datasets import digits
+
+        self.inputs, self.targets = (tensor[:5] for tensor in digits().held_out.tensors)
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, index):
+        return self.inputs[index], self.targets[index]
+
+    def __getitems__(self, indices):
+        RecordedHeldOut.fetches.append(len(indices))
+        return [self[i] for i in indices]
+
+
+def digits_five_recorded():
+    from jobs.data.datasets import DataSplits, digits
+
+    return DataSplits(digits().train, RecordedHeldOut())
+
+
+def _evaluated(world, run_dir: str, ep: int) -> tuple[dict, list[int]]:
+    from jobs.train.loop import train
+
+    spec = spec_from_dict({
+        "job": {"run_dir": run_dir, "name": f"eval-ep{ep}", "seed": 3}, "model": {"entry": "tests.test_moe:tiny_moe"},
+        "data": {"batch_size": 4, "entry": "tests.test_moe:digits_five_recorded"},
+        "train": {"steps": 2, "lr": 1e-2, "optimizer": "adam", "log_every": 100},
+        "parallel": {"dp": world.size, "ep": ep},
+    })
+    result, _ = train(spec, world, build_mesh(MeshShape(world.size, 1, 1), world.rank))
+    return result.evaluation, RecordedHeldOut.fetches
+
+
+def test_evaluation_runs_in_training_sized_forwards_and_ep_peers_run_as_many(tmp_path) -> None:
+    """One process evaluates its 5 held-out samples in forwards of a training microbatch (4, then 1); at dp=2 ep=2
+    (microbatches of 2) the replicas hold 3 and 2 samples, and both run two forwards (2 + 1; 2 + one uncounted
+    sample) so that their experts' all-to-alls pair, under NCCL's rules; the held-out loss is one process's."""
+    from tests.nccl_rules import BACKEND as NCCL_RULES
+
+    ((single, one_fetches),) = run_ranks(1, _evaluated, str(tmp_path), 1)
+    two = run_ranks(2, _evaluated, str(tmp_path), 2, backend=NCCL_RULES)
+    assert one_fetches == [4, 1]
+    assert [fetches for _, fetches in two] == [[2, 1], [2, 1]]
+    for evaluation, _ in two:
         assert evaluation == pytest.approx(single, rel=1e-5)
 
 

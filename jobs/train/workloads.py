@@ -184,27 +184,34 @@ class Workload:
         """Mean loss (and the model's ``metrics``) on up to ``EVAL_SAMPLES`` held-out samples, split over
         the DP replicas; the same on every rank (collective). Empty without a held-out set.
 
-        A replica left without samples (fewer than dp) skips the forward, unless its experts are sharded:
-        its EP peers' all-to-alls need it, so it runs one sample (the first) and does not count it."""
+        Each replica runs its share in forwards of a training microbatch's samples at most, which training has
+        shown to fit: 256 samples in one forward would make logits of 256 x seq_len x vocabulary (at 2048 tokens
+        and Llama 3's 128k, 134 GB in bf16) at the end of a run that fitted all along. Where experts are sharded,
+        every replica runs as many forwards as the largest share needs (their EP peers' all-to-alls pair them):
+        a replica out of samples runs one sample (the first) and does not count it."""
         held_out = self.data.held_out
         if held_out is None:
             return {}
         picks = np.linspace(0, len(held_out) - 1, min(EVAL_SAMPLES, len(held_out))).astype(int)
-        local = np.array_split(picks, self.mesh.size("dp"))[self.mesh.index("dp")]
-        counted = len(local) > 0
-        if not counted and self.expert_groups is not None:
-            local = picks[:1]
+        shares = np.array_split(picks, self.mesh.size("dp"))
+        local = shares[self.mesh.index("dp")]
+        rows = max(1, self.spec.data.batch_size // (self.mesh.size("dp") * self.spec.parallel.microbatches))
+        forwards = -(-len(shares[0] if self.expert_groups is not None else local) // rows)
         sums: dict[str, float] = {}
-        if len(local):  # the same on every TP and PP rank of this replica, so their collectives match
-            inputs, targets = (to_device(t, self.device) for t in fetch(held_out, local))
-            self.model.eval()
-            with torch.no_grad():
+        self.model.eval()
+        with torch.no_grad():
+            for first in range(0, forwards * rows, rows):
+                part = local[first:first + rows]
+                counted = len(part) > 0
+                # the same on every TP and PP rank of this replica, so their collectives match
+                inputs, targets = (to_device(t, self.device) for t in fetch(held_out, part if counted else picks[:1]))
                 output = forward_through_stages(self.chunks, self.mesh.group("pp"), inputs,
-                                                self.activation_shape(len(local)), self.pp_transport)
+                                                self.activation_shape(len(inputs)), self.pp_transport)
                 if output is not None:  # every TP rank: a loss on vocabulary-split logits is collective
-                    measures = self._measures(output, targets, len(local))
-                    sums = measures if self.mesh.index("tp") == 0 and counted else {}
-            self.model.train()
+                    measures = self._measures(output, targets, len(inputs))
+                    if self.mesh.index("tp") == 0 and counted:
+                        sums = {name: sums.get(name, 0.0) + value for name, value in measures.items()}
+        self.model.train()
         return _mean_over_reports(sums)
 
     def _measures(self, output: torch.Tensor, targets: torch.Tensor, count: int) -> dict[str, float]:
