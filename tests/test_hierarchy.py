@@ -34,7 +34,7 @@ def test_auto_cuts_by_node_only_where_a_codec_crosses_several_nodes() -> None:
 
 
 def _mesh(world, per_node: int):
-    return build_mesh(MeshShape(world.size, 1, 1), world.rank, node_rank=world.rank // per_node)
+    return build_mesh(MeshShape(world.size, 1, 1), world.rank, world.device, node_rank=world.rank // per_node)
 
 
 def _inputs(rank: int, numel: int, integer: bool) -> torch.Tensor:
