@@ -20,7 +20,7 @@ import pytest
 from hpc.cli.main import main
 from hpc.errors import ConfigError
 from jobs.bench.plan_check import compare
-from parallel.calibrate import fit_alpha_beta, fit_overhead_and_rate
+from parallel.calibrate import fit_alpha_beta, fit_overhead_and_rate, median_cluster
 from parallel.calibrate import testbed_cluster as namespace_testbed
 from parallel.cluster import Cluster, builtin_clusters, cluster_toml, load_cluster
 from parallel.plan import (
@@ -373,14 +373,23 @@ def test_a_written_cluster_file_reads_back(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_calibrate_measures_this_machine_and_writes_a_cluster_file(tmp_path: Path, capsys) -> None:
     out = tmp_path / "local.toml"
-    assert main(["plan", "--calibrate", "-n", "2", "--launcher", "local", "--out", str(out), "--repeats", "2"]) == 0
-    assert "median of 2 rounds" in capsys.readouterr().out
+    assert main(["plan", "--calibrate", "-n", "2", "--launcher", "local", "--out", str(out), "--repeats", "1"]) == 0
+    assert "median of 1 rounds" in capsys.readouterr().out  # one round: the rounds' median is tested below, alone
     cluster = load_cluster(out)
     assert cluster.cores_per_node > 0 and cluster.intra_gbps > 0 and cluster.peak_tflops_fp32 > 0
     assert cluster.rank_base_mib > 100 and cluster.tensor_overhead_us > 0  # a rank imports torch; Adam loops
     assert 1 <= cluster.thread_speedup <= cluster.cores_per_node
     assert main(["plan", str(GPT), "--cluster", str(out), "--gpus", "2"]) == 0
     assert "recommended: dp=" in capsys.readouterr().out
+
+
+def test_a_calibration_keeps_each_measured_constant_s_median_of_the_rounds() -> None:
+    rounds = [replace(load_cluster("h100-dgx"), intra_gbps=gbps, inter_alpha_us=alpha, name=f"round {i}")
+              for i, (gbps, alpha) in enumerate([(3.0, 9.0), (1.0, 30.0), (2.0, 10.0)])]
+    cluster, measured = median_cluster(rounds)
+    assert (cluster.intra_gbps, cluster.inter_alpha_us, cluster.name) == (2.0, 10.0, "round 0")
+    assert measured["intra_gbps"] == [3.0, 1.0, 2.0] and measured["inter_alpha_us"] == [9.0, 30.0, 10.0]
+    assert cluster.devices_per_node == rounds[0].devices_per_node  # counts are the first round's, not medians
 
 
 @cache
