@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from hpc.config import show_text
 from hpc.errors import ConfigError
 from parallel.cluster import Cluster
-from parallel.plan import Estimate, Transformer, estimate, spec_layout, spec_training
+from parallel.plan import OPTIMIZER_BYTES, Estimate, Transformer, estimate, spec_layout, spec_training
 
 if TYPE_CHECKING:
     from hpc.config import JobSpec
@@ -75,21 +75,26 @@ def fit_layers(rows: list[dict], memory_gbps: float) -> tuple[float, float]:
 
 
 def cpu_node(name: str, cores: int, memory_gib: float, ring_rows: list[dict], copy_gbps: float,
-             layer_rows: list[dict], tensor_overhead_s: float) -> Cluster:
+             layer_rows: list[dict], tensor_overhead_s: float, optimizer_s: float = 0.0,
+             int8_s: tuple[float, float] = (0.0, 0.0)) -> Cluster:
     """A node of CPU ranks from one round of measurements: the ring's alpha and beta (both links), a GPT block's
     fixed cost and FLOP rate on one core and the rate on every core's threads, a copy's bandwidth, the optimizer's
-    cost per tensor."""
+    cost per tensor and per parameter (its traffic over the planner's fused minimum, the tensors' cost taken out),
+    the int8 codec's per element (an encode with error feedback, a hop's decode or add)."""
     alpha, beta = ring_link(ring_rows)
     overhead, rate = fit_layers([row for row in layer_rows if row["threads"] == 1], copy_gbps)
     _, threaded_rate = fit_layers([row for row in layer_rows if row["threads"] == cores], copy_gbps)
     tflops = rate / 1e12
+    fused_s = 2 * (4 + 4 + OPTIMIZER_BYTES["adamw"]) / (copy_gbps * 1e9)  # measure_optimizer_s's tensors: 2^18 each
+    traffic = max(1.0, (optimizer_s - tensor_overhead_s / 2**18) / fused_s) if optimizer_s else 1.0
     return Cluster(
         name=name, source="hpc plan --calibrate", devices_per_node=max(64, cores), memory_gib=round(memory_gib, 2),
         peak_tflops_fp32=tflops, peak_tflops_tf32=tflops, peak_tflops_bf16=tflops, peak_tflops_fp16=tflops,
         matmul_efficiency=1.0, memory_gbps=copy_gbps, intra_alpha_us=alpha * 1e6, intra_gbps=beta / 1e9,
         inter_alpha_us=alpha * 1e6, inter_gbps=beta / 1e9, cores_per_node=cores,
         thread_speedup=min(float(cores), max(1.0, threaded_rate / rate)), layer_overhead_us=overhead * 1e6,
-        tensor_overhead_us=tensor_overhead_s * 1e6)
+        tensor_overhead_us=tensor_overhead_s * 1e6, optimizer_traffic=traffic, int8_encode_ns=int8_s[0] * 1e9,
+        int8_hop_ns=int8_s[1] * 1e9)
 
 
 def with_floor(cluster: Cluster, step_s: float, peak_bytes: float, charged: Estimate) -> Cluster:

@@ -57,6 +57,14 @@ class Cluster:
     tensor_overhead_us: float = _field(0.0, "the optimizer step's fixed time per parameter tensor", min=0)
     step_overhead_ms: float = _field(0.0, "fixed time of a training step outside the layers (data, loss, clipping, "
                                           "bookkeeping)", min=0)
+    optimizer_traffic: float = _field(1.0, "the optimizer step's bytes moved over the fused minimum (2 x its bytes per "
+                                           "parameter): torch's per-tensor loop on CPU passes over memory once per op",
+                                      gt=0)
+    int8_encode_ns: float = _field(0.0, "the int8 codec's encode of one gradient element with its error feedback (the "
+                                        "encode, a decode, the residual's update), one core, nanoseconds; 0: it runs "
+                                        "beside the link, as on a GPU", min=0)
+    int8_hop_ns: float = _field(0.0, "a ring hop's decode (or decode and add) of one received int8 element, one core, "
+                                     "nanoseconds", min=0)
     rank_base_mib: float = _field(0.0, "memory a rank holds before its model (interpreter, libraries, the backend); "
                                        "CPU ranks' peak resident set counts it", min=0)
 

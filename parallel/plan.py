@@ -210,6 +210,7 @@ class Training:
     grad_bytes: int = 2  # per gradient element (what the DP all-reduce sends before the codec)
     optimizer_bytes: int = 12  # fp32 master weights and Adam's two moments
     wire_ratio: float = 1.0  # the codec's bytes on the wire over grad_bytes
+    codec: str = "none"  # parallel.compression: what CPU ranks spend encoding (int8: Cluster.int8_encode_ns)
     compression_scope: str = "auto"  # flat | inter-node | auto: the faster of the two (parallel/hierarchy.py)
     fused_attention: bool = False  # SDPA / flash attention: no scores kept (our models; Megatron-LM of SC21 kept them)
     compiled: bool = True  # elementwise work fused into kernels (Megatron-LM's; ours under train.compile), else eager
@@ -362,10 +363,11 @@ def gradient_exchange_s(n: float, train: Training, cluster: Cluster, lay: Layout
     """(seconds, scope) of the DP group's exchange of ``n`` gradients: the flat ring, the codec on every hop (ZeRO-2
     and 3: its reduce-scatter alone), or cut by node (parallel/hierarchy.py): an uncompressed reduce-scatter and
     all-gather inside the node, the codec across the nodes on 1/g of the bytes, the g rings in parallel, each on
-    its own link (ZeRO-2 and 3: the two reduce-scatters alone). ``train.compression_scope`` auto, with a codec:
-    the faster (a run's auto cuts by node wherever a codec crosses nodes: hpc plan says where that pays)."""
+    its own link (ZeRO-2 and 3: the two reduce-scatters alone); with the codec's own work (:func:`codec_cpu_s`).
+    ``train.compression_scope`` auto, with a codec: the faster (a run's auto cuts by node wherever a codec crosses
+    nodes: hpc plan says where that pays)."""
     flat = ring_allreduce_s(n * train.grad_bytes * train.wire_ratio, lay.dp, cluster.link(lay.dp * lay.tp))
-    flat /= 2 if lay.zero >= 2 else 1
+    flat = flat / (2 if lay.zero >= 2 else 1) + codec_cpu_s(n, train, cluster, lay, "flat")
     g = dp_ranks_per_node(cluster, lay)
     scope = train.compression_scope
     if scope == "flat" or g >= lay.dp or (scope == "auto" and train.wire_ratio >= 1):  # auto: a codec's, as a run's
@@ -373,7 +375,24 @@ def gradient_exchange_s(n: float, train: Training, cluster: Cluster, lay: Layout
     inside = ring_allreduce_s(n * train.grad_bytes, g, cluster.link(g * lay.tp))
     across = ring_allreduce_s(n * train.grad_bytes * train.wire_ratio / g, lay.dp // g, cluster.link(lay.dp * lay.tp))
     cut = (inside + across) / (2 if lay.zero >= 2 else 1)  # ZeRO-2/3: both stages reduce-scatters, no gathers
+    cut += codec_cpu_s(n, train, cluster, lay, "inter-node")
     return (cut, "inter-node") if train.compression_scope == "inter-node" or cut < flat else (flat, "flat")
+
+
+def codec_cpu_s(n: float, train: Training, cluster: Cluster, lay: Layout, scope: str) -> float:
+    """One CPU rank's int8 work in the DP exchange of ``n`` gradients (parallel/ring.py): each element encoded once
+    with its error feedback on its way round the ring of k ranks and 2 (k-1)/k hops' decodes and adds (ZeRO-2 and 3,
+    the reduce-scatter alone: (k-1)/k of each); cut by node, on the node's 1/g across the nodes' ring. It runs on
+    the cores the ranks compute on, so it never hides behind backward. Zero on GPUs (Cluster.int8_encode_ns 0: the
+    codec's kernels run beside the link) and for the other codecs (a cast costs a copy; not counted)."""
+    g = dp_ranks_per_node(cluster, lay) if scope == "inter-node" else 1
+    k = lay.dp // g
+    if train.codec != "int8" or k <= 1 or not cluster.int8_encode_ns:
+        return 0.0
+    share = (k - 1) / k
+    encodes, hops = (share, share) if lay.zero >= 2 else (1.0, 2 * share)
+    per_element_s = (encodes * cluster.int8_encode_ns + hops * cluster.int8_hop_ns) * 1e-9
+    return n / g * per_element_s / cluster.core_share(lay.dp * lay.tp * lay.pp)
 
 
 def dp_comm_s(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> tuple[float, float]:
@@ -381,15 +400,16 @@ def dp_comm_s(model: Transformer, train: Training, cluster: Cluster, lay: Layout
     (parallel/zero.py): 0 and 1 all-reduce the gradients, 2 and 3 reduce-scatter them (half the ring's volume);
     1 and 2 then all-gather the updated parameters (each owner broadcasts its share), 3 gathers them before the
     forward and again before the backward (Rajbhandari et al. SC20: 1.5 x the all-reduce's volume). Experts go
-    over their dp/ep replicas only (parallel/ep.py), the rest over dp."""
+    over their dp/ep replicas only (parallel/ep.py), the rest over dp; a CPU rank's codec work cannot hide."""
     experts = stage_expert_params(model, lay)
     dense, link = stage_params(model, lay) - experts, cluster.link(lay.dp * lay.tp)
     parts = [(dense, lay.dp), *([(experts, lay.dp // lay.ep)] if experts else [])]  # experts: over their replicas
-    reduce = gradient_exchange_s(dense, train, cluster, lay)[0]  # experts: parallel/ep.py, over their replicas
+    reduce, scope = gradient_exchange_s(dense, train, cluster, lay)  # experts: parallel/ep.py, over their replicas
+    codec = codec_cpu_s(dense, train, cluster, lay, scope)
     reduce += ring_allreduce_s(experts * train.grad_bytes * train.wire_ratio, lay.dp // lay.ep, link) / (
         2 if lay.zero >= 2 else 1)
     gather = sum(ring_allreduce_s(n * train.param_bytes, ranks, link) / 2 for n, ranks in parts)
-    return reduce, 0.0 if lay.zero == 0 else gather * (2 if lay.zero == 3 else 1)
+    return reduce - codec, codec + (0.0 if lay.zero == 0 else gather * (2 if lay.zero == 3 else 1))
 
 
 def stage_tensors(model: Transformer, lay: Layout) -> float:
@@ -468,6 +488,7 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     dp = behind + exposed
     shard = lay.dp if lay.zero >= 1 else 1
     optimizer = stage_params(model, lay) / shard * 2 * (train.param_bytes + train.grad_bytes + train.optimizer_bytes)
+    optimizer *= cluster.optimizer_traffic
     ranks = lay.dp * lay.tp * lay.pp
     optimizer /= cluster.memory_gbps * 1e9 * cluster.core_share(ranks)
     serial = cluster.interpreter_share(ranks)
@@ -508,7 +529,7 @@ def compression_advice(model: Transformer, train: Training, cluster: Cluster, gp
     best = {}
     for codec in ADVISED_CODECS:
         for scope in ("flat", "inter-node") if codec != "none" else ("flat",):
-            trial = replace(train, wire_ratio=wire_ratio(codec, train.grad_bytes), compression_scope=scope)
+            trial = replace(train, wire_ratio=wire_ratio(codec, train.grad_bytes), codec=codec, compression_scope=scope)
             fitting = plan(model, trial, cluster, gpus, zero_stages).fitting
             if fitting:
                 best[codec, scope] = fitting[0]
@@ -671,6 +692,7 @@ def spec_training(spec: JobSpec, hidden: int, batch: int | None = None, overlap:
     ratio = wire_ratio(par.compression, 4, par.topk_fraction, par.powersgd_rank, (hidden, hidden))
     return Training(batch=spec.data.batch_size if batch is None else batch, dtype="bf16" if half else "fp32",
                     act_bytes=2 if half else 4, param_bytes=4, grad_bytes=4, optimizer_bytes=state, wire_ratio=ratio,
+                    codec=par.compression,
                     dp_overlap=par.overlap and overlap, bucket_bytes=par.bucket_mb * 2**20, p2p_split_over_tp=False,
                     compression_scope=par.compression_scope, fused_attention=True, compiled=spec.train.compile,
                     fused_head_loss=spec.train.fused_head_loss)

@@ -238,21 +238,27 @@ class _Ring:
         return in_order()
 
     def _encode(self, index: int, k: int, final: bool = False) -> torch.Tensor:
-        segment = self.segments[index][k]
-        payload = self.codec.encode(segment)
-        if not self.codec.lossy:
-            return payload
-        if self.errors is not None:  # decoding costs as much as encoding: only when needed
-            decoded = self.codec.decode(payload, segment)
-            self.errors[index][k].add_(segment - decoded)
-            if final:
-                segment.copy_(decoded)
-        elif final:
-            self.codec.decode_into(payload, segment)  # the owner keeps exactly what the others decode
-        return payload
+        return encode_segment(self.codec, self.segments[index][k],
+                              None if self.errors is None else self.errors[index][k], final)
 
     def _send(self, payload: torch.Tensor, right: int) -> None:
         self.sends.append(self.transport.send(payload, right))
+
+
+def encode_segment(codec: Codec, segment: torch.Tensor, error: torch.Tensor | None, final: bool) -> torch.Tensor:
+    """A hop's payload of ``segment``; a lossy codec adds what it lost to ``error`` (when kept), and a ``final``
+    encode leaves the owner exactly what the others decode. ``hpc plan --calibrate`` times it too."""
+    payload = codec.encode(segment)
+    if not codec.lossy:
+        return payload
+    if error is not None:  # decoding costs as much as encoding: only when needed
+        decoded = codec.decode(payload, segment)
+        error.add_(segment - decoded)
+        if final:
+            segment.copy_(decoded)
+    elif final:
+        codec.decode_into(payload, segment)  # the owner keeps exactly what the others decode
+    return payload
 
 
 def _wait(sends: list[Pending]) -> None:

@@ -378,6 +378,7 @@ def test_calibrate_measures_this_machine_and_writes_a_cluster_file(tmp_path: Pat
     cluster = load_cluster(out)
     assert cluster.cores_per_node > 0 and cluster.intra_gbps > 0 and cluster.peak_tflops_fp32 > 0
     assert cluster.rank_base_mib > 100 and cluster.tensor_overhead_us > 0  # a rank imports torch; Adam loops
+    assert cluster.optimizer_traffic >= 1 and cluster.int8_encode_ns > cluster.int8_hop_ns > 0  # an encode decodes too
     assert 1 <= cluster.thread_speedup <= cluster.cores_per_node
     assert main(["plan", str(GPT), "--cluster", str(out), "--gpus", "2"]) == 0
     assert "recommended: dp=" in capsys.readouterr().out
@@ -430,29 +431,51 @@ def test_predicted_step_time_is_within_15_percent_of_the_measured_median(index: 
 
 
 # Issue 41's exchange cut by node on the testbed: 2 hosts of 2 ranks (a NIC per rank, 1 Gbit/s; the loopback inside a
-# host), the GPT example at its width and at 256, flat and cut, uncompressed and int8, predicted with a calibration of
-# this machine made just before (docs/data/plan_cluster_testbed_nodes.toml). The planner counts a link's time only;
-# here the exchange's own work (the codec, the copies, Gloo's and the kernel's networking) runs on the two cores the
-# four ranks compute on, so it under-predicts, the more the more that work: recorded misses (predicted / measured).
-NODE_RECORDS = {"plan_testbed_nodes.json": {"2x2 dp=4": 0.877, "2x2 dp=4 cut": 0.750, "2x2 dp=4 int8": 0.731,
-                                            "2x2 dp=4 int8 cut": 0.657},
-                "plan_testbed_nodes_wide.json": {"2x2 dp=4": 0.915, "2x2 dp=4 cut": 0.840, "2x2 dp=4 int8": 0.734,
-                                                 "2x2 dp=4 int8 cut": 0.707}}
+# host, measured with every host's ranks busy), the GPT example at its width and at 256, flat and cut, uncompressed
+# and int8, predicted with a calibration of this machine made just before (docs/data/plan_cluster_testbed_nodes.toml:
+# with the int8 codec's and the optimizer's CPU cost). At width 256, where the exchange is two thirds of the step,
+# every row is within 15%; at 128 a step's work outside the exchange and the model's layers (about 25 ms with four
+# ranks on two cores, docs/PLANNER.md) is not modelled: recorded misses (predicted / measured), None for none.
+NODE_RECORDS = {"plan_testbed_nodes.json": {"2x2 dp=4": 0.842, "2x2 dp=4 cut": 0.774, "2x2 dp=4 int8": 0.748,
+                                            "2x2 dp=4 int8 cut": 0.729},
+                "plan_testbed_nodes_wide.json": {"2x2 dp=4": None, "2x2 dp=4 cut": None, "2x2 dp=4 int8": None,
+                                                 "2x2 dp=4 int8 cut": None}}
 
 
 @pytest.mark.parametrize("name", NODE_RECORDS)
 def test_nodes_of_two_ranks_on_the_testbed_are_predicted_with_their_loopback_and_a_link_per_rank(name) -> None:
     """The recorded rows recomputed from their record (the testbed's cluster: the link and the loopback as measured
-    there, each row's ranks per host as its node): peak memory within 10%, the step's recorded miss reproduced,
-    and the cut predicted faster than the flat ring uncompressed, as measured."""
+    there, each row's ranks per host as its node): peak memory within 10%, the step within 15% or its recorded miss
+    reproduced, and the cut predicted faster than the flat ring uncompressed, as measured."""
     record = json.loads((REPO / "docs" / "data" / name).read_text())
     rows = {row["label"]: row for row in compare(str(GPT), record["rows"], Cluster(**record["cluster"]))}
     assert set(rows) == set(NODE_RECORDS[name]) and all(row["ranks_per_host"] == 2 for row in rows.values())
     for label, row in rows.items():
         assert row["memory_ratio"] == pytest.approx(1.0, abs=0.10), label
-        assert row["step_ratio"] == pytest.approx(NODE_RECORDS[name][label], abs=0.01), label
+        miss = NODE_RECORDS[name][label]
+        assert row["step_ratio"] == pytest.approx(1.0 if miss is None else miss, abs=0.15 if miss is None else 0.01)
     for key in ("predicted_step_s", "step_s"):
         assert rows["2x2 dp=4 cut"][key] < rows["2x2 dp=4"][key]
+
+
+def test_a_cpu_rank_s_int8_work_is_charged_on_the_ring_that_runs_it_and_never_hides() -> None:
+    """int8 on CPU ranks: an encode with error feedback per element and 2 (k-1)/k hops on a ring of k; cut by node,
+    the node's 1/g across nodes; ZeRO-2/3 the reduce-scatter's (k-1)/k of each; exposed; nothing on GPUs."""
+    from parallel.plan import codec_cpu_s
+
+    cpu = Cluster(cores_per_node=4, devices_per_node=4, thread_speedup=4.0, int8_encode_ns=4.0, int8_hop_ns=1.0)
+    int8, n = Training(batch=64, grad_bytes=4, wire_ratio=0.254, codec="int8"), 1e6
+    lay = Layout(8, 1, 1, 1)  # 2 nodes of 4 ranks; core_share(8) = 4 / 4 = 1 core each
+    assert codec_cpu_s(n, int8, cpu, lay, "flat") == pytest.approx(n * (4.0 + 2 * 7 / 8 * 1.0) * 1e-9)
+    assert codec_cpu_s(n, int8, cpu, lay, "inter-node") == pytest.approx(n / 4 * (4.0 + 2 * 1 / 2 * 1.0) * 1e-9)
+    assert codec_cpu_s(n, int8, cpu, replace(lay, zero=2), "flat") == pytest.approx(n * 7 / 8 * 5.0 * 1e-9)
+    assert codec_cpu_s(n, replace(int8, codec="fp16"), cpu, lay, "flat") == 0.0
+    assert codec_cpu_s(n, int8, replace(cpu, int8_encode_ns=0.0), lay, "flat") == 0.0
+    model, flat = Transformer(4, 256, 4, 64, 256), replace(int8, compression_scope="flat")
+    behind, exposed = dp_comm_s(model, flat, cpu, lay)
+    uncharged = dp_comm_s(model, flat, replace(cpu, int8_encode_ns=0.0, int8_hop_ns=0.0), lay)
+    assert (behind, exposed - uncharged[1]) == pytest.approx(
+        (uncharged[0], codec_cpu_s(stage_params(model, lay), int8, cpu, lay, "flat")))
 
 
 def test_the_testbed_is_one_core_per_host_and_links_at_the_shaped_rate_or_as_measured() -> None:
@@ -555,15 +578,18 @@ def test_validate_runs_each_layout_in_rounds_and_compares(testbed: bool, capsys)
     if testbed and (os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "tc", "nsenter"))):
         pytest.skip("the namespace testbed needs root, iproute2 and nsenter")
     where = ["--testbed", "1gbit"] if testbed else ["--launcher", "local"]
-    argv = ["plan", str(GPT), "--validate", "--layouts", "dp=2", "--steps", "3", "--warmup", "1", "--repeats", "2",
+    layout = "2x2 dp=4 int8 cut" if testbed else "dp=2"  # the testbed's: 2 hosts (nodes) of 2 ranks
+    argv = ["plan", str(GPT), "--validate", "--layouts", layout, "--steps", "3", "--warmup", "1", "--repeats", "2",
             "--cluster", str(LOCAL_CLUSTER), "--json", *where]
     assert main(argv) == 0
     record = json.loads(capsys.readouterr().out)
     (row,) = record["rows"]
-    assert row["label"] == "dp=2" and len(row["runs_step_s"]) == 2 and row["step_s"] in row["runs_step_s"]
+    assert row["label"] == layout and len(row["runs_step_s"]) == 2 and row["step_s"] in row["runs_step_s"]
     assert 0 < row["step_ratio"] < 10 and 0.5 < row["memory_ratio"] < 2
-    if testbed:  # the link as measured across the testbed, not the rate it is shaped to
-        assert record["cluster"]["inter_gbps"] != 0.125 and 0.01 < record["cluster"]["inter_gbps"] < 0.2
+    if testbed:  # the link as measured across the testbed, not the rate it is shaped to; the loopback inside a host
+        cluster, local = record["cluster"], load_cluster(LOCAL_CLUSTER)
+        assert cluster["inter_gbps"] != 0.125 and 0.01 < cluster["inter_gbps"] < 0.2
+        assert cluster["intra_gbps"] not in (local.intra_gbps, cluster["inter_gbps"]) and row["ranks_per_host"] == 2
 
 
 MOE = Transformer(4, 128, 4, 64, 256, experts=8, top_k=2, moe_every=2)

@@ -90,6 +90,8 @@ def calibration_text(cluster, measured: dict[str, list[float]], nprocs: int, out
             f"{spread('intra_alpha_us', 1, 'us')}, beta {spread('intra_gbps', 1, 'GB/s')} (ring over {nprocs} ranks); "
             f"one core {spread('peak_tflops_fp32', 1e3, 'GFLOP/s')} and {spread('layer_overhead_us', 1, 'us')} fixed "
             f"per GPT block forward+backward; {cluster.cores_per_node} threads {spread('thread_speedup', 1, 'x one')}; "
-            f"copy {spread('memory_gbps', 1, 'GB/s')}; AdamW {spread('tensor_overhead_us', 1, 'us')} per tensor; "
+            f"copy {spread('memory_gbps', 1, 'GB/s')}; AdamW {spread('tensor_overhead_us', 1, 'us')} per tensor and "
+            f"{spread('optimizer_traffic', 1, 'x')} the fused traffic; int8 {spread('int8_encode_ns', 1, 'ns')} an "
+            f"encode, {spread('int8_hop_ns', 1, 'ns')} a hop per element; "
             f"step {spread('step_overhead_ms', 1, 'ms')} fixed; rank base {cluster.rank_base_mib:.0f} MiB\n"
             f"wrote {out}")

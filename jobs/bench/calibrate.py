@@ -1,7 +1,7 @@
 """``hpc plan --calibrate``'s measurements of this node, in rounds: our ring's ``hpc bench allreduce`` rows, a GPT
-block on one core and on every core's threads, a copy's bandwidth, the optimizer's cost per tensor (all
-jobs/bench/compute.py's) and one rank of a tiny GPT for a step's fixed cost and a rank's base memory; each round
-fitted into a cluster (parallel/calibrate.py), and the rounds' medians kept.
+block on one core and on every core's threads, a copy's bandwidth, the optimizer's cost per tensor and per parameter,
+the int8 codec's per element (all jobs/bench/compute.py's) and one rank of a tiny GPT for a step's fixed cost and a
+rank's base memory; each round fitted into a cluster (parallel/calibrate.py), and the rounds' medians kept.
 """
 
 from __future__ import annotations
@@ -27,7 +27,13 @@ def calibrate(nprocs: int, launcher: str | None, repeats: int) -> tuple[Cluster,
 def measure_round(nprocs: int, launcher: str | None) -> Cluster:
     """One measurement of this node as a cluster of ``nprocs`` CPU ranks sharing its memory."""
     from hpc.runtime import launch
-    from jobs.bench.compute import measure_copy_gbps, measure_layers, measure_tensor_overhead
+    from jobs.bench.compute import (
+        measure_copy_gbps,
+        measure_int8_s,
+        measure_layers,
+        measure_optimizer_s,
+        measure_tensor_overhead,
+    )
     from jobs.bench.rank import rank_argv
 
     options = ["--sizes", RING_SIZES, "--codecs", "none", "--transports", "torch", "--iters", "5"]
@@ -35,7 +41,8 @@ def measure_round(nprocs: int, launcher: str | None) -> Cluster:
     cores = os.cpu_count() or 1
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30) / nprocs
     cluster = cpu_node(f"{os.uname().nodename} ({cores} cores, CPU ranks)", cores, memory_gib, rows,
-                       measure_copy_gbps(), measure_layers(threads=sorted({1, cores})), measure_tensor_overhead())
+                       measure_copy_gbps(), measure_layers(threads=sorted({1, cores})), measure_tensor_overhead(),
+                       measure_optimizer_s(), measure_int8_s())
     return _floor(cluster, launcher)
 
 

@@ -89,3 +89,39 @@ def measure_tensor_overhead(tensors: int = 200, iters: int = 5) -> float:
         return _median_of(optimizer.step, iters) / tensors
     finally:
         torch.set_num_threads(previous)
+
+
+def measure_optimizer_s(tensors: int = 16, size: int = 1 << 18, iters: int = 5) -> float:
+    """Seconds per parameter of an AdamW step over ``tensors`` tensors of ``size`` elements (one thread), a mid-sized
+    model's weights: what the planner's optimizer traffic is fitted to, beside the cost per tensor."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        params = [torch.zeros(size, requires_grad=True) for _ in range(tensors)]
+        for param in params:
+            param.grad = torch.randn(size)
+        optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+        return _median_of(optimizer.step, iters) / (tensors * size)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def measure_int8_s(iters: int = 5) -> tuple[float, float]:
+    """(seconds per element of a ring segment's int8 encode with error feedback, of a received segment's decode or
+    add, their mean), one thread, on segments of the ring's size (parallel/ring.py)."""
+    from parallel.compression.registry import make_codec
+    from parallel.ring import SEGMENT_BYTES, encode_segment
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        codec = make_codec("int8")
+        segment = torch.randn(SEGMENT_BYTES // 4, generator=torch.Generator().manual_seed(0))
+        error, into = torch.zeros_like(segment), torch.zeros_like(segment)
+        payload = codec.encode(segment)
+        encode, add, decode = _medians_of([lambda: encode_segment(codec, segment, error, False),
+                                           lambda: codec.add_decoded(payload, into),
+                                           lambda: codec.decode_into(payload, into)], iters)
+        return encode / segment.numel(), (add + decode) / 2 / segment.numel()
+    finally:
+        torch.set_num_threads(previous)

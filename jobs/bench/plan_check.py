@@ -135,28 +135,46 @@ class Testbed:
         """``python *argv`` as n ranks (default a rank on every host) at once, ``per_host`` on each of the first
         hosts, rank j of a host on its NIC j, as slurm/testbed/bench.sh starts them; raises naming ``what`` with
         the failed ranks' last words."""
-        ranks, n = [], n or self.hosts
-        for rank in range(n):
-            host, local = divmod(rank, per_host)
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(local),
-                   "LOCAL_WORLD_SIZE": str(per_host), "GROUP_RANK": str(host), "GROUP_WORLD_SIZE": str(n // per_host),
-                   "MASTER_ADDR": f"{self.subnet}.1", "MASTER_PORT": "29517", "OMP_NUM_THREADS": "1"}
-            ranks.append(subprocess.Popen([*self.netns, "exec", "--nic", str(local), str(host), "--", sys.executable,
-                                           *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                          text=True))
+        n = n or self.hosts
+        self._wait(what, [self._start(argv, divmod(rank, per_host), rank, n, per_host, f"{self.subnet}.1")
+                          for rank in range(n)])
+
+    def run_on_every_host(self, what: str, argv_of_host: Callable[[int], tuple[str, ...]], per_host: int) -> None:
+        """A job of ``per_host`` ranks on each host at once, its own (it meets at the host's own address, over the
+        loopback): one node's stage of the exchange cut by node with every node's ranks busy, as in a run."""
+        self._wait(what, [self._start(argv_of_host(host), (host, local), local, per_host, per_host,
+                                      f"{self.subnet}.{host + 1}")
+                          for host in range(self.hosts) for local in range(per_host)])
+
+    def _start(self, argv: tuple[str, ...], where: tuple[int, int], rank: int, n: int, per_host: int,
+               master: str) -> subprocess.Popen:
+        host, local = where
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(local),
+               "LOCAL_WORLD_SIZE": str(per_host), "GROUP_RANK": str(rank // per_host),
+               "GROUP_WORLD_SIZE": str(n // per_host), "MASTER_ADDR": master, "MASTER_PORT": "29517",
+               "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen([*self.netns, "exec", "--nic", str(local), str(host), "--", sys.executable, *argv],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    @staticmethod
+    def _wait(what: str, ranks: list[subprocess.Popen]) -> None:
         failed = [(proc.wait(), proc.stderr.read()) for proc in ranks]
         if any(code for code, _ in failed):
             raise RuntimeError(f"{what} on the testbed: {[err[-400:] for _, err in failed]}")
 
     def ring_rows(self, sizes: str, inside: int = 0) -> list[dict]:
         """``hpc bench allreduce``'s rows of our ring (torch transport, no codec) across the testbed's links, a rank
-        a host; with ``inside``, among that many ranks of the first host, over its loopback."""
+        a host; with ``inside``, among that many ranks of each host at once, each host's over its own loopback (the
+        first host's rows: the loopback as a node's ranks see it when every node's ranks run)."""
+        options = ("--sizes", sizes, "--codecs", "none", "--transports", "torch", "--iters", "5")
         with tempfile.TemporaryDirectory(prefix="hpc-plan-link-") as scratch:
-            out = os.path.join(scratch, "rows.json")
-            self.run("the all-reduce bench", *rank_command("allreduce", out, "--sizes", sizes, "--codecs", "none",
-                                                           "--transports", "torch", "--iters", "5"),
-                     n=inside or self.hosts, per_host=inside or 1)
-            with open(out) as handle:
+            out = os.path.join(scratch, "rows-{}.json")
+            if inside:
+                self.run_on_every_host("the all-reduce bench", lambda host: rank_command(
+                    "allreduce", out.format(host), *options), per_host=inside)
+            else:
+                self.run("the all-reduce bench", *rank_command("allreduce", out.format(0), *options))
+            with open(out.format(0)) as handle:
                 return json.load(handle)
 
     def run_case(self, spec: str, case: Case, extra: list[str], steps: int, warmup: int) -> dict:
