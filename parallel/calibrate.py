@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from hpc.config import JobSpec
 
 RATES = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}  # tc's units of a shaped link
+OPTIMIZER_PROBE = (16, 1 << 18)  # --calibrate's AdamW step: tensors, elements each (a mid-sized model's weights)
 
 
 def fit_alpha_beta(samples: list[tuple[float, int, float]]) -> tuple[float, float]:
@@ -85,8 +86,8 @@ def cpu_node(name: str, cores: int, memory_gib: float, ring_rows: list[dict], co
     overhead, rate = fit_layers([row for row in layer_rows if row["threads"] == 1], copy_gbps)
     _, threaded_rate = fit_layers([row for row in layer_rows if row["threads"] == cores], copy_gbps)
     tflops = rate / 1e12
-    fused_s = 2 * (4 + 4 + OPTIMIZER_BYTES["adamw"]) / (copy_gbps * 1e9)  # measure_optimizer_s's tensors: 2^18 each
-    traffic = max(1.0, (optimizer_s - tensor_overhead_s / 2**18) / fused_s) if optimizer_s else 1.0
+    fused_s = 2 * (4 + 4 + OPTIMIZER_BYTES["adamw"]) / (copy_gbps * 1e9)  # fp32 weights and gradients, Adam's state
+    traffic = max(1.0, (optimizer_s - tensor_overhead_s / OPTIMIZER_PROBE[1]) / fused_s) if optimizer_s else 1.0
     return Cluster(
         name=name, source="hpc plan --calibrate", devices_per_node=max(64, cores), memory_gib=round(memory_gib, 2),
         peak_tflops_fp32=tflops, peak_tflops_tf32=tflops, peak_tflops_bf16=tflops, peak_tflops_fp16=tflops,

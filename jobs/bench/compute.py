@@ -91,9 +91,12 @@ def measure_tensor_overhead(tensors: int = 200, iters: int = 5) -> float:
         torch.set_num_threads(previous)
 
 
-def measure_optimizer_s(tensors: int = 16, size: int = 1 << 18, iters: int = 5) -> float:
-    """Seconds per parameter of an AdamW step over ``tensors`` tensors of ``size`` elements (one thread), a mid-sized
-    model's weights: what the planner's optimizer traffic is fitted to, beside the cost per tensor."""
+def measure_optimizer_s(iters: int = 5) -> float:
+    """Seconds per parameter of an AdamW step over OPTIMIZER_PROBE's tensors (one thread), a mid-sized model's
+    weights: what the planner's optimizer traffic is fitted to, beside the cost per tensor."""
+    from parallel.calibrate import OPTIMIZER_PROBE
+
+    tensors, size = OPTIMIZER_PROBE
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
