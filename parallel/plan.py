@@ -677,10 +677,11 @@ PLANNED_KEYS = ("model.kind", "model.entry", "model.n_layers", "model.d_model", 
 
 
 def spec_gpt(spec: JobSpec) -> Transformer:
-    """A job spec's built-in GPT (``model.kind = "gpt"``), its mixture of experts included."""
+    """A job spec's built-in GPT (``model.kind = "gpt"``), its mixture of experts included; its head is a Linear of
+    its own (jobs/models/gpt.py), not the embedding."""
     m = spec.model
     return Transformer(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size, experts=m.moe_experts,
-                       top_k=m.moe_top_k, moe_every=m.moe_every)
+                       top_k=m.moe_top_k, moe_every=m.moe_every, tied=False)
 
 
 def spec_training(spec: JobSpec, hidden: int, batch: int | None = None, overlap: bool = True) -> Training:
