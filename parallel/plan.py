@@ -19,7 +19,8 @@ with its source, in docs/PLANNER.md; the names below follow it:
 - pipeline parallelism: m microbatch slots of the last stage (it holds the head: the slowest) and a bubble of
   (p-1)/v slots of the other stages, which fill and drain the pipeline (GPipe and 1F1B: v = 1; Narayanan et al.
   SC21 section 2.2), and a point-to-point send of b s h / t bytes forward and backward per microbatch and model
-  chunk (the scatter/gather optimization, ibid. section 4.1; b s h for our pipeline).
+  chunk (the scatter/gather optimization, ibid. section 4.1; b s h for our pipeline); a tied embedding's gradient
+  all-reduced between the first and the last stage after backward (Megatron's embedding group; parallel/tied.py).
 - data parallelism: a ring all-reduce of the stage's gradients (ZeRO-3: 1.5 times that volume, Rajbhandari et
   al. SC20), times the codec's wire ratio; with overlap it hides behind the last microbatch's backward, bucket
   by bucket: the last bucket is ready only when backward ends, so its share is never hidden (one bucket: none is).
@@ -269,7 +270,7 @@ class Estimate:
     step_s: float
     compute_s: float
     tp_s: float
-    pp_s: float  # the bubble and the point-to-point sends
+    pp_s: float  # the bubble, the point-to-point sends and a tied embedding's gradient all-reduce
     dp_s: float  # exposed (not hidden behind backward)
     ep_s: float  # the MoE layers' all-to-alls (dispatch and combine, forward and backward)
     optimizer_s: float
@@ -412,6 +413,16 @@ def dp_comm_s(model: Transformer, train: Training, cluster: Cluster, lay: Layout
     return reduce - codec, codec + (0.0 if lay.zero == 0 else gather * (2 if lay.zero == 3 else 1))
 
 
+def tied_embedding_s(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> float:
+    """A tied embedding under pp > 1 (parallel/tied.py, Megatron's embedding group): after the DP exchange and before
+    clipping, the first and the last stage of each pipeline all-reduce the tensor's gradient (its share over tp),
+    across the whole job's span; nothing hides it. Zero on one stage or with an untied head."""
+    shared = model.shared if model.counted else model.vocab * model.hidden * model.tied
+    if lay.pp == 1 or not shared:
+        return 0.0
+    return ring_allreduce_s(shared / lay.tp * train.grad_bytes, 2, cluster.link(lay.dp * lay.tp * lay.pp))
+
+
 def stage_tensors(model: Transformer, lay: Layout) -> float:
     """Parameter tensors on the rank holding the most (what the optimizer's per-tensor cost counts): the GPT's 11 per
     block (two layer norms, QKV, two projections, the MLP's two layers), the embedding's 2 and the head's 3; a Llama's
@@ -486,6 +497,7 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
         window = compute * 2 / lay.flop_passes * (buckets - 1) / buckets  # backward's products
         behind = max(behind / buckets, behind - window)
     dp = behind + exposed
+    tied = tied_embedding_s(model, train, cluster, lay)
     shard = lay.dp if lay.zero >= 1 else 1
     optimizer = stage_params(model, lay) / shard * 2 * (train.param_bytes + train.grad_bytes + train.optimizer_bytes)
     optimizer *= cluster.optimizer_traffic
@@ -497,14 +509,14 @@ def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout)
     overhead = cluster.step_overhead_ms * 1e-3 / serial
     overhead += 2 * ring_allreduce_s(8, ranks, cluster.link(ranks))
     m = lay.microbatches
-    step = m * slot + bubble + dp + optimizer + overhead
+    step = m * slot + bubble + tied + dp + optimizer + overhead
     tokens = train.batch * model.seq_len
     layer_flops = model.layers * model.layer_flops(tokens) + model.moe_layers * model.moe_extra_flops(tokens)
     model_flops = 3 * (layer_flops + model.logit_flops(tokens))
     executed = model_flops + (layer_flops if lay.checkpointing == "full" else 0.0)
     scope = gradient_exchange_s(stage_params(model, lay) - stage_expert_params(model, lay), train, cluster, lay)[1]
     return Estimate(
-        layout=replace(lay, scope=scope), step_s=step, compute_s=m * compute, tp_s=m * tp, pp_s=m * p2p + bubble,
+        layout=replace(lay, scope=scope), step_s=step, compute_s=m * compute, tp_s=m * tp, pp_s=m * p2p + bubble + tied,
         dp_s=dp, ep_s=m * a2a,
         optimizer_s=optimizer, overhead_s=overhead, memory_bytes=memory_bytes(model, train, cluster, lay),
         tokens_per_s=tokens / step,

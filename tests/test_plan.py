@@ -39,6 +39,7 @@ from parallel.plan import (
     ring_allreduce_s,
     spec_training,
     stage_params,
+    tied_embedding_s,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,7 +127,24 @@ def test_the_last_stage_holds_the_head_and_the_other_stages_make_the_bubble() ->
                                                                                          head=False))
     assert last > other * 1.5  # a 51200-word head at h = 1024 outweighs the stage's four layers
     e = estimate(model, train, cluster, lay)
-    assert e.compute_s + e.tp_s + e.pp_s == pytest.approx(16 * last + 3 * other, rel=1e-9)
+    tied = tied_embedding_s(model, train, cluster, lay)  # the first and last stages' embedding group
+    assert e.compute_s + e.tp_s + e.pp_s == pytest.approx(16 * last + 3 * other + tied, rel=1e-9)
+
+
+def test_a_tied_embedding_under_a_pipeline_all_reduces_its_gradient_between_the_first_and_last_stage() -> None:
+    """parallel/tied.py: the two copies' gradients summed over the 2-rank embedding group, its tp share, on the
+    link the whole job spans, after backward (nothing hides it); none on one stage or with an untied head."""
+    model, cluster = Transformer(16, 1024, 16, 1024, 51200), load_cluster("a100-superpod")
+    train, lay = replace(MIXED_ADAM, batch=64), Layout(2, 2, 4, 16)
+    expected = ring_allreduce_s(51200 * 1024 / 2 * 2, 2, cluster.link(16))
+    assert tied_embedding_s(model, train, cluster, lay) == pytest.approx(expected) and expected > 0
+    untied = replace(model, tied=False)
+    assert tied_embedding_s(untied, train, cluster, lay) == 0 == tied_embedding_s(model, train, cluster,
+                                                                                  replace(lay, pp=1))
+    step = estimate(model, train, cluster, lay).step_s
+    assert step - estimate(untied, train, cluster, lay).step_s == pytest.approx(expected, rel=1e-6)
+    counted = replace(model, counted=(51200 * 1024, 12 * 1024**2, 51200 * 1024), shared=51200 * 1024)
+    assert tied_embedding_s(counted, train, cluster, lay) == pytest.approx(expected)
 
 
 def test_each_microbatch_after_the_first_adds_its_gradients_to_the_stages() -> None:
@@ -254,7 +272,7 @@ def test_hpc_plan_layout_predicts_the_one_layout_given(capsys) -> None:
     assert lines[0].endswith(f"on 3072 x A100 DGX SuperPOD (Selene): 1 layout matches --layout {asked}, 1 fit in "
                              "72.0 GiB per rank")
     assert len(lines) == 4 and lines[2].split()[:10] == ["dp=6", "tp=8", "pp=64", "m=512", "interleaved/2", "ckpt",
-                                                        "113", "s", "55,554", "148"]
+                                                        "113", "s", "55,547", "148"]
     assert lines[3] == ("dp=6 tp=8 pp=64 m=512 interleaved/2 ckpt: number 2 of the 40 fitting layouts of 3072 "
                         "ranks, predicted +13% against the recommended, dp=3 tp=8 pp=128 m=1024 1f1b sac")
     assert main(["plan", *ONE_T, "--layout", "dp=6,tp=8,pp=64,m=512,schedule=1f1b,ckpt=on", "--json"]) == 0
