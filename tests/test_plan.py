@@ -377,6 +377,11 @@ def test_alpha_and_beta_are_fitted_to_ring_measurements() -> None:
     alpha, beta = 2e-5, 3e9
     samples = [(n, k, ring_allreduce_s(n, k, (alpha, beta))) for n in (4e3, 1e6, 16e6) for k in (2, 4)]
     assert fit_alpha_beta(samples) == pytest.approx((alpha, beta), rel=1e-6)
+    # A shaped link's burst: mid-sized messages 30% faster than its rate. The ends still give the model's two uses
+    # (a least squares fit over every size put this latency at 0).
+    shaped = [(n, 2, ring_allreduce_s(n, 2, (alpha, beta)) * (0.7 if 4e3 < n < 16e6 else 1.0))
+              for n in (4e3, 64e3, 1e6, 4e6, 16e6)]
+    assert fit_alpha_beta(shaped) == pytest.approx((alpha, beta), rel=1e-6)
     with pytest.raises(ValueError, match="two message sizes"):
         fit_alpha_beta([(1e6, 2, 1e-3), (1e6, 2, 1e-3)])
 
@@ -449,30 +454,25 @@ def test_predicted_step_time_is_within_15_percent_of_the_measured_median(index: 
 
 
 # Issue 41's exchange cut by node on the testbed: 2 hosts of 2 ranks (a NIC per rank, 1 Gbit/s; the loopback inside a
-# host, measured with every host's ranks busy), the GPT example at its width and at 256, flat and cut, uncompressed
-# and int8, predicted with a calibration of this machine made just before (docs/data/plan_cluster_testbed_nodes.toml:
-# with the int8 codec's and the optimizer's CPU cost). At width 256, where the exchange is two thirds of the step,
-# every row is within 15%; at 128 (the flat row within 15%) a step's work outside the exchange and the model's layers
-# (about 25 ms with four ranks on two cores, docs/PLANNER.md) is not modelled: recorded misses (predicted / measured),
-# None for none.
-NODE_RECORDS = {"plan_testbed_nodes.json": {"2x2 dp=4": None, "2x2 dp=4 cut": 0.783, "2x2 dp=4 int8": 0.756,
-                                            "2x2 dp=4 int8 cut": 0.735},
-                "plan_testbed_nodes_wide.json": {"2x2 dp=4": None, "2x2 dp=4 cut": None, "2x2 dp=4 int8": None,
-                                                 "2x2 dp=4 int8 cut": None}}
+# host, measured with every host's ranks busy; each link the median of 3 fits through its smallest and largest
+# messages), the GPT example at its width and at 256, flat and cut, uncompressed and int8, predicted with a calibration
+# of this machine made just before (docs/data/plan_cluster_testbed_nodes.toml: with the int8 codec's and the
+# optimizer's CPU cost).
+NODE_RECORDS = ("plan_testbed_nodes.json", "plan_testbed_nodes_wide.json")
+NODE_LAYOUTS = {"2x2 dp=4", "2x2 dp=4 cut", "2x2 dp=4 int8", "2x2 dp=4 int8 cut"}
 
 
 @pytest.mark.parametrize("name", NODE_RECORDS)
 def test_nodes_of_two_ranks_on_the_testbed_are_predicted_with_their_loopback_and_a_link_per_rank(name) -> None:
     """The recorded rows recomputed from their record (the testbed's cluster: the link and the loopback as measured
-    there, each row's ranks per host as its node): peak memory within 10%, the step within 15% or its recorded miss
-    reproduced, and the cut predicted faster than the flat ring uncompressed, as measured."""
+    there, each row's ranks per host as its node): the step within 15%, peak memory within 10%, and the cut
+    predicted faster than the flat ring uncompressed, as measured."""
     record = json.loads((REPO / "docs" / "data" / name).read_text())
     rows = {row["label"]: row for row in compare(str(GPT), record["rows"], Cluster(**record["cluster"]))}
-    assert set(rows) == set(NODE_RECORDS[name]) and all(row["ranks_per_host"] == 2 for row in rows.values())
+    assert set(rows) == NODE_LAYOUTS and all(row["ranks_per_host"] == 2 for row in rows.values())
     for label, row in rows.items():
+        assert (row["step_ratio"], row["memory_ratio"]) == pytest.approx((1.0, 1.0), abs=0.15), label
         assert row["memory_ratio"] == pytest.approx(1.0, abs=0.10), label
-        miss = NODE_RECORDS[name][label]
-        assert row["step_ratio"] == pytest.approx(1.0 if miss is None else miss, abs=0.15 if miss is None else 0.01)
     for key in ("predicted_step_s", "step_s"):
         assert rows["2x2 dp=4 cut"][key] < rows["2x2 dp=4"][key]
 

@@ -198,8 +198,10 @@ def validate(
 
         per_host = max(case.ranks_per_host for case in cases)
         with Testbed(max(case.nprocs // case.ranks_per_host for case in cases), testbed, nics=per_host) as bed:
-            link = ring_link(bed.ring_rows(RING_SIZES))  # the link as measured across the testbed
-            inside = ring_link(bed.ring_rows(RING_SIZES, inside=per_host)) if per_host > 1 else None
+            # the link as measured across the testbed and a host's loopback, each the median of ``repeats`` fits
+            link = median_fit([ring_link(bed.ring_rows(RING_SIZES)) for _ in range(repeats)])
+            inside = median_fit([ring_link(bed.ring_rows(RING_SIZES, inside=per_host))
+                                 for _ in range(repeats)]) if per_host > 1 else None
             measured = in_rounds(repeats, cases, load, lambda case: bed.run_case(spec, case, extra, steps, warmup))
         cluster = testbed_cluster(cluster, testbed, link)
         if inside:  # the loopback of a host, as measured there (the rows of nodes of several ranks use it)
@@ -207,6 +209,12 @@ def validate(
     else:
         measured = in_rounds(repeats, cases, load, lambda case: run_case(spec, case, extra, steps, warmup, launcher))
     return cluster, compare(spec, measured, cluster), load
+
+
+def median_fit(fits: list[tuple[float, float]]) -> tuple[float, float]:
+    """(alpha, beta) each the median of its fits: one fit of a shaped link or a busy loopback moves either by 2x."""
+    alphas, betas = sorted(alpha for alpha, _ in fits), sorted(beta for _, beta in fits)
+    return alphas[len(fits) // 2], betas[len(fits) // 2]
 
 
 def in_rounds(repeats: int, cases: tuple[Case, ...], load: list[float], measure: Callable[[Case], dict]) -> list[dict]:
