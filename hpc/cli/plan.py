@@ -68,7 +68,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--warmup", type=int, default=4, help="--validate: first steps left out (default 4)")
     plan.add_argument("--repeats", type=int, default=3,
                       help="--validate: runs per layout, in rounds; a row's step time is the median of the runs' "
-                           "medians; --calibrate: rounds of measurement, each constant their median (default 3)")
+                           "medians (--testbed: each link the median of as many fits); --calibrate: rounds of "
+                           "measurement, each constant their median (default 3)")
     plan.add_argument("--record", help="--validate: also write the cluster, the command, the load and every row "
                                        "to this JSON file (tests/test_plan.py checks docs/data/plan_local.json)")
     plan.add_argument("-n", "--nprocs", type=int, default=2, help="--calibrate: ranks of this node (default 2)")
