@@ -248,15 +248,10 @@ class _Ring:
 def encode_segment(codec: Codec, segment: torch.Tensor, error: torch.Tensor | None, final: bool) -> torch.Tensor:
     """A hop's payload of ``segment``; a lossy codec adds what it lost to ``error`` (when kept), and a ``final``
     encode leaves the owner exactly what the others decode. ``hpc plan --calibrate`` times it too."""
+    if error is not None and codec.lossy:
+        return codec.encode_keeping_error(segment, error, final)
     payload = codec.encode(segment)
-    if not codec.lossy:
-        return payload
-    if error is not None:  # decoding costs as much as encoding: only when needed
-        decoded = codec.decode(payload, segment)
-        error.add_(segment - decoded)
-        if final:
-            segment.copy_(decoded)
-    elif final:
+    if final and codec.lossy:  # decoding costs as much as encoding: only when needed
         codec.decode_into(payload, segment)  # the owner keeps exactly what the others decode
     return payload
 

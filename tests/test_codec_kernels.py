@@ -158,12 +158,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(nan, b.isnan()) and torch.equal(_bits(a[~nan]), _bits(b[~nan]))
 
 
-def _torch_ops(codec) -> tuple[Callable, Callable, Callable]:
-    """The codec's own encode, decode and add: torch on CPU tensors, the kernels on CUDA tensors."""
-    return codec.encode, codec.decode, codec.add_decoded
+def _torch_ops(codec) -> tuple[Callable, Callable, Callable, Callable]:
+    """The codec's own encode, decode, add and encode keeping the error: torch on CPU tensors (int8's error
+    kept in one fused pass where the blocks are whole), the kernels on CUDA tensors."""
+    return codec.encode, codec.decode, codec.add_decoded, codec.encode_keeping_error
 
 
-def _kernel_ops(codec) -> tuple[Callable, Callable, Callable]:
+def _kernel_ops(codec) -> tuple[Callable, Callable, Callable, Callable]:
     """The kernels called directly (under the interpreter, on CPU tensors), as the codec calls them on CUDA."""
     if isinstance(codec, Int8Codec):
         def encode(x):
@@ -183,26 +184,38 @@ def _kernel_ops(codec) -> tuple[Callable, Callable, Callable]:
         def decode_into(payload, into, add):
             kernels.cast(payload, into, add=add)
             return into
-    return (encode, lambda payload, like: decode_into(payload, torch.full_like(like, 7.0), False),
-            lambda payload, into: decode_into(payload, into, True))
+    def decode(payload, like):
+        return decode_into(payload, torch.full_like(like, 7.0), False)
+
+    def encode_keeping_error(segment, error, final):  # Codec's: encode, decode, error += segment - decoded
+        payload = encode(segment)
+        decoded = decode(payload, segment)
+        error.add_(segment - decoded)
+        if final:
+            segment.copy_(decoded)
+        return payload
+    return encode, decode, lambda payload, into: decode_into(payload, into, True), encode_keeping_error
 
 
 def _chain(codec, ops, pattern: str, feedback: bool, device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
-    """One ring hop's encode and decode of ``pattern``; with ``feedback`` the error buffer's update
-    (``error += segment - decoded``, as parallel.ring) and the next step, which encodes a gradient plus that
+    """One ring hop's encode and decode of ``pattern``; with ``feedback`` the ring's encodes keeping the error
+    (``error += segment - decoded``; the owner's final one leaves it the decoded values) on segments as the ring
+    cuts them, whole blocks then the ragged rest, and the next step, which encodes a gradient plus that
     residual; without, the decoded payload added into a received segment that holds the pattern too."""
-    encode, decode, add = ops
+    encode, decode, add, encode_keeping_error = ops
     x = _special(pattern, 1).to(device)
     payload = encode(x)
     results = [*_payload_parts(codec, payload, x.numel()), ("decoded", decode(payload, x))]
     if feedback:
-        error = torch.zeros_like(x)
-        error.add_(x - results[-1][1])
+        cuts = ((0, SPECIAL_N - SPECIAL_N % 256), (SPECIAL_N - SPECIAL_N % 256, SPECIAL_N))
+        error, final = torch.zeros_like(x), x.clone()
+        payloads = [encode_keeping_error(final[a:b], error[a:b], True) for a, b in cuts]
         compensated = _special("", 2).to(device) + error
-        payload = encode(compensated)
-        decoded = decode(payload, compensated)
-        results += [("error", error), *_payload_parts(codec, payload, x.numel()), ("decoded 2", decoded),
-                    ("error 2", compensated - decoded)]
+        error_2 = torch.zeros_like(x)
+        payloads += [encode_keeping_error(compensated[a:b], error_2[a:b], False) for a, b in cuts]
+        for (a, b), cut_payload in zip(cuts * 2, payloads, strict=True):
+            results += _payload_parts(codec, cut_payload, b - a)
+        results += [("error", error), ("final", final), ("error 2", error_2)]
     else:
         results.append(("added", add(payload, _special(pattern, 2).to(device))))
     return [(name, t.cpu()) for name, t in results]

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpc.config import CODEC_NAMES
-from parallel.compression.base import ErrorFeedback
+from parallel.compression.base import Codec, ErrorFeedback
 from parallel.compression.registry import REGISTRY, RING_CODECS, make_codec
 
 
@@ -51,6 +51,27 @@ def test_error_bound_holds_for_any_input(values, name) -> None:
     x = torch.tensor(values, dtype=torch.float32)
     decoded = codec.decode(codec.encode(x), x)
     assert torch.all((decoded - x).abs() <= codec.error_bound(x))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=300),
+    final=st.booleans(),
+)
+def test_int8_fused_error_keeping_equals_encode_decode_subtract(values, final) -> None:
+    """int8's one-pass encode keeping the error (whole blocks on the CPU) against Codec's encode, decode and
+    subtract: the same payload, error and final values bit for bit, subnormals and zeros of either sign too."""
+    codec = make_codec("int8")
+    x = torch.tensor(values, dtype=torch.float32).repeat(-(-512 // len(values)))[:512]  # two whole blocks
+    x[::7] = 0.0
+    x[1::11] = -0.0
+    error = torch.linspace(-1, 1, x.numel())
+    fused_x, fused_error = x.clone(), error.clone()
+    fused = codec.encode_keeping_error(fused_x, fused_error, final)
+    plain = Codec.encode_keeping_error(codec, x, error, final)
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_error.view(torch.int32), error.view(torch.int32))
+    assert torch.equal(fused_x.view(torch.int32), x.view(torch.int32))
 
 
 def test_error_feedback_adds_the_residual_back() -> None:

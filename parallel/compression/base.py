@@ -54,6 +54,16 @@ class Codec:
         """``into[:] = decode(payload)``: what an all-gather hop does; codecs may skip the temporary."""
         return into.copy_(self.decode(payload, into))
 
+    def encode_keeping_error(self, chunk: torch.Tensor, error: torch.Tensor, final: bool) -> torch.Tensor:
+        """``encode(chunk)``, adding what it lost to ``error`` (``chunk - decoded``) and, when ``final``, leaving
+        ``chunk`` what the others decode: a ring hop with error feedback; codecs may fuse it."""
+        payload = self.encode(chunk)
+        decoded = self.decode(payload, chunk)
+        error.add_(chunk - decoded)
+        if final:
+            chunk.copy_(decoded)
+        return payload
+
     def empty_payload(self, like: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(like)
 

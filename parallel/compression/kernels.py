@@ -1,6 +1,6 @@
 """Fused Triton kernels for the ring codecs on CUDA: one pass over memory per encode and per decode.
 
-Torch runs int8's encode as five kernels (absmax, scale, divide, round, clamp and cast) and its
+Torch runs int8's encode as six kernels (max, min, scale, divide, round, cast) and its
 decode as three, each a trip through device memory: 0.1x a device-to-device copy on an H100.
 Here each is one kernel that reads its input once and writes its output once:
 
