@@ -78,18 +78,17 @@ FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"  # failures/<prefix><rank>: NCCL's d
 def enable_flight_recorder(run_path: Path, environ: MutableMapping[str, str]) -> None:
     """NCCL's flight recorder on (each process group's last collectives: sequence numbers, states, sizes) and
     dumped into ``failures/`` when a collective times out, which torch's ``fr_trace`` reads to say who never
-    entered what; a variable the user set wins. Before the process group exists: NCCL reads them then (the
-    names of torch 2.11 and of later releases)."""
-    environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
-    environ.setdefault("TORCH_FR_BUFFER_SIZE", environ["TORCH_NCCL_TRACE_BUFFER_SIZE"])
+    entered what; a variable the user set wins, under either name. Before the process group exists: NCCL reads
+    them then. Torch 2.8 and later read the ``TORCH_FR_`` names and warn on every rank when the older
+    ``TORCH_NCCL_`` ones are set, so only the new ones are set here."""
+    environ.setdefault("TORCH_FR_BUFFER_SIZE", environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"))
     environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if "TORCH_FR_DUMP_TEMP_FILE" not in environ and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in environ:
         try:
             (run_path / FAILURES_DIR).mkdir(parents=True, exist_ok=True)
         except OSError:  # the run directory's own check names it; the dump then goes where torch puts it
             return
-        prefix = str(run_path / FAILURES_DIR / FLIGHT_RECORDER_PREFIX)
-        environ["TORCH_FR_DUMP_TEMP_FILE"] = environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = prefix
+        environ["TORCH_FR_DUMP_TEMP_FILE"] = str(run_path / FAILURES_DIR / FLIGHT_RECORDER_PREFIX)
 
 
 def write_failure(run_path: Path, rank: int, record: dict, traceback_text: str | None) -> Path:

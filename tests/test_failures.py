@@ -284,11 +284,12 @@ def test_nccls_flight_recorder_is_on_and_dumps_into_the_failures_directory_unles
 
     environ: dict[str, str] = {}
     enable_flight_recorder(tmp_path, environ)
-    assert environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert not any(name.startswith("TORCH_NCCL_") and name != "TORCH_NCCL_DUMP_ON_TIMEOUT" for name in environ)
     assert environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / FAILURES_DIR / FLIGHT_RECORDER_PREFIX)
     assert (tmp_path / FAILURES_DIR).is_dir()
     chosen = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr-"}
     enable_flight_recorder(tmp_path / "other", chosen)
-    assert chosen["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0" and chosen["TORCH_FR_DUMP_TEMP_FILE"] == "/scratch/fr-"
+    assert chosen["TORCH_FR_BUFFER_SIZE"] == "0" and chosen["TORCH_FR_DUMP_TEMP_FILE"] == "/scratch/fr-"
     assert not (tmp_path / "other").exists()
