@@ -625,6 +625,17 @@ def test_validate_runs_each_layout_in_rounds_and_compares(testbed: bool, capsys)
         assert cluster["intra_gbps"] not in (local.intra_gbps, cluster["inter_gbps"]) and row["ranks_per_host"] == 2
 
 
+def test_a_testbed_that_cannot_be_made_is_one_line_naming_why() -> None:
+    """netns refuses the subnet before it makes anything: its own line, not a CalledProcessError's traceback."""
+    from hpc.errors import HpcError
+    from jobs.bench.plan_check import Testbed
+
+    with pytest.raises(HpcError, match=r"^--testbed: the namespace testbed could not be made: .*subnet '10\.77\.999' "
+                                       r"must be the first three octets of a /24"):
+        with Testbed(2, "1gbit", prefix="hpcbad", subnet="10.77.999"):
+            pass
+
+
 MOE = Transformer(4, 128, 4, 64, 256, experts=8, top_k=2, moe_every=2)
 MOE_TRAIN = Training(batch=32, dtype="fp32", act_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
 

@@ -424,6 +424,29 @@ def test_an_empty_or_testbed_only_layout_is_refused_not_ignored(tmp_path, args, 
     _refused(["plan", *args], message, tmp_path / "runs")
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--validate", str(MLP), "--cluster", "h100-dgx", "--testbed", "1zbit"],
+     "--testbed: rate '1zbit' is not like 100mbit or 1gbit"),
+    (["--validate", str(MLP), "--cluster", "h100-dgx", "--record", "{tmp}/missing/rows.json"],
+     "--record {tmp}/missing/rows.json: the directory {tmp}/missing does not exist"),
+    (["--validate", str(MLP), "--cluster", "h100-dgx", "--record", "{tmp}"], "--record {tmp}: a directory"),
+    (["--calibrate", "--out", "{tmp}"], "--out {tmp}: a directory (give a file name)"),
+    (["--calibrate", "--out", "{tmp}/file/cluster.toml"], "--out {tmp}/file/cluster.toml: cannot make the directory"),
+])
+def test_a_bad_output_or_rate_is_refused_before_measuring(tmp_path, monkeypatch, args, message) -> None:
+    """Minutes of runs would be lost to a path or a rate found bad only at the end."""
+    from jobs.bench import calibrate, plan_check
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before the arguments were checked")
+
+    monkeypatch.setattr(plan_check, "validate", measured)
+    monkeypatch.setattr(calibrate, "calibrate", measured)
+    (tmp_path / "file").write_text("x")
+    _refused(["plan", *(arg.format(tmp=tmp_path) for arg in args)], message.format(tmp=tmp_path), tmp_path / "runs")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file"]
+
+
 EXITS = {  # module text -> what the line says
     "def model(**kwargs):\n    raise SystemExit(3)\n": "model.entry='{name}:model' exited with code 3 instead of",
     "import sys\ndef model(**kwargs):\n    sys.exit('no model')\n": "exited with the message 'no model' instead of",

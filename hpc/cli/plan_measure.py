@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict
 
-from hpc.errors import ConfigError
+from hpc.errors import ConfigError, HpcError
 from hpc.text import format_table
 
 VALIDATION_HEADER = ["layout", "ranks", "predicted", "measured", "ratio", "pred. memory", "measured", "ratio"]
@@ -18,8 +19,6 @@ VALIDATION_HEADER = ["layout", "ranks", "predicted", "measured", "ratio", "pred.
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure this node ``--repeats`` times and write a cluster file of each constant's median (one round of a
     busy 2-core VM moves a rate or a latency by 10-50%)."""
-    import os
-
     from jobs.bench.calibrate import calibrate
     from parallel.cluster import cluster_toml
 
@@ -27,8 +26,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--calibrate needs -n of at least 2 ranks (a ring), got {args.nprocs}")
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
+    check_output(args.out, "--out", make_folder=True)
     cluster, measured = calibrate(args.nprocs, args.launcher, args.repeats)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as handle:
         handle.write(cluster_toml(cluster))
     print(calibration_text(cluster, measured, args.nprocs, args.out))
@@ -37,7 +36,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Run each layout, then print (and with --record keep) predicted against measured."""
-    import os
     import sys
 
     from jobs.bench.plan_check import select, validate
@@ -59,6 +57,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
                           "has: add --testbed RATE (root)")
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.testbed:
+        from slurm.testbed.netns import rate_bits
+
+        try:
+            rate_bits(args.testbed)
+        except HpcError as error:
+            raise ConfigError(f"--testbed: {error}") from None
+    if args.record:
+        check_output(args.record, "--record", make_folder=False)
     cluster, rows, load = validate(args.spec, cases, cluster, list(args.overrides), args.steps, args.warmup,
                                    args.repeats, args.launcher, args.testbed)
     record = {"command": "hpc plan " + " ".join(sys.argv[2:]), "spec": args.spec, "cluster": asdict(cluster),
@@ -72,6 +79,23 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"{validation_table(rows)}\nload average (1 min) during the runs: "
               f"{min(load):.1f} to {max(load):.1f} on {os.cpu_count()} CPUs")
     return 0
+
+
+def check_output(path: str, flag: str, make_folder: bool) -> None:
+    """``path`` a file this user can write, its folder made first where ``make_folder``: checked before the minutes
+    of measuring, so that a bad path loses none of them."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path}: a directory (give a file name)")
+    if make_folder:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"{flag} {path}: cannot make the directory {folder}: {error.strerror}") from None
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: cannot write it (permission denied)")
 
 
 def validation_table(rows: list[dict]) -> str:

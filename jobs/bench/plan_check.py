@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hpc.errors import HpcError, RankFailedError
 from jobs.bench.rank import rank_command
 from parallel.cluster import Cluster
 
@@ -109,7 +110,7 @@ def run_case(spec: str, case: Case, extra: list[str], steps: int, warmup: int, l
         argv += ["--launcher", launcher] if launcher else []
         done = subprocess.run([*argv, *_sets(case, extra, steps, scratch)], capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"{case.label}: hpc run exited {done.returncode}: {done.stderr.strip()[-800:]}")
+            raise RankFailedError(f"{case.label}: hpc run exited {done.returncode}: {done.stderr.strip()[-800:]}")
         return _measured(case, extra, Path(scratch) / "check", warmup)
 
 
@@ -124,8 +125,11 @@ class Testbed:
         self.netns = [sys.executable, "-m", "slurm.testbed.netns", "--prefix", prefix]
 
     def __enter__(self) -> Testbed:
-        subprocess.run([*self.netns, "create", str(self.hosts), "--rate", self.rate, "--subnet", self.subnet,
-                        "--nics", str(self.nics)], check=True, capture_output=True)
+        made = subprocess.run([*self.netns, "create", str(self.hosts), "--rate", self.rate, "--subnet", self.subnet,
+                               "--nics", str(self.nics)], capture_output=True, text=True)
+        if made.returncode:
+            said = made.stderr.strip().splitlines() or [f"exit {made.returncode}"]
+            raise HpcError(f"--testbed: the namespace testbed could not be made: {said[-1]}")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -160,7 +164,7 @@ class Testbed:
     def _wait(what: str, ranks: list[subprocess.Popen]) -> None:
         failed = [(proc.wait(), proc.stderr.read()) for proc in ranks]
         if any(code for code, _ in failed):
-            raise RuntimeError(f"{what} on the testbed: {[err[-400:] for _, err in failed]}")
+            raise RankFailedError(f"{what} on the testbed: {[err[-400:] for _, err in failed]}")
 
     def ring_rows(self, sizes: str, inside: int = 0) -> list[dict]:
         """``hpc bench allreduce``'s rows of our ring (torch transport, no codec) across the testbed's links, a rank
