@@ -147,9 +147,14 @@ def test_no_function_is_longer_than_the_limit() -> None:
     assert not long, "\n".join(long)
 
 
+def _mapped_files() -> list[str]:
+    """The files docs/ARCHITECTURE.md's rows name."""
+    return re.findall(rf"`((?:{'|'.join(PACKAGES)})/[\w/]+\.(?:py|sh))`", ARCHITECTURE.read_text())
+
+
 def test_architecture_table_names_files_that_exist() -> None:
     """Each concept row of docs/ARCHITECTURE.md points at one file; a moved file must move its row too."""
-    paths = re.findall(r"`((?:hpc|parallel|slurm|jobs)/[\w/]+\.(?:py|sh))`", ARCHITECTURE.read_text())
+    paths = _mapped_files()
     assert len(paths) >= 30
     missing = [p for p in paths if not (ROOT / p).is_file()]
     assert not missing, f"docs/ARCHITECTURE.md names files that do not exist: {missing}"
@@ -157,7 +162,6 @@ def test_architecture_table_names_files_that_exist() -> None:
 
 def test_every_module_has_a_row_in_the_architecture_table() -> None:
     """The map is whole: a new module without a row is a concept nobody can find (``__init__`` files re-export)."""
-    named = set(re.findall(r"`((?:hpc|parallel|slurm|jobs)/[\w/]+\.py)`", ARCHITECTURE.read_text()))
-    modules = {str(path.relative_to(ROOT)) for package in ("hpc", "parallel", "slurm", "jobs")
-               for path in (ROOT / package).rglob("*.py") if path.name != "__init__.py"}
+    named = set(_mapped_files())
+    modules = {str(path.relative_to(ROOT)) for path in _sources().values() if path.name != "__init__.py"}
     assert not modules - named, f"docs/ARCHITECTURE.md has no row for: {sorted(modules - named)}"
