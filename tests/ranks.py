@@ -73,6 +73,7 @@ def run_ranks(n: int, fn: Callable, *args: Any, timeout: float = 120.0, device: 
         proc.start()
     collected: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+    finished = False
     try:
         while len(collected) < n:
             try:
@@ -88,9 +89,10 @@ def run_ranks(n: int, fn: Callable, *args: Any, timeout: float = 120.0, device: 
             if not ok:
                 raise RankError(f"rank {rank} failed:\n{value}")
             collected[rank] = value
+        finished = True
     finally:
-        for proc in procs:
-            proc.join(timeout=5)
+        for proc in procs:  # after a failure the others may wait on it forever: stop them at once
+            proc.join(timeout=5 if finished else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()

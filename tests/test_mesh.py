@@ -1,4 +1,5 @@
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,25 +84,29 @@ def test_groups_reduce_over_exactly_their_members() -> None:
             assert index == shape.coords(rank)[axis]
 
 
-def _skip_one_tp_all_reduce(world, timeout_s: float):
+def _skip_one_tp_all_reduce(world, timeout_s: float, rank0_done: Path):
     """Rank 1 skips a TP all-reduce that rank 0 enters; how long rank 0 waits, and what it raised."""
     import time
 
     mesh = build_mesh(MeshShape(dp=1, tp=2, pp=1), world.rank, timeout_s=timeout_s)
     dist.all_reduce(torch.ones(1), group=mesh.group("tp"))  # the group works
-    if world.rank == 1:
-        time.sleep(timeout_s + 15)  # never enters; stays alive so rank 0 sees a wait, not a vanished peer
+    if world.rank == 1:  # never enters; stays alive until rank 0 is done (so it sees a wait, not a vanished peer)
+        deadline = time.monotonic() + timeout_s + 15
+        while not rank0_done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         return None
     start = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1), group=mesh.group("tp"))
     except RuntimeError as exc:
         return time.monotonic() - start, str(exc).splitlines()[0]
+    finally:
+        rank0_done.touch()
     return time.monotonic() - start, "returned"
 
 
-def test_every_mesh_group_times_out_after_parallel_timeout_s_not_torchs_thirty_minutes() -> None:
+def test_every_mesh_group_times_out_after_parallel_timeout_s_not_torchs_thirty_minutes(tmp_path) -> None:
     """torch gives dist.new_group the backend's 30 minutes; a TP all-reduce that one rank never enters must fail
     after the mesh's timeout."""
-    waited, why = run_ranks(2, _skip_one_tp_all_reduce, 3.0, timeout=60)[0]
+    waited, why = run_ranks(2, _skip_one_tp_all_reduce, 3.0, tmp_path / "rank0-done", timeout=60)[0]
     assert why != "returned" and 2.5 < waited < 13, (waited, why)
