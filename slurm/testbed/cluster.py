@@ -117,6 +117,9 @@ SelectTypeParameters=CR_CPU
 MpiDefault=pmix
 # Schedule within a second (the defaults wait up to a minute).
 SchedulerParameters=bf_interval=1,sched_interval=1
+# A task that outlives SIGTERM (a hung rank: its handler only records the signal) gets SIGKILL 5 s later, not
+# Slurm's default 30: each restart after a hang waits this long for the step to end.
+KillWait=5
 # Reject impossible requests at submission instead of leaving them pending.
 EnforcePartLimits=ALL
 ReturnToService=2
