@@ -36,8 +36,12 @@ $(STAMPS)/pip: setup.cfg pyproject.toml
 run: install
 	hpc run -n $(RANKS) $(DEMO)
 
+# Two workers (pytest-xdist): a third of the suite's time is spent waiting (Slurm's scheduling and KillWait, stall
+# and backend timeouts), which the other worker fills. A file's tests share a worker, and so do the files that
+# start the local Slurm clusters or the namespace testbed (tests/conftest.py): one machine holds one of each.
+TEST_WORKERS ?= 2
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: install
 	ruff check .

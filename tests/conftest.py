@@ -11,9 +11,20 @@ from pathlib import Path
 
 import pytest
 
+# What one machine holds once: the local Slurm clusters and the namespace testbed (their namespaces, ports and
+# state). Under pytest-xdist the files that start them share one worker.
+ONE_AT_A_TIME = {"test_netns.py", "test_plan.py"}  # the testbed, made by name
 
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked ``cuda`` skip where CUDA is absent: ``make test`` on a CPU machine and CI stay green."""
+    """Under pytest-xdist (``--dist loadgroup``) a file's tests share a worker, and the files that use a Slurm
+    cluster or the testbed share one. Tests marked ``cuda`` skip where CUDA is absent: ``make test`` on a CPU
+    machine and CI stay green."""
+    for item in items if config.pluginmanager.hasplugin("xdist") else ():
+        uses_cluster = any(name.startswith("slurm_cluster") for name in item.fixturenames)
+        group = "clusters" if uses_cluster or item.path.name in ONE_AT_A_TIME else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
     needs_gpu = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not needs_gpu:
         return
