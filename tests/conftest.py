@@ -16,15 +16,17 @@ import pytest
 ONE_AT_A_TIME = {"test_netns.py", "test_plan.py"}  # the testbed, made by name
 
 
+# tryfirst: xdist's own hook turns the groups into node ids, so ours must have marked them already.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """Under pytest-xdist (``--dist loadgroup``) a file's tests share a worker, and the files that use a Slurm
     cluster or the testbed share one. Tests marked ``cuda`` skip where CUDA is absent: ``make test`` on a CPU
     machine and CI stay green."""
-    for item in items if config.pluginmanager.hasplugin("xdist") else ():
-        uses_cluster = any(name.startswith("slurm_cluster") for name in item.fixturenames)
-        group = "clusters" if uses_cluster or item.path.name in ONE_AT_A_TIME else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
+    if config.pluginmanager.hasplugin("xdist"):  # without it the marker is unknown (--strict-markers)
+        for item in items:
+            uses_cluster = any(name.startswith("slurm_cluster") for name in item.fixturenames)
+            group = "clusters" if uses_cluster or item.path.name in ONE_AT_A_TIME else item.path.name
+            item.add_marker(pytest.mark.xdist_group(group))
     needs_gpu = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not needs_gpu:
         return
