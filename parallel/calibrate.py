@@ -46,9 +46,10 @@ def fit_alpha_beta(samples: list[tuple[float, int, float]]) -> tuple[float, floa
     return alpha, 1.0 / max(inverse_beta, 1e-15)
 
 
-def ring_link(rows: list[dict]) -> tuple[float, float]:
-    """(alpha seconds, beta bytes/s) of ``hpc bench allreduce``'s rows of our ring."""
-    return fit_alpha_beta([(r["bytes"], r["ranks"], r["time_s"]) for r in rows if r["impl"] == "ring"])
+def ring_link(rows: list[dict], impl: str = "ring") -> tuple[float, float]:
+    """(alpha seconds, beta bytes/s) of ``hpc bench allreduce``'s rows of our ring (or of ``impl``'s: ``cut`` on one
+    node, its node stages, fitted as a ring)."""
+    return fit_alpha_beta([(r["bytes"], r["ranks"], r["time_s"]) for r in rows if r["impl"] == impl])
 
 
 def fit_overhead_and_rate(samples: list[tuple[float, float]]) -> tuple[float, float]:

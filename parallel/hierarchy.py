@@ -6,13 +6,14 @@ hierarchical exchange (Horovod's hierarchical all-reduce; DeepSpeed ZeRO++'s qgZ
 
 1. reduce-scatter inside the node, uncompressed: each local rank holds the node's sum of one shard of the
    bucket (the bucket padded to a multiple of the node's ranks). NCCL's own collective where it carries the
-   tensors; on the host our ring (parallel/ring.py) without a codec, since Gloo's reduce-scatter is an
-   all-reduce and a copy (24.5 ms for 16 MB on 2 ranks where its all-reduce takes 14.2 and the ring's one
-   exchange of halves 6.3);
+   tensors; on the host through the memory the node's ranks share (``parallel/node_memory.py``: Gloo would
+   send each byte through a loopback socket), else our ring (parallel/ring.py) without a codec, since Gloo's
+   reduce-scatter is an all-reduce and a copy (24.5 ms for 16 MB on 2 ranks where its all-reduce takes 14.2 and
+   the ring's one exchange of halves 6.3);
 2. the codec across nodes among the ranks holding the same shard (local rank i of every node: one ring
    per local rank, in parallel, each NIC carrying 1/g of the node's bytes), with its error feedback per
    shard, as the flat ring keeps it per bucket;
-3. all-gather inside the node, uncompressed (NCCL's, or the ring's on the host).
+3. all-gather inside the node, uncompressed (NCCL's, or on the host as stage 1).
 
 One rank per node makes stages 1 and 3 nothing and stage 2 the flat ring itself; one node makes stage 2
 nothing: no codec runs where nothing crosses a node. Node membership is what the launcher says
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from hpc.runtime.placement import carries_cuda
 from parallel.compression.base import MomentumCorrection, Reducer, flatten, unflatten_into
+from parallel.node_memory import NodeSharedMemory
 from parallel.ring import ring_allgather, ring_reduce_scatter
 from parallel.transport import Transport, make_transport
 
@@ -111,6 +113,11 @@ def build_node_groups(mesh: Mesh, transport: str = "torch") -> NodeGroups:
                       node_ranks.index(mesh.rank), len(node_ranks), len(cross_ranks), cross_members)
 
 
+def _padded(flat: torch.Tensor, g: int) -> torch.Tensor:
+    """``flat`` with zeros after it up to a multiple of ``g`` elements (itself where it is one)."""
+    return flat if flat.numel() % g == 0 else torch.cat([flat, flat.new_zeros(g - flat.numel() % g)])
+
+
 def owners(tensors: Sequence[torch.Tensor], g: int) -> list[int]:
     """The local rank that compresses each tensor across nodes: the largest first, each to the least loaded."""
     load, owner = [0] * g, [0] * len(tensors)
@@ -127,6 +134,8 @@ class HierarchicalReducer(Reducer):
     def __init__(self, inner: Reducer, groups: NodeGroups) -> None:
         self.inner, self.groups, self.name, self.nodes = inner, groups, inner.name, groups.nodes
         self.supports_reduce_scatter = inner.supports_reduce_scatter
+        self._memory: NodeSharedMemory | None = None
+        self._memory_tried = False
 
     def reduce_scatter(self, key: str, flat: torch.Tensor, transport: Transport, average: bool,
                        ) -> tuple[torch.Tensor, int]:
@@ -162,7 +171,7 @@ class HierarchicalReducer(Reducer):
             return self._reduce_by_tensor(key, tensors, average)
         flat = flatten(tensors)
         g = self.groups.local_size
-        padded = flat if flat.numel() % g == 0 else torch.cat([flat, flat.new_zeros(g - flat.numel() % g)])
+        padded = _padded(flat, g)
         shard = self._reduce_scatter_in_node(padded) if g > 1 else padded
         sent = (g - 1) * shard.nbytes
         if self.groups.nodes > 1:  # averaged over the nodes as the flat ring averages: one rank a node is that ring
@@ -204,10 +213,25 @@ class HierarchicalReducer(Reducer):
     def _native(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda and carries_cuda(self.groups.node)
 
+    def _shared_memory(self, padded: torch.Tensor) -> NodeSharedMemory | None:
+        """The node's shared memory for host tensors (``parallel/node_memory.py``), attached at the first
+        exchange by every rank of the node at once; None for device tensors and where the ranks share none."""
+        if padded.is_cuda or self.groups.local_size == 1:
+            return None
+        if not self._memory_tried:
+            self._memory_tried = True
+            self._memory = NodeSharedMemory.attach(self.groups.node, self.groups.local_rank, self.groups.local_size,
+                                                   padded.nbytes)
+        return self._memory
+
     def _reduce_scatter_in_node(self, padded: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the node's sum: shard ``local_rank`` by NCCL, else the ring's ``local_rank + 1``
-        (a view into ``padded``); the same shard index on every node, so the cross-node groups pair alike."""
+        """This rank's shard of the node's sum: shard ``local_rank`` by NCCL, else ``local_rank + 1`` as the ring
+        leaves it (a view into ``padded``), through the node's shared memory on the host; the same shard index on
+        every node, so the cross-node groups pair alike."""
         if not self._native(padded):
+            memory = self._shared_memory(padded)
+            if memory is not None:
+                return memory.reduce_scatter(padded)
             return ring_reduce_scatter(padded, self.groups.inside)
         shard = padded.new_empty(padded.numel() // self.groups.local_size)
         REDUCE_SCATTER(shard, padded, group=self.groups.node)
@@ -218,11 +242,23 @@ class HierarchicalReducer(Reducer):
         if self._native(padded):
             ALL_GATHER(padded, shard, group=self.groups.node)
             return
+        memory = self._shared_memory(padded)
+        if memory is not None:
+            memory.all_gather(padded, shard)
+            return
         ring_allgather(shard, self.groups.inside, out=padded.view(self.groups.local_size, -1), shift=1)
 
     def _all_reduce_in_node(self, flat: torch.Tensor) -> None:
-        """The node's sum in place, on the tensor itself where the backend takes its memory (NCCL on a GPU, Gloo on
-        the host), else on a host copy (ranks sharing a GPU over Gloo, as the tests run them)."""
+        """The node's sum in place: on the host through the node's shared memory (a reduce-scatter and an
+        all-gather), else on the tensor itself where the backend takes its memory (NCCL on a GPU, Gloo on the
+        host), else on a host copy (ranks sharing a GPU over Gloo, as the tests run them)."""
+        memory = self._shared_memory(flat)
+        if memory is not None:
+            padded = _padded(flat, self.groups.local_size)
+            memory.all_gather(padded, memory.reduce_scatter(padded))
+            if padded is not flat:
+                flat.copy_(padded[: flat.numel()])
+            return
         if self._native(flat) or not flat.is_cuda:
             dist.all_reduce(flat, group=self.groups.node)
             return

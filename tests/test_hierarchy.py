@@ -261,3 +261,52 @@ def test_powersgd_compresses_whole_matrices_across_nodes_only() -> None:
                                    for a, b in zip(one_node[0], exact, strict=True))
         assert all(torch.equal(a, b) for step, other in zip(whole, resumed, strict=True)
                    for a, b in zip(step, other, strict=True))
+
+
+def _node_stages(world, per_node: int, shared_dir: str, apart: bool) -> tuple:
+    """The node's stages through its shared memory against the ring's over Gloo, on buckets that grow, shrink and
+    change dtype, three rounds each (the segment sets alternate): mismatches, whether shared memory was used, and
+    the files left in ``shared_dir``. ``apart``: each rank looks in a directory of its own, as ranks that share
+    no /dev/shm would."""
+    import os
+
+    from parallel import node_memory
+    from parallel.ring import ring_allgather, ring_reduce_scatter
+
+    node_memory.SHARED_DIR = os.path.join(shared_dir, str(world.rank)) if apart else shared_dir
+    os.makedirs(node_memory.SHARED_DIR, exist_ok=True)
+    groups = build_node_groups(_mesh(world, per_node))
+    g = groups.local_size
+    memory = node_memory.NodeSharedMemory.attach(groups.node, groups.local_rank, g, 4 * g)
+    wrong = []
+    buckets = ((g, torch.float32), (4100 * g, torch.float32), (3 * g, torch.float32), (500 * g, torch.bfloat16))
+    for numel, dtype in buckets:
+        for round_ in range(3):
+            x = _inputs(world.rank + 10 * round_, numel, integer=False).to(dtype)
+            ring, ours = x.clone(), x.clone()
+            ring_shard = ring_reduce_scatter(ring, groups.inside)
+            if memory is None:
+                continue
+            shard = memory.reduce_scatter(ours)
+            in_place = shard.data_ptr() == ours.view(g, -1)[(groups.local_rank + 1) % g].data_ptr()
+            same = torch.equal(shard, ring_shard) and in_place
+            ring_allgather(ring_shard, groups.inside, out=ring.view(g, -1), shift=1)
+            memory.all_gather(ours, shard)
+            if not (same and torch.equal(ours, ring)):
+                wrong.append((numel, dtype, round_))
+    wrong += _exact_against_the_flat_all_reduce(world, per_node)  # through the memory, or the ring where apart
+    dist.barrier()
+    return wrong, memory is not None, os.listdir(node_memory.SHARED_DIR)
+
+
+@pytest.mark.parametrize("per_node", [2, 4])
+def test_the_node_s_stages_through_shared_memory_equal_the_ring_s_bit_for_bit(tmp_path, per_node) -> None:
+    """On the host the node's reduce-scatter and all-gather read the node's ranks' segments directly: the ring's
+    sums in the ring's order, bit for bit, however the buckets change, and no file left behind."""
+    assert run_ranks(4, _node_stages, per_node, str(tmp_path), False) == [([], True, [])] * 4
+
+
+def test_ranks_that_share_no_memory_keep_the_ring(tmp_path) -> None:
+    """Ranks that cannot see each other's segments (a /dev/shm each) all agree to keep the ring, and leave no
+    file; the exchange cut by node then sums as before."""
+    assert run_ranks(4, _node_stages, 2, str(tmp_path), True) == [([], False, [])] * 4

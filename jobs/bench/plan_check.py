@@ -168,14 +168,16 @@ class Testbed:
 
     def ring_rows(self, sizes: str, inside: int = 0) -> list[dict]:
         """``hpc bench allreduce``'s rows of our ring (torch transport, no codec) across the testbed's links, a rank
-        a host; with ``inside``, among that many ranks of each host at once, each host's over its own loopback (the
-        first host's rows: the loopback as a node's ranks see it when every node's ranks run)."""
+        a host; with ``inside``, the rows of a node's stages of the exchange cut by node (impl ``cut``: the
+        reduce-scatter and all-gather through the node's shared memory, as a run's go) among that many ranks of
+        each host at once, each host one node (the first host's rows: the node's stages as its ranks see them when
+        every node's ranks run)."""
         options = ("--sizes", sizes, "--codecs", "none", "--transports", "torch", "--iters", "5")
         with tempfile.TemporaryDirectory(prefix="hpc-plan-link-") as scratch:
             out = os.path.join(scratch, "rows-{}.json")
             if inside:
-                self.run_on_every_host("the all-reduce bench", lambda host: rank_command(
-                    "allreduce", out.format(host), *options), per_host=inside)
+                self.run_on_every_host("the node stages' bench", lambda host: rank_command(
+                    "allreduce", out.format(host), *options, "--scopes", "inter-node"), per_host=inside)
             else:
                 self.run("the all-reduce bench", *rank_command("allreduce", out.format(0), *options))
             with open(out.format(0)) as handle:
@@ -204,11 +206,11 @@ def validate(
         with Testbed(max(case.nprocs // case.ranks_per_host for case in cases), testbed, nics=per_host) as bed:
             # the link as measured across the testbed and a host's loopback, each the median of ``repeats`` fits
             link = median_fit([ring_link(bed.ring_rows(RING_SIZES)) for _ in range(repeats)])
-            inside = median_fit([ring_link(bed.ring_rows(RING_SIZES, inside=per_host))
+            inside = median_fit([ring_link(bed.ring_rows(RING_SIZES, inside=per_host), impl="cut")
                                  for _ in range(repeats)]) if per_host > 1 else None
             measured = in_rounds(repeats, cases, load, lambda case: bed.run_case(spec, case, extra, steps, warmup))
         cluster = testbed_cluster(cluster, testbed, link)
-        if inside:  # the loopback of a host, as measured there (the rows of nodes of several ranks use it)
+        if inside:  # a node's stages on a host, as measured there (the rows of nodes of several ranks use them)
             cluster = replace(cluster, intra_alpha_us=inside[0] * 1e6, intra_gbps=inside[1] / 1e9)
     else:
         measured = in_rounds(repeats, cases, load, lambda case: run_case(spec, case, extra, steps, warmup, launcher))
