@@ -480,7 +480,19 @@ def memory_bytes(model: Transformer, train: Training, cluster: Cluster, lay: Lay
     if train.fused_head_loss:  # one chunk of them at a time, and the gradients of a group of chunks' logits kept
         kept_rows = min(model.hidden, tokens / FUSED_LOSS_KEPT_SHARE)  # for one weight-gradient product
         logits = min(logits, FUSED_LOSS_CHUNK_BYTES) + kept_rows * model.vocab / lay.tp * train.act_bytes
-    return cluster.rank_base_mib * (1 << 20) + states + activations + logits
+    return cluster.rank_base_mib * (1 << 20) + states + activations + logits + node_segment_bytes(model, train,
+                                                                                                 cluster, lay)
+
+
+def node_segment_bytes(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> float:
+    """The exchange cut by node on CPU ranks (``cores_per_node`` set) keeps two sets of segments of the largest bucket
+    in the node's shared memory (parallel/node_memory.py); a rank writes its own whole and reads two chunks of each
+    other's, 2 x bucket x (1 + 2 (g-1)/g) of its resident memory. None on GPUs (NCCL's own stages)."""
+    g = dp_ranks_per_node(cluster, lay)
+    dense = stage_params(model, lay) - stage_expert_params(model, lay)
+    if not cluster.cores_per_node or g <= 1 or gradient_exchange_s(dense, train, cluster, lay)[1] != "inter-node":
+        return 0.0
+    return 2 * min(train.bucket_bytes, dense * train.grad_bytes) * (1 + 2 * (g - 1) / g)
 
 
 def estimate(model: Transformer, train: Training, cluster: Cluster, lay: Layout) -> Estimate:
