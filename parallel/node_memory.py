@@ -48,7 +48,7 @@ class NodeSharedMemory:
     def attach(cls, group: ProcessGroup, local_rank: int, local_size: int, nbytes: int) -> NodeSharedMemory | None:
         """Collective over the node: its shared memory with segments of ``nbytes``, or None on every rank if
         any rank cannot map the others' segments."""
-        name = torch.zeros(16, dtype=torch.uint8)
+        name = torch.zeros(16, dtype=torch.uint8, device="cpu")  # the node group carries host tensors (Gloo)
         if local_rank == 0:
             name.copy_(torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8))
         dist.broadcast(name, src=dist.get_global_rank(group, 0), group=group)
@@ -99,7 +99,7 @@ class NodeSharedMemory:
         nbytes, self.generation = max(nbytes, 64), self.generation + 1
         paths = [[os.path.join(SHARED_DIR, f"{self.name}-{self.generation}-{flip}-{rank}")
                   for rank in range(self.local_size)] for flip in (0, 1)]
-        token = torch.tensor(list(self.local_rank.to_bytes(8, "little")), dtype=torch.uint8)
+        token = torch.tensor(list(self.local_rank.to_bytes(8, "little")), dtype=torch.uint8, device="cpu")
         mine: list[torch.Tensor] = []
         try:
             for flip in (0, 1):
@@ -113,7 +113,7 @@ class NodeSharedMemory:
             sets = tuple([mine[flip] if rank == self.local_rank else _map(paths[flip][rank], nbytes, rank)
                           for rank in range(self.local_size)] for flip in (0, 1))
         mapped = sets is not None and all(segment is not None for flip in sets for segment in flip)
-        everyone = torch.tensor([int(mapped)])
+        everyone = torch.tensor([int(mapped)], device="cpu")
         dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.group)  # also: every rank has mapped them
         for flip in range(len(mine)):
             os.unlink(paths[flip][self.local_rank])
