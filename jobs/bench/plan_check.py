@@ -204,7 +204,7 @@ def validate(
 
         per_host = max(case.ranks_per_host for case in cases)
         with Testbed(max(case.nprocs // case.ranks_per_host for case in cases), testbed, nics=per_host) as bed:
-            # the link as measured across the testbed and a host's loopback, each the median of ``repeats`` fits
+            # the link as measured across the testbed and a node's stages on a host, each the median of ``repeats`` fits
             link = median_fit([ring_link(bed.ring_rows(RING_SIZES)) for _ in range(repeats)])
             inside = median_fit([ring_link(bed.ring_rows(RING_SIZES, inside=per_host), impl="cut")
                                  for _ in range(repeats)]) if per_host > 1 else None
