@@ -1,0 +1,116 @@
+"""int8's fused host kernels (``parallel.compression.host_kernels``) give torch's ops' results bit for bit.
+
+The reference is the codec with the kernels switched off (``HPC_HOST_KERNELS=0``): torch's ops, which the
+Triton kernels match too (tests/test_codec_kernels.py), so every path puts the same bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parallel.compression import host_kernels
+from parallel.compression.int8 import Int8Codec
+from tests.test_codec_kernels import PATTERNS, ROOT, _chain, _differences, _gradient, _torch_ops
+
+needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="needs a C compiler")
+
+
+def _torch_path(monkeypatch: pytest.MonkeyPatch, run):
+    """``run()`` with the host kernels switched off."""
+    with monkeypatch.context() as patch:
+        patch.setenv("HPC_HOST_KERNELS", "0")
+        return run()
+
+
+@needs_compiler
+def test_the_codec_runs_on_the_host_kernels_where_a_compiler_builds_them() -> None:
+    assert host_kernels.available(torch.zeros(256))
+    assert not host_kernels.available(torch.zeros(256)[::2])  # strided: torch's ops
+
+
+@needs_compiler
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_host_kernels_keep_nan_and_inf_as_torch(monkeypatch, pattern: str, feedback: bool) -> None:
+    """Scales, values, decoded values, error buffers and final values of a block with a NaN, an inf, zeros of
+    either sign or float32's extremes (whole blocks on the kernels, the ragged rest on torch's ops)."""
+    codec = Int8Codec()
+    expected = _torch_path(monkeypatch, lambda: _chain(codec, _torch_ops(codec), pattern, feedback))
+    assert _differences(_chain(codec, _torch_ops(codec), pattern, feedback), expected) == ""
+
+
+@needs_compiler
+@pytest.mark.parametrize("blocks", [1, 3, 1024 + 5])
+def test_host_kernels_equal_torch_across_magnitudes(monkeypatch, blocks: int) -> None:
+    codec = Int8Codec()
+    x = _gradient(256 * blocks, blocks)
+
+    def run() -> list[torch.Tensor]:
+        payload = codec.encode(x)
+        decoded = codec.decode_into(payload, torch.full_like(x, 7.0))
+        kept, error = x.clone(), torch.linspace(-1, 1, x.numel())
+        return [payload, decoded, codec.encode_keeping_error(kept, error, final=True), kept, error]
+
+    for got, want in zip(run(), _torch_path(monkeypatch, run), strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@needs_compiler
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=300),
+    final=st.booleans(),
+)
+def test_host_kernels_equal_torch_for_any_floats(values, final) -> None:
+    """Subnormals, zeros of either sign, infinities and float32's largest values, two whole blocks."""
+    codec = Int8Codec()
+    x = torch.tensor(values, dtype=torch.float32).repeat(-(-512 // len(values)))[:512]
+    results = []
+    for switch in ("1", "0"):  # hypothesis forbids function-scoped fixtures: the variable set and restored here
+        previous = os.environ.get("HPC_HOST_KERNELS")
+        os.environ["HPC_HOST_KERNELS"] = switch
+        try:
+            kept, error = x.clone(), torch.linspace(-1, 1, x.numel())
+            payload = codec.encode_keeping_error(kept, error, final)
+            results.append([payload, kept, error, codec.decode_into(payload, torch.empty_like(x))])
+        finally:
+            if previous is None:
+                del os.environ["HPC_HOST_KERNELS"]
+            else:
+                os.environ["HPC_HOST_KERNELS"] = previous
+    for got, want in zip(*results, strict=True):
+        nan = got.isnan() if got.is_floating_point() else torch.zeros_like(got, dtype=torch.bool)
+        assert torch.equal(nan, want.isnan() if want.is_floating_point() else nan)
+        assert torch.equal(got[~nan].view(torch.uint8), want[~nan].view(torch.uint8))
+
+
+def test_without_a_compiler_the_codec_keeps_torch_ops(tmp_path) -> None:
+    """No compiler (``CC`` names none) and an empty cache: one warning, and the codec still encodes."""
+    code = (
+        "import warnings, torch\n"
+        "from parallel.compression import host_kernels\n"
+        "from parallel.compression.int8 import Int8Codec\n"
+        "x = torch.randn(512)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    codec = Int8Codec()\n"
+        "    decoded = codec.decode(codec.encode(x), x)\n"
+        "assert not host_kernels.available(x)\n"
+        "assert [str(w.message).split(':')[0] for w in caught] == [\"host codec kernels unavailable, torch's ops "
+        "instead\"], caught\n"
+        "assert torch.all((decoded - x).abs() <= codec.error_bound(x))\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "CC": str(tmp_path / "no-compiler"), "HPC_KERNEL_CACHE": str(tmp_path / "cache")}
+    env.pop("HPC_HOST_KERNELS", None)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
