@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.compression import kernels
+from parallel.compression import host_kernels, kernels
 from parallel.compression.casts import CastCodec
 from parallel.compression.int8 import Int8Codec
 from parallel.compression.powersgd import PowerSGDReducer
@@ -67,16 +67,9 @@ def interpreter_fuses_fma() -> bool:
     return out[0].item() == 2.0**-46
 
 
-def cpu_addcmul_fuses() -> bool:
-    """Whether ATen's ``addcmul_`` (the torch path's int8 add) rounds once on this CPU, as its vectorized FMA does
-    (AVX2, AVX-512), or twice (``ATEN_CPU_CAPABILITY=default``, a CPU without FMA): the same probe as above."""
-    a, c = torch.full((64,), 1.0 + 2.0**-23), torch.full((64,), -(1.0 + 2.0**-22))
-    return bool((c.addcmul_(a, a) == 2.0**-46).all())
-
-
 def fused_adds_agree() -> bool:
     """Whether the kernel's fused add and the torch path's may be compared bit for bit here: both round once."""
-    return interpreter_fuses_fma() and cpu_addcmul_fuses()
+    return interpreter_fuses_fma() and host_kernels.addcmul_fuses()  # the torch path's add: see there
 
 
 def check_kernels_on_cpu() -> None:

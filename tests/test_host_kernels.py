@@ -53,14 +53,41 @@ def test_host_kernels_equal_torch_across_magnitudes(monkeypatch, blocks: int) ->
     codec = Int8Codec()
     x = _gradient(256 * blocks, blocks)
 
-    def run() -> list[torch.Tensor]:
-        payload = codec.encode(x)
-        decoded = codec.decode_into(payload, torch.full_like(x, 7.0))
-        kept, error = x.clone(), torch.linspace(-1, 1, x.numel())
-        return [payload, decoded, codec.encode_keeping_error(kept, error, final=True), kept, error]
-
-    for got, want in zip(run(), _torch_path(monkeypatch, run), strict=True):
+    for got, want in zip(_magnitudes(codec, x), _torch_path(monkeypatch, lambda: _magnitudes(codec, x)), strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def _magnitudes(codec: Int8Codec, x: torch.Tensor) -> list[torch.Tensor]:
+    """Every kernel on ``x``: its payload, decoded, added into other values, and encoded keeping the error."""
+    payload = codec.encode(x)
+    decoded = codec.decode_into(payload, torch.full_like(x, 7.0))
+    added = codec.add_decoded(payload, _gradient(x.numel(), 99))
+    kept, error = x.clone(), torch.linspace(-1, 1, x.numel())
+    return [payload, decoded, added, codec.encode_keeping_error(kept, error, final=True), kept, error]
+
+
+@needs_compiler
+def test_host_kernels_round_the_add_as_torch_does_on_a_cpu_without_fma() -> None:
+    """ATen's default kernels (a CPU without AVX2) round ``addcmul_``'s product before the sum; the kernel's add
+    follows torch there too (elsewhere it fuses them, as ATen's AVX2 and AVX-512 kernels do)."""
+    code = (
+        "import os, torch\n"
+        "from parallel.compression import host_kernels\n"
+        "from parallel.compression.int8 import Int8Codec\n"
+        "from tests.test_host_kernels import _gradient, _magnitudes\n"
+        "codec, x = Int8Codec(), _gradient(256 * 9, 5)\n"
+        "got = _magnitudes(codec, x)\n"
+        "os.environ['HPC_HOST_KERNELS'] = '0'\n"
+        "want = _magnitudes(codec, x)\n"
+        "assert not host_kernels.addcmul_fuses()\n"
+        "assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    env.pop("HPC_HOST_KERNELS", None)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
 @needs_compiler
@@ -80,7 +107,8 @@ def test_host_kernels_equal_torch_for_any_floats(values, final) -> None:
         try:
             kept, error = x.clone(), torch.linspace(-1, 1, x.numel())
             payload = codec.encode_keeping_error(kept, error, final)
-            results.append([payload, kept, error, codec.decode_into(payload, torch.empty_like(x))])
+            added = codec.add_decoded(payload, torch.linspace(-3, 3, x.numel()))
+            results.append([payload, kept, error, codec.decode_into(payload, torch.empty_like(x)), added])
         finally:
             if previous is None:
                 del os.environ["HPC_HOST_KERNELS"]

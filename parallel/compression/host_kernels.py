@@ -15,7 +15,9 @@ torch's ops for the process.
   ``torch.amax``), ``scale = max(absmax / 127, tiny)``, ``round_half_even(x / scale)`` (adding and subtracting
   1.5 * 2^23), NaN as byte 0; with an error buffer, ``error += x - q * scale``, and when ``final`` ``x = q *
   scale`` (what the others decode), as ``Int8Codec.encode_keeping_error`` does it in torch;
-- ``int8_decode``: ``into = q * scale`` (torch's zeroed ``addcmul_``: a product added to zero is the product).
+- ``int8_decode``: ``into = q * scale`` (torch's zeroed ``addcmul_``: a product added to zero is the product) or,
+  adding, ``into += q * scale`` rounded once where torch's ``addcmul_`` rounds once on this CPU (its AVX2 and
+  AVX-512 kernels fuse the multiply and add), else twice.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from pathlib import Path
 import torch
 
 SOURCE = r"""
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define CLONES __attribute__((target_clones("avx2", "default")))  /* chosen at load time by the CPU */
+#define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))  /* AVX2 and FMA, or not: chosen at load */
 #else
 #define CLONES
 #endif
@@ -82,13 +85,24 @@ CLONES void int8_encode(float *restrict x, float *restrict error, int final, flo
     }
 }
 
-CLONES void int8_decode(const float *restrict scales, const int8_t *restrict values, float *restrict into, int64_t blocks, int64_t block) {
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t i = 0; i < block; i++)
-            into[b * block + i] = (float)values[b * block + i] * scales[b];
+CLONES void int8_decode(const float *restrict scales, const int8_t *restrict values, float *restrict into,
+                        int64_t blocks, int64_t block, int add, int fused) {
+    for (int64_t b = 0; b < blocks; b++) {
+        float *ib = into + b * block;
+        const int8_t *vb = values + b * block;
+        if (!add)
+            for (int64_t i = 0; i < block; i++)
+                ib[i] = (float)vb[i] * scales[b];
+        else if (fused)
+            for (int64_t i = 0; i < block; i++)
+                ib[i] = fmaf((float)vb[i], scales[b], ib[i]);
+        else
+            for (int64_t i = 0; i < block; i++)
+                ib[i] = ib[i] + (float)vb[i] * scales[b];
+    }
 }
 """
-FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-lm")
 TINY = torch.finfo(torch.float32).tiny
 _failed: list[str] = []
 
@@ -111,9 +125,20 @@ def int8_encode(chunk: torch.Tensor, scales: torch.Tensor, values: torch.Tensor,
                            scales.data_ptr(), values.data_ptr(), scales.numel(), block, TINY)
 
 
-def int8_decode(scales: torch.Tensor, values: torch.Tensor, into: torch.Tensor, block: int) -> None:
-    """``into = values * scales`` per block (float32, whole blocks)."""
-    _library().int8_decode(scales.data_ptr(), values.data_ptr(), into.data_ptr(), scales.numel(), block)
+def int8_decode(scales: torch.Tensor, values: torch.Tensor, into: torch.Tensor, block: int, add: bool = False) -> None:
+    """``into = values * scales`` per block, or ``into += ...`` with ``add`` (float32, whole blocks), the add
+    rounded as torch's ``addcmul_`` rounds it on this CPU (see ``addcmul_fuses``)."""
+    _library().int8_decode(scales.data_ptr(), values.data_ptr(), into.data_ptr(), scales.numel(), block, int(add),
+                           int(addcmul_fuses()))
+
+
+@functools.cache
+def addcmul_fuses() -> bool:
+    """Whether torch's ``addcmul_`` (the torch path's int8 add) rounds once here, as its vectorized FMA does (AVX2,
+    AVX-512), or twice (``ATEN_CPU_CAPABILITY=default``, a CPU without FMA). For a = 1 + 2^-23, a * a is 1 + 2^-22
+    + 2^-46: one rounding of a * a - (1 + 2^-22) keeps the 2^-46, rounding the product first loses it."""
+    a, c = torch.full((64,), 1.0 + 2.0**-23), torch.full((64,), -(1.0 + 2.0**-22))
+    return bool((c.addcmul_(a, a) == 2.0**-46).all())
 
 
 @functools.cache
@@ -128,7 +153,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.int8_encode.argtypes = [pointer, pointer, ctypes.c_int, pointer, pointer, i64, i64, ctypes.c_float]
-    library.int8_decode.argtypes = [pointer, pointer, pointer, i64, i64]
+    library.int8_decode.argtypes = [pointer, pointer, pointer, i64, i64, ctypes.c_int, ctypes.c_int]
     library.int8_encode.restype = library.int8_decode.restype = None
     return library
 
