@@ -466,9 +466,12 @@ def test_predicted_step_time_is_within_15_percent_of_the_measured_median(index: 
 # of this machine made just before (docs/data/plan_cluster_testbed_nodes.toml: with the int8 codec's and the
 # optimizer's CPU cost).
 # The _shm records: the node's stages through its shared memory (parallel/node_memory.py), on a 2-core AMD EPYC with
-# its own calibration (docs/data/plan_cluster_testbed_nodes_shm.toml), session 28.
+# its own calibration (docs/data/plan_cluster_testbed_nodes_shm.toml), session 28. The _host_kernels record: int8 in
+# the host's fused C kernels (parallel/compression/host_kernels.py), calibrated anew (0.645 ns an encode against
+# 0.95), session 29.
 NODE_RECORDS = ("plan_testbed_nodes.json", "plan_testbed_nodes_rerun.json", "plan_testbed_nodes_wide.json",
-                "plan_testbed_nodes_shm.json", "plan_testbed_nodes_shm_rerun.json", "plan_testbed_nodes_shm_wide.json")
+                "plan_testbed_nodes_shm.json", "plan_testbed_nodes_shm_rerun.json", "plan_testbed_nodes_shm_wide.json",
+                "plan_testbed_nodes_host_kernels.json")
 NODE_LAYOUTS = {"2x2 dp=4", "2x2 dp=4 cut", "2x2 dp=4 int8", "2x2 dp=4 int8 cut"}
 # session 24's first run at width 128 (load average up to 3.5): the int8 cut measured 134 ms, 112 in the run after;
 # session 28's flat rows at width 128, predicted too slow on the EPYC (the cut's rows within 15% in every run)
