@@ -102,7 +102,8 @@ CLONES void int8_decode(const float *restrict scales, const int8_t *restrict val
     }
 }
 """
-FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-lm")
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
+LIBRARIES = ("-lm",)  # fmaf where the CPU has no FMA instruction; after the source, where the linker needs it
 TINY = torch.finfo(torch.float32).tiny
 _failed: list[str] = []
 
@@ -137,7 +138,8 @@ def addcmul_fuses() -> bool:
     """Whether torch's ``addcmul_`` (the torch path's int8 add) rounds once here, as its vectorized FMA does (AVX2,
     AVX-512), or twice (``ATEN_CPU_CAPABILITY=default``, a CPU without FMA). For a = 1 + 2^-23, a * a is 1 + 2^-22
     + 2^-46: one rounding of a * a - (1 + 2^-22) keeps the 2^-46, rounding the product first loses it."""
-    a, c = torch.full((64,), 1.0 + 2.0**-23), torch.full((64,), -(1.0 + 2.0**-22))
+    a = torch.full((64,), 1.0 + 2.0**-23, device="cpu")  # torch's host kernel is the one asked about
+    c = torch.full((64,), -(1.0 + 2.0**-22), device="cpu")
     return bool((c.addcmul_(a, a) == 2.0**-46).all())
 
 
@@ -161,7 +163,7 @@ def _library() -> ctypes.CDLL | None:
 def _build() -> Path:
     """The shared library for this source, flags and machine, compiled into the cache unless there already
     (written under a temporary name and renamed: ranks building it at once each get a whole file)."""
-    key = hashlib.sha256(f"{SOURCE}{FLAGS}{platform.machine()}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{SOURCE}{FLAGS}{LIBRARIES}{platform.machine()}".encode()).hexdigest()[:16]
     cache = Path(os.environ.get("HPC_KERNEL_CACHE") or Path.home() / ".cache" / "hpc-batch" / "host-kernels")
     target = cache / f"codecs-{key}.so"
     if target.exists():
@@ -170,7 +172,7 @@ def _build() -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         source, built = Path(scratch) / "codecs.c", Path(scratch) / "codecs.so"
         source.write_text(SOURCE)
-        subprocess.run([os.environ.get("CC", "cc"), *FLAGS, "-o", str(built), str(source)], check=True,
+        subprocess.run([os.environ.get("CC", "cc"), *FLAGS, "-o", str(built), str(source), *LIBRARIES], check=True,
                        capture_output=True, timeout=120)
         os.replace(built, target)
     return target

@@ -113,14 +113,14 @@ class Int8Codec(Codec):
         if self._fused(into) and self._decode_fused(payload, into, add=True):
             return into
         scales, values = self._split(payload, into.numel())
-        if self._on_host_kernels(into):
-            host_kernels.int8_decode(scales, values, into, self.block, add=True)
-            return into
         if into.dtype == torch.float32 and into.is_contiguous():
             # whole blocks fused (addcmul_: one rounding), a ragged last block product then sum: the same
             # roundings however the tensor is cut at block boundaries (the ring's segments, or whole chunks)
             whole = into.numel() - into.numel() % self.block
-            if whole:
+            if whole and host_kernels.available(into):
+                host_kernels.int8_decode(scales[: whole // self.block], values[:whole], into[:whole], self.block,
+                                         add=True)
+            elif whole:
                 into[:whole].view(-1, self.block).addcmul_(values[:whole].view(-1, self.block).float(),
                                                            scales[: whole // self.block, None])
             if whole < into.numel():
