@@ -6,9 +6,9 @@ and a byte (13). On the 2-core testbed, four ranks of a compressed exchange spen
 are ``kernels.py``'s Triton kernels for the host: Triton's wheels have no CPU backend, and inductor's C++ may
 fuse a product and a sum that torch rounds twice, where these must equal the torch path bit for bit (the same
 bytes on the wire whichever path a rank took, and the exactness and resume tests unchanged). So they are C,
-compiled on first use by the host's C compiler (``cc``, baseline ISA: one cache serves a cluster's mixed CPUs)
-into a cache per source and machine, loaded through ctypes (which releases the GIL while they run, so the
-communication thread no longer holds back backward). Without a compiler, or after any failure, the codec keeps
+compiled on first use by the host's C compiler (``cc``; on x86 an AVX2-and-FMA clone and a baseline one, chosen
+as the library loads: one cache serves a cluster's mixed CPUs) into a cache per source and machine, and loaded
+through ctypes, which releases the GIL while they run. Without a compiler, or after any failure, the codec keeps
 torch's ops for the process.
 
 - ``int8_encode``: per block the absmax on the bits with the sign cleared (a NaN anywhere makes the scale NaN, as
