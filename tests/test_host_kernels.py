@@ -10,6 +10,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -23,10 +25,23 @@ from tests.test_codec_kernels import PATTERNS, ROOT, _chain, _differences, _grad
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="needs a C compiler")
 
 
-def _torch_path(monkeypatch: pytest.MonkeyPatch, run):
+@contextmanager
+def _host_kernels(switch: str) -> Iterator[None]:
+    """``HPC_HOST_KERNELS`` set to ``switch`` inside, restored after (hypothesis's tests take no monkeypatch)."""
+    previous = os.environ.get("HPC_HOST_KERNELS")
+    os.environ["HPC_HOST_KERNELS"] = switch
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["HPC_HOST_KERNELS"]
+        else:
+            os.environ["HPC_HOST_KERNELS"] = previous
+
+
+def _torch_path(run):
     """``run()`` with the host kernels switched off."""
-    with monkeypatch.context() as patch:
-        patch.setenv("HPC_HOST_KERNELS", "0")
+    with _host_kernels("0"):
         return run()
 
 
@@ -39,21 +54,21 @@ def test_the_codec_runs_on_the_host_kernels_where_a_compiler_builds_them() -> No
 @needs_compiler
 @pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_host_kernels_keep_nan_and_inf_as_torch(monkeypatch, pattern: str, feedback: bool) -> None:
+def test_host_kernels_keep_nan_and_inf_as_torch(pattern: str, feedback: bool) -> None:
     """Scales, values, decoded values, error buffers and final values of a block with a NaN, an inf, zeros of
     either sign or float32's extremes (whole blocks on the kernels, the ragged rest on torch's ops)."""
     codec = Int8Codec()
-    expected = _torch_path(monkeypatch, lambda: _chain(codec, _torch_ops(codec), pattern, feedback))
+    expected = _torch_path(lambda: _chain(codec, _torch_ops(codec), pattern, feedback))
     assert _differences(_chain(codec, _torch_ops(codec), pattern, feedback), expected) == ""
 
 
 @needs_compiler
 @pytest.mark.parametrize("blocks", [1, 3, 1024 + 5])
-def test_host_kernels_equal_torch_across_magnitudes(monkeypatch, blocks: int) -> None:
+def test_host_kernels_equal_torch_across_magnitudes(blocks: int) -> None:
     codec = Int8Codec()
     x = _gradient(256 * blocks, blocks)
 
-    for got, want in zip(_magnitudes(codec, x), _torch_path(monkeypatch, lambda: _magnitudes(codec, x)), strict=True):
+    for got, want in zip(_magnitudes(codec, x), _torch_path(lambda: _magnitudes(codec, x)), strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
@@ -101,19 +116,12 @@ def test_host_kernels_equal_torch_for_any_floats(values, final) -> None:
     codec = Int8Codec()
     x = torch.tensor(values, dtype=torch.float32).repeat(-(-512 // len(values)))[:512]
     results = []
-    for switch in ("1", "0"):  # hypothesis forbids function-scoped fixtures: the variable set and restored here
-        previous = os.environ.get("HPC_HOST_KERNELS")
-        os.environ["HPC_HOST_KERNELS"] = switch
-        try:
+    for switch in ("1", "0"):
+        with _host_kernels(switch):
             kept, error = x.clone(), torch.linspace(-1, 1, x.numel())
             payload = codec.encode_keeping_error(kept, error, final)
             added = codec.add_decoded(payload, torch.linspace(-3, 3, x.numel()))
             results.append([payload, kept, error, codec.decode_into(payload, torch.empty_like(x)), added])
-        finally:
-            if previous is None:
-                del os.environ["HPC_HOST_KERNELS"]
-            else:
-                os.environ["HPC_HOST_KERNELS"] = previous
     for got, want in zip(*results, strict=True):
         nan = got.isnan() if got.is_floating_point() else torch.zeros_like(got, dtype=torch.bool)
         assert torch.equal(nan, want.isnan() if want.is_floating_point() else nan)

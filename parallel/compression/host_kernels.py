@@ -58,8 +58,8 @@ CLONES static float absmax_of(const float *x, int64_t block) {
     return absmax;
 }
 
-CLONES void int8_encode(float *restrict x, float *restrict error, int final, float *restrict scales, int8_t *restrict values, int64_t blocks,
-                 int64_t block, float tiny) {
+CLONES void int8_encode(float *restrict x, float *restrict error, int final, float *restrict scales,
+                        int8_t *restrict values, int64_t blocks, int64_t block, float tiny) {
     for (int64_t b = 0; b < blocks; b++) {
         float *xb = x + b * block;
         int8_t *vb = values + b * block;
