@@ -284,7 +284,10 @@ class RulesGroup(dist.ProcessGroup):
         pending = list(messages)
 
         def moved() -> bool:
+            waiting_channels = set()  # a channel delivers in order: a later message never overtakes a waiting one
             for message in list(pending):
+                if message.channel in waiting_channels:
+                    continue
                 if message.is_send and self.store.check([message.key("posted")]):
                     posted = int(self.store.get(message.key("posted")))
                     if posted != message.tag:
@@ -297,6 +300,8 @@ class RulesGroup(dist.ProcessGroup):
                 elif not message.is_send and self.store.check([message.key("data")]):
                     _fill(message.tensor, self.store.get(message.key("data")), self.label)
                     pending.remove(message)
+                else:
+                    waiting_channels.add(message.channel)
             return not pending
 
         what = f"{self.label} batch of " + ", ".join(str(m) for m in messages)
@@ -309,7 +314,7 @@ class _Message:
 
     def __init__(self, is_send: bool, tensor: torch.Tensor, peer: int, tag: int, channel: tuple[int, int],
                  k: int) -> None:
-        self.is_send, self.tensor, self.peer, self.tag = is_send, tensor, peer, tag
+        self.is_send, self.tensor, self.peer, self.tag, self.channel = is_send, tensor, peer, tag, channel
         self.base = f"p{channel[0]}>{channel[1]}/{k}"
 
     def key(self, what: str) -> str:
