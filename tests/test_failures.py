@@ -224,6 +224,19 @@ def test_mpiruns_exit_report_names_the_first_rank_that_died(lines: list[str], de
     assert not death or [(also.rank, also.returncode) for also in first.also] == [(2, -9)]
 
 
+def test_mpiruns_last_line_is_read_before_its_report_is(capfd) -> None:
+    """mpirun prints which rank died just before it exits; seen exiting, its last lines may still be unread."""
+    from hpc.runtime.launch import RankDied, run_mpirun
+
+    filler = "".join(f"[vm:{i}] a long trace line {'x' * 40}\n" for i in range(1200))
+    report = "\n".join(MPIRUN_KILLED) + "\n"
+    stand_in = f"import os; os.write(2, ({filler!r} + {report!r}).encode()); os._exit(137)"
+    with pytest.raises(RankDied) as died:
+        run_mpirun([sys.executable, "-c", stand_in])
+    assert (died.value.rank, died.value.host, died.value.returncode) == (2, "vm", -9)
+    assert capfd.readouterr().err.splitlines()[-2:] == MPIRUN_KILLED[1:]
+
+
 def test_mpirun_places_ranks_on_the_hosts_slots_in_order() -> None:
     import socket
 

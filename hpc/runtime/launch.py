@@ -41,6 +41,7 @@ from hpc.runtime.abort import this_host
 from hpc.runtime.env import Launcher, detect_rank_info
 
 STOP_GRACE_S = 5.0
+OUTPUT_DRAIN_S = 5.0  # how long a stopped launch's last lines may take to arrive
 # Variables a rank needs from the launching shell; -x copies their current values.
 FORWARDED_PREFIXES = ("HPC_", "NCCL_", "GLOO_", "TORCH_", "CUDA_", "OMP_", "MKL_")
 FORWARDED_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "MASTER_ADDR", "MASTER_PORT")
@@ -248,15 +249,26 @@ def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float = STOP
     return killed
 
 
-def _watch(procs: Sequence[subprocess.Popen], relabels: Sequence[Callable[[bytes], bytes]]) -> queue.Queue:
-    """Pump every output stream and report each exit, in order, on the returned queue."""
-    lock = threading.Lock()
-    exits: queue.Queue = queue.Queue()
-    for index, (proc, relabel) in enumerate(zip(procs, relabels, strict=True)):
-        for source, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-            threading.Thread(target=_pump, args=(source, sink, lock, relabel), daemon=True).start()
-        threading.Thread(target=lambda i=index, p=proc: exits.put((i, p.wait())), daemon=True).start()
-    return exits
+class _Watch:
+    """Pump every output stream and report each exit, in order, on ``exits``. A process's exit can be seen before
+    its last lines are read (mpirun prints which rank died just before it exits): ``drain`` waits for them."""
+
+    def __init__(self, procs: Sequence[subprocess.Popen], relabels: Sequence[Callable[[bytes], bytes]]) -> None:
+        lock = threading.Lock()
+        self.exits: queue.Queue = queue.Queue()
+        self._pumps = []
+        for index, (proc, relabel) in enumerate(zip(procs, relabels, strict=True)):
+            for source, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+                self._pumps.append(threading.Thread(target=_pump, args=(source, sink, lock, relabel), daemon=True))
+                self._pumps[-1].start()
+            threading.Thread(target=lambda i=index, p=proc: self.exits.put((i, p.wait())), daemon=True).start()
+
+    def drain(self, timeout_s: float = OUTPUT_DRAIN_S) -> None:
+        """Read what the stopped processes wrote to the end, for at most ``timeout_s`` (a leaked grandchild in
+        another process group may hold a pipe open)."""
+        deadline = time.monotonic() + timeout_s
+        for pump in self._pumps:
+            pump.join(max(0.0, deadline - time.monotonic()))
 
 
 def run_local(commands: Sequence[RankCommand]) -> None:
@@ -266,16 +278,17 @@ def run_local(commands: Sequence[RankCommand]) -> None:
     close)."""
     width = len(str(len(commands) - 1))
     procs = [_start(c.argv, c.env) for c in commands]
-    exits = _watch(procs, [rank_prefixer(c.rank, width) for c in commands])
+    watch = _Watch(procs, [rank_prefixer(c.rank, width) for c in commands])
     failure, killed = None, set()
     try:
         for _ in procs:
-            index, code = exits.get()
+            index, code = watch.exits.get()
             if code != 0:
                 failure = (index, code, time.time())
                 break
     finally:
         killed = stop_process_groups(procs)
+        watch.drain()
     if failure is not None:
         index, code, at = failure
         others = len(commands) - 1
@@ -346,11 +359,12 @@ def run_mpirun(command: Sequence[str], env: Mapping[str, str] | None = None,
         return b"[%s] %s" % (tagged[1], MPI_TAG.sub(b"", line)) if tagged else line
 
     proc = _start(command, env or {})
-    exits = _watch([proc], [relabel])
+    watch = _Watch([proc], [relabel])
     try:
-        _, code = exits.get()
+        _, code = watch.exits.get()
     finally:
         stop_process_groups([proc])
+        watch.drain()  # the report is complete only once mpirun's last lines are read
     if code != 0:
         raise report.first or RankFailedError(f"mpirun {describe_exit(code)}", exit_code=exit_status(code))
 
