@@ -259,8 +259,9 @@ class _Watch:
         self._pumps = []
         for index, (proc, relabel) in enumerate(zip(procs, relabels, strict=True)):
             for source, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                self._pumps.append(threading.Thread(target=_pump, args=(source, sink, lock, relabel), daemon=True))
-                self._pumps[-1].start()
+                pump = threading.Thread(target=_pump, args=(source, sink, lock, relabel), daemon=True)
+                pump.start()
+                self._pumps.append(pump)
             threading.Thread(target=lambda i=index, p=proc: self.exits.put((i, p.wait())), daemon=True).start()
 
     def drain(self, timeout_s: float = OUTPUT_DRAIN_S) -> None:
