@@ -1,4 +1,8 @@
-"""``parallel.horovod`` against Horovod's documented semantics, and a Horovod script under both launchers."""
+"""``parallel.horovod`` against Horovod's documented semantics, and a Horovod script under both launchers.
+
+The API's tests run twice: over Gloo, and under NCCL's rules (tests/nccl_rules.py), where a GPU job's
+collectives go: named operations issued in another order on each rank, a rank that joins early and a
+mismatch must all keep every rank's collectives in one order there, or a cluster would hang."""
 
 import json
 import os
@@ -13,10 +17,12 @@ import pytest
 import torch
 
 from hpc.runtime import launch
+from tests.nccl_rules import BACKEND
 from tests.ranks import run_ranks
 
 ROOT = Path(__file__).parents[1]
 EXAMPLE = ROOT / "jobs" / "examples" / "horovod_digits.py"
+BACKENDS = pytest.mark.parametrize("backend", ["gloo", BACKEND], ids=["gloo", "nccl-rules"])
 
 
 def _collectives(world):
@@ -81,9 +87,10 @@ def test_nccl_built_is_horovods_version_code(monkeypatch, version, code) -> None
     assert hvd.nccl_built() == code
 
 
-def test_collectives_follow_horovod_semantics() -> None:
+@BACKENDS
+def test_collectives_follow_horovod_semantics(backend) -> None:
     n = 3
-    results = run_ranks(n, _collectives)
+    results = run_ranks(n, _collectives, backend=backend)
     total = sum(range(1, n + 1))
     for r, out in enumerate(results):
         assert out["rank"] == r and out["size"] == n
@@ -128,8 +135,9 @@ def _optimizer_state(world):
     )
 
 
-def test_broadcast_parameters_and_optimizer_state_from_root() -> None:
-    results = run_ranks(2, _optimizer_state)
+@BACKENDS
+def test_broadcast_parameters_and_optimizer_state_from_root(backend) -> None:
+    results = run_ranks(2, _optimizer_state, backend=backend)
     (params0, state0), (params1, state1) = results
     for name in params0:
         np.testing.assert_array_equal(params0[name], params1[name])
@@ -161,8 +169,9 @@ def _mismatch_and_join(world):
     return out
 
 
-def test_mismatches_raise_and_join_lets_a_rank_finish_early() -> None:
-    first, second = run_ranks(2, _mismatch_and_join)
+@BACKENDS
+def test_mismatches_raise_and_join_lets_a_rank_finish_early(backend) -> None:
+    first, second = run_ranks(2, _mismatch_and_join, backend=backend)
     assert first["mismatch"] and second["mismatch"]
     assert first["device"] == second["device"] and "disagree on the device: ['cpu', 'other']" in first["device"]
     assert first["int16"] == second["int16"] == (True, [7, 7])
@@ -187,8 +196,9 @@ def _sync_batch_norm(world):
             torch.allclose(sync_bn.running_var, bn.running_var, atol=1e-5))
 
 
-def test_sync_batch_norm_matches_batch_norm_over_the_whole_batch() -> None:
-    for same_output, same_grad, same_running_var in run_ranks(2, _sync_batch_norm):
+@BACKENDS
+def test_sync_batch_norm_matches_batch_norm_over_the_whole_batch(backend) -> None:
+    for same_output, same_grad, same_running_var in run_ranks(2, _sync_batch_norm, backend=backend):
         assert same_output and same_grad and same_running_var
 
 
@@ -206,8 +216,9 @@ def _sparse_gradients(world):
     return grad.is_sparse, grad.to_dense()[:, 0].tolist()
 
 
-def test_sparse_gradients_are_averaged_and_stay_sparse() -> None:
-    for is_sparse, grad in run_ranks(2, _sparse_gradients):
+@BACKENDS
+def test_sparse_gradients_are_averaged_and_stay_sparse(backend) -> None:
+    for is_sparse, grad in run_ranks(2, _sparse_gradients, backend=backend):
         assert is_sparse
         # row 0: 1 use on rank 0; row 1: 2 on rank 0 and 1 on rank 1; rows 4, 5: 1 use on rank 1; averaged
         assert grad == [0.5, 1.5, 0.0, 0.0, 0.5, 0.5]
@@ -286,9 +297,10 @@ def _raises(error, fn, *args, **kwargs) -> bool:
     return False
 
 
-def test_named_operations_are_matched_by_name_and_a_duplicate_raises(tmp_path) -> None:
+@BACKENDS
+def test_named_operations_are_matched_by_name_and_a_duplicate_raises(tmp_path, backend) -> None:
     timeline = tmp_path / "timeline.json"
-    first, second = run_ranks(2, _named_operations, str(timeline))
+    first, second = run_ranks(2, _named_operations, str(timeline), backend=backend)
     assert first["waiting"] and first["duplicate"] and second["duplicate"]
     for r, out in enumerate((first, second)):
         assert out["sum"] == [3.0, 3.0] and out["rows"] == [0.0, 1.0, 1.0] and out["released"] == [2.0, 2.0]
