@@ -142,6 +142,16 @@ class _Work(dist.Work):
         return self.finished.is_set() and self.error is None
 
 
+class _Each:
+    """Works run as one: ``wait`` waits for every one of them."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        return all(work.wait() for work in self.works)
+
+
 _QUEUE: _RankQueue | None = None
 
 
@@ -234,8 +244,10 @@ class RulesGroup(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
+        # one NCCL group of all-gathers; Gloo has no coalesced form, so it runs them one after another
         return self._collective("all_gather_into_tensor", _fingerprint("all_gather_into_tensor", inputs + outputs),
-                                lambda: self.inner.allgather_into_tensor_coalesced(outputs, inputs, opts), outputs)
+                                lambda: _Each([self.inner._allgather_base(out, tensor, opts)
+                                               for out, tensor in zip(outputs, inputs, strict=True)]), outputs)
 
     def reduce_scatter(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
@@ -331,8 +343,8 @@ def _as_bytes(tensor: torch.Tensor) -> bytes:
 def _fill(tensor: torch.Tensor, data: bytes, label: str) -> None:
     if len(data) != tensor.nbytes:
         raise NcclRulesError(f"{label}: a message of {len(data)} bytes met a receive of {tensor.nbytes} bytes")
-    received = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
-    tensor.copy_(received)
+    if data:  # an empty message (NCCL sends zero bytes alike) has nothing to copy
+        tensor.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(tensor.dtype).view(tensor.shape))
 
 
 def _batch_isend_irecv(original: Callable) -> Callable:

@@ -63,6 +63,27 @@ def test_an_all_reduce_of_other_shapes_is_named() -> None:
     assert "rank 1: all_reduce [((5,), 'float32')]" in _failure(2, _shapes_differ)
 
 
+def _empty_messages_and_coalesced_gathers(world):
+    """What NCCL moves and Gloo has no call for: a message of no bytes (a ring's chunk of a short bucket), and
+    all-gathers coalesced into one group (torch.compile's)."""
+    import torch.distributed._functional_collectives as funcol
+
+    peer = 1 - world.rank
+    nothing = torch.empty(0)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.empty(0), peer),
+                                        dist.P2POp(dist.irecv, nothing, peer)]):
+        work.wait()
+    pieces = [torch.full((2,), float(world.rank)), torch.full((3,), 10.0 + world.rank)]
+    gathered = funcol.all_gather_into_tensor_coalesced(pieces, dist.group.WORLD)
+    return nothing.numel(), [funcol.wait_tensor(t).tolist() for t in gathered]
+
+
+def test_empty_messages_and_coalesced_all_gathers_move_as_on_nccl() -> None:
+    for received, gathered in _under_rules(2, _empty_messages_and_coalesced_gathers):
+        assert received == 0
+        assert gathered == [[0.0, 0.0, 1.0, 1.0], [10.0, 10.0, 10.0, 11.0, 11.0, 11.0]]
+
+
 def _both_send_first(world):
     """Each rank's send, then its receive, in two batches: Gloo buffers the sends; NCCL waits for receives."""
     peer = 1 - world.rank
