@@ -250,7 +250,10 @@ def _holders(module: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, list[to
     """Each module with the parameters its own forward uses: those it holds, and those of its ParameterList and
     ParameterDict children (containers without a forward of their own). A module compiled in place
     (``train.compile``) holds all of its parameters: the hooks then run around its graph, not inside it, where
-    each would break the graph at every module they sit on."""
+    each would break the graph at every module they sit on. ``nn.Module.compile`` compiles the call that runs the
+    module's hooks too, so the hooks are kept out of the compiler (``torch.compiler.disable``): else, where the
+    gather is NCCL's own collective, torch.compile traced it into the block's graph (one more graph, 30 more
+    operations in the test's GPT), against the design above."""
     containers = (torch.nn.ParameterList, torch.nn.ParameterDict)
     compiled = [m for m in module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
     inside = {id(sub) for m in compiled for sub in m.modules() if sub is not m}
@@ -297,11 +300,13 @@ class ShardedParameters:
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, unit)))
 
+    @torch.compiler.disable
     def _before_forward(self, units: list[int], module: torch.nn.Module, args) -> None:
         for i in units:
             self.wait(i)
         self.prefetch(units[0] - 1)  # buckets run in reverse registration order, forward in about registration order
 
+    @torch.compiler.disable
     def _after_forward(self, units: list[int], module: torch.nn.Module, args, output) -> None:
         for i in units:
             unit = self.units[i]
@@ -315,6 +320,7 @@ class ShardedParameters:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(functools.partial(self._before_backward, units))
 
+    @torch.compiler.disable
     def _before_backward(self, units: list[int], grad: torch.Tensor) -> None:
         for i in units:
             self.wait(i)
