@@ -19,6 +19,7 @@ import pytest
 
 from hpc.config import spec_from_dict, spec_to_dict
 from hpc.runtime.mesh import MeshShape, build_mesh
+from tests.nccl_rules import BACKEND
 from tests.numerics import assert_trained_close
 from tests.ranks import run_ranks
 from tests.test_3d import LR, STEPS, _check_matches, assemble, gpt_spec, pieces_as_numpy
@@ -484,25 +485,29 @@ def _stream_protocol(world):
     return log, len(optimizer.buckets), others
 
 
-def test_zero3_gathers_run_on_the_communication_stream_after_an_event_and_compute_waits_for_each() -> None:
-    """On a GPU (here a recorder stands in for the stream): every gather on the communication thread runs inside
+@pytest.mark.parametrize("backend", ["gloo", BACKEND], ids=["threads", "nccl-rules"])
+def test_zero3_gathers_run_on_the_communication_stream_after_an_event_and_compute_waits_for_each(backend) -> None:
+    """On a GPU (here a recorder stands in for the stream): every gather on the communication stream runs inside
     ``after(event)``, that event recorded by the compute side before it asked, and the compute side joins the
     event recorded at the gather's end there, not the whole stream, before it goes on. Each gradient a rank
     drops (another rank owns it) is released to the communication stream, whose queued reduce-scatter still
-    reads it, from inside ``after``: else the allocator would hand its memory to backward at once."""
-    for log, buckets, others in run_ranks(2, _stream_protocol, timeout=60):
+    reads it, from inside ``after``: else the allocator would hand its memory to backward at once. Over Gloo the
+    communication thread does that work; over NCCL (here its rules) the main thread issues it, in lockstep."""
+    threaded = backend == "gloo"
+    for log, buckets, others in run_ranks(2, _stream_protocol, timeout=60, backend=backend):
         assert buckets >= 3 and others > 0
         releases = [(after, on_main) for kind, after, on_main in log if kind == "release"]
-        assert len(releases) == 4 * others and all(after is not None and not on_main for after, on_main in releases)
+        assert len(releases) == 4 * others
+        assert all(after is not None and on_main != threaded for after, on_main in releases)
         fills = [i for i, (kind, _, _) in enumerate(log) if kind == "fill"]
         # every step: each bucket gathered for forward and again for backward, but the first, which stays
         assert len(fills) == 4 * (2 * buckets - 1)
         for i in fills:
             _, after, on_main = log[i]
-            assert not on_main and after is not None
+            assert on_main != threaded and after is not None
             asked = next(j for j, entry in enumerate(log) if entry == ("record", after, True))
             assert asked < i  # recorded by the compute side, before the gather
-            # the gather's end, recorded next on the communication thread, inside ``after``
-            end = next(j for j in range(i + 1, len(log)) if log[j][0] == "record" and not log[j][2])
-            assert log[end][1][1]
+            # the gather's end, recorded next on the communication stream, inside ``after``
+            end = next(j for j in range(i + 1, len(log)) if log[j][0] == "record" and log[j][1][1])
+            assert log[end][2] != threaded
             assert ("join", log[end][1], True) in log[end + 1:]  # which the compute side waited for
