@@ -12,6 +12,7 @@ from parallel.compression.base import ErrorFeedback
 from parallel.compression.registry import make_codec
 from parallel.ring import ring_allgather, ring_allreduce
 from parallel.transport import TorchTransport, make_transport
+from tests.nccl_rules import BACKEND
 from tests.ranks import run_ranks, run_under_mpirun
 
 SIZES = [0, 1, 3, 7, 1000, 4099]
@@ -52,9 +53,11 @@ def compare_with_torch(world, transport_name: str = "torch"):
     return mismatches
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_uncompressed_ring_equals_torch_all_reduce(n) -> None:
-    assert run_ranks(n, compare_with_torch) == [[]] * n
+@pytest.mark.parametrize(("n", "backend"), [(1, "gloo"), (2, "gloo"), (3, "gloo"), (4, "gloo"), (2, BACKEND),
+                                            (3, BACKEND), (4, BACKEND)])
+def test_uncompressed_ring_equals_torch_all_reduce(n, backend) -> None:
+    """Also in lockstep under NCCL's rules, the ring's path there: whole chunks, empty ones of short buckets too."""
+    assert run_ranks(n, compare_with_torch, backend=backend) == [[]] * n
 
 
 def _compressed(world, name, numel):
