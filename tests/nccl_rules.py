@@ -70,16 +70,17 @@ class _RankQueue:
     def _serve(self) -> None:
         while True:
             run, work = self.items.get()
+            result = None
             try:
                 if self.failed:
                     raise NcclRulesError(self.failed)
-                run()
+                result = run()
             except BaseException as exc:  # handed to the rank's wait
                 self.failed = self.failed or (str(exc) if isinstance(exc, NcclRulesError)
                                               else f"{type(exc).__name__}: {exc}")
                 work.error = exc
             self.progress += 1
-            work.finished.set()
+            work.finish(result)
 
     def _publish(self, waiting: dict | None, done: bool = False) -> None:
         state = {"waiting": waiting, "progress": self.progress, "done": done}
@@ -123,11 +124,36 @@ class _RankQueue:
 
 
 class _Work(dist.Work):
-    """Done once the queue ran it; ``wait`` raises what running it raised (a Work made from a future does not)."""
+    """Done once the queue ran it; ``wait`` raises what running it raised (a Work made from a future does not).
+    Its future (DDP's reducer asks for one) holds the tensors the work wrote."""
 
     def __init__(self) -> None:
         super().__init__()
         self.finished, self.error = threading.Event(), None
+        self.result: object = None
+        self.future: torch.futures.Future | None = None
+        self.lock = threading.Lock()
+
+    def finish(self, result: object) -> None:
+        with self.lock:
+            self.result = result
+            self.finished.set()
+            if self.future is not None:
+                self._settle()
+
+    def get_future(self) -> torch.futures.Future:
+        with self.lock:
+            if self.future is None:
+                self.future = torch.futures.Future()
+                if self.finished.is_set():
+                    self._settle()
+            return self.future
+
+    def _settle(self) -> None:
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(self.result)
 
     def wait(self, timeout=None) -> bool:
         self.finished.wait()

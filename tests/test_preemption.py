@@ -15,6 +15,7 @@ import pytest
 from hpc.config import spec_from_dict
 from hpc.runtime.mesh import build_mesh, resolve_layout
 from hpc.runtime.preemption import BLOCKED_AT_START, Preempted, Preemption, requeue_plan, watch
+from tests.nccl_rules import BACKEND
 from tests.ranks import run_ranks
 
 SRUN_TASK = {"SLURM_JOB_ID": "57", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
@@ -115,7 +116,8 @@ def _signal_then_resume(world, base: dict, signals: dict[int, signal.Signals]) -
 
 
 @pytest.mark.slow
-def test_ranks_agree_to_stop_after_one_step_and_the_checkpoint_resumes_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["gloo", BACKEND], ids=["gloo", "nccl-rules"])
+def test_ranks_agree_to_stop_after_one_step_and_the_checkpoint_resumes_bit_for_bit(tmp_path: Path, backend) -> None:
     import torch
 
     from hpc.checkpoint import open_checkpoint, read_tensor
@@ -125,7 +127,8 @@ def test_ranks_agree_to_stop_after_one_step_and_the_checkpoint_resumes_bit_for_b
             "data": {"batch_size": 32}, "train": {"steps": 12, "lr": 0.01, "optimizer": "adam", "log_every": 100},
             "checkpoint": {"every_steps": 5, "keep": 10}}
     # Rank 0 is told to stop, rank 1 to requeue: both stop after step 1, and a requeue wins.
-    results = run_ranks(2, _signal_then_resume, base, {0: signal.SIGTERM, 1: signal.SIGUSR1}, timeout=180)
+    results = run_ranks(2, _signal_then_resume, base, {0: signal.SIGTERM, 1: signal.SIGUSR1}, timeout=180,
+                        backend=backend)
     assert [stopped for stopped, _ in results] == [(1, signal.SIGUSR1, True)] * 2
     assert [received for _, received in results] == [signal.SIGTERM, signal.SIGUSR1]
     steps = [c.step for c in list_checkpoints(tmp_path / "split" / "checkpoints") if c.complete]

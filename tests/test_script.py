@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.nccl_rules import BACKEND
 from tests.test_submit import _hpc, _logs, _submitted, _wait_done, _wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,12 +125,14 @@ def test_a_script_saves_asynchronously_and_gets_its_generators_back_under_the_sa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gloo", BACKEND], ids=["gloo", "nccl-rules"])
 def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step_and_the_run_resumes_exactly_in_any_world(
-        tmp_path: Path) -> None:
+        tmp_path: Path, backend: str) -> None:
+    """Under NCCL's rules too: the ranks' agreement to stop, DDP's reductions and the save keep one order."""
     from tests.ranks import run_ranks
 
     split, whole = tmp_path / "split", tmp_path / "whole"
-    stopped = run_ranks(2, _train_a_little, str(split), 6, 1)
+    stopped = run_ranks(2, _train_a_little, str(split), 6, 1, backend=backend)
     assert [(step, code) for step, code, _ in stopped] == [(3, 75), (3, 75)]  # rank 0 stops too, after step 3
     assert _steps(split) == [1, 2, 3]  # rank 0 alone writes metrics.jsonl
     assert not (split / "result.json").exists()  # a preempted run has no result yet
