@@ -11,9 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.nccl_rules import BACKEND
+
 # What one machine holds once: the local Slurm clusters and the namespace testbed (their namespaces, ports and
 # state). Under pytest-xdist the files that start them share one worker.
 ONE_AT_A_TIME = {"test_netns.py", "test_plan.py"}  # the testbed, made by name
+
+# a test over Gloo and again under NCCL's rules: it takes ``backend`` and hands it to ``run_ranks``. Here, not in
+# tests/nccl_rules.py, which every rank process imports and which need not load pytest.
+BOTH_BACKENDS = pytest.mark.parametrize("backend", ["gloo", BACKEND], ids=["gloo", "nccl-rules"])
 
 
 # tryfirst: xdist's own hook turns the groups into node ids, so ours must have marked them already.

@@ -21,7 +21,7 @@ import pytest
 
 from hpc.config import load_spec, spec_from_dict
 from hpc.runtime.mesh import MeshShape, build_mesh
-from tests.nccl_rules import BACKEND
+from tests.conftest import BOTH_BACKENDS
 from tests.numerics import LOSS_RTOL, assert_trained_close
 from tests.ranks import run_ranks
 
@@ -360,7 +360,7 @@ def _compiled_graphs(world, run_dir: str) -> list[tuple[int, int]]:
     return made
 
 
-@pytest.mark.parametrize("backend", ["gloo", BACKEND], ids=["threads", "nccl-rules"])
+@BOTH_BACKENDS
 def test_zero3_leaves_the_compiled_blocks_graphs_whole(tmp_path, backend) -> None:
     """ZeRO-3 gathers a compiled block's parameters around its graph: the same graphs, capturing the same
     operations, as without ZeRO (its hooks on the modules inside broke each block's graph at every one). Under

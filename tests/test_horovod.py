@@ -17,12 +17,11 @@ import pytest
 import torch
 
 from hpc.runtime import launch
-from tests.nccl_rules import BACKEND
+from tests.conftest import BOTH_BACKENDS
 from tests.ranks import run_ranks
 
 ROOT = Path(__file__).parents[1]
 EXAMPLE = ROOT / "jobs" / "examples" / "horovod_digits.py"
-BACKENDS = pytest.mark.parametrize("backend", ["gloo", BACKEND], ids=["gloo", "nccl-rules"])
 
 
 def _collectives(world):
@@ -87,7 +86,7 @@ def test_nccl_built_is_horovods_version_code(monkeypatch, version, code) -> None
     assert hvd.nccl_built() == code
 
 
-@BACKENDS
+@BOTH_BACKENDS
 def test_collectives_follow_horovod_semantics(backend) -> None:
     n = 3
     results = run_ranks(n, _collectives, backend=backend)
@@ -135,7 +134,7 @@ def _optimizer_state(world):
     )
 
 
-@BACKENDS
+@BOTH_BACKENDS
 def test_broadcast_parameters_and_optimizer_state_from_root(backend) -> None:
     results = run_ranks(2, _optimizer_state, backend=backend)
     (params0, state0), (params1, state1) = results
@@ -169,7 +168,7 @@ def _mismatch_and_join(world):
     return out
 
 
-@BACKENDS
+@BOTH_BACKENDS
 def test_mismatches_raise_and_join_lets_a_rank_finish_early(backend) -> None:
     first, second = run_ranks(2, _mismatch_and_join, backend=backend)
     assert first["mismatch"] and second["mismatch"]
@@ -196,7 +195,7 @@ def _sync_batch_norm(world):
             torch.allclose(sync_bn.running_var, bn.running_var, atol=1e-5))
 
 
-@BACKENDS
+@BOTH_BACKENDS
 def test_sync_batch_norm_matches_batch_norm_over_the_whole_batch(backend) -> None:
     for same_output, same_grad, same_running_var in run_ranks(2, _sync_batch_norm, backend=backend):
         assert same_output and same_grad and same_running_var
@@ -216,7 +215,7 @@ def _sparse_gradients(world):
     return grad.is_sparse, grad.to_dense()[:, 0].tolist()
 
 
-@BACKENDS
+@BOTH_BACKENDS
 def test_sparse_gradients_are_averaged_and_stay_sparse(backend) -> None:
     for is_sparse, grad in run_ranks(2, _sparse_gradients, backend=backend):
         assert is_sparse
@@ -297,7 +296,7 @@ def _raises(error, fn, *args, **kwargs) -> bool:
     return False
 
 
-@BACKENDS
+@BOTH_BACKENDS
 def test_named_operations_are_matched_by_name_and_a_duplicate_raises(tmp_path, backend) -> None:
     timeline = tmp_path / "timeline.json"
     first, second = run_ranks(2, _named_operations, str(timeline), backend=backend)

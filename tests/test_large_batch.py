@@ -17,7 +17,7 @@ import pytest
 
 from hpc.config import spec_from_dict, spec_to_dict
 from hpc.runtime.mesh import MeshShape, build_mesh
-from tests.nccl_rules import BACKEND
+from tests.conftest import BOTH_BACKENDS
 from tests.ranks import run_ranks
 from tests.test_3d import _initial_weights, _metrics, assemble, gpt_spec, pieces_as_numpy
 
@@ -159,7 +159,7 @@ def _sharded_steps(world, cases):
     return results
 
 
-@pytest.mark.parametrize("backend", ["gloo", BACKEND], ids=["gloo", "nccl-rules"])
+@BOTH_BACKENDS
 def test_sharded_by_zero_and_tp_each_matches_the_papers_update_rule_over_20_steps(backend) -> None:
     """LAMB and LARS at zero 2 and 3 over dp=2, with layers split over tp=2: the references' weights within 1e-6.
     Under NCCL's rules too: their norms add collectives of their own to each step."""

@@ -15,7 +15,7 @@ import pytest
 from hpc.config import spec_from_dict
 from hpc.runtime.mesh import build_mesh, resolve_layout
 from hpc.runtime.preemption import BLOCKED_AT_START, Preempted, Preemption, requeue_plan, watch
-from tests.nccl_rules import BACKEND
+from tests.conftest import BOTH_BACKENDS
 from tests.ranks import run_ranks
 
 SRUN_TASK = {"SLURM_JOB_ID": "57", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
@@ -116,7 +116,7 @@ def _signal_then_resume(world, base: dict, signals: dict[int, signal.Signals]) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["gloo", BACKEND], ids=["gloo", "nccl-rules"])
+@BOTH_BACKENDS
 def test_ranks_agree_to_stop_after_one_step_and_the_checkpoint_resumes_bit_for_bit(tmp_path: Path, backend) -> None:
     import torch
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nccl_rules import BACKEND
+from tests.conftest import BOTH_BACKENDS
 from tests.test_submit import _hpc, _logs, _submitted, _wait_done, _wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,7 +125,7 @@ def test_a_script_saves_asynchronously_and_gets_its_generators_back_under_the_sa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["gloo", BACKEND], ids=["gloo", "nccl-rules"])
+@BOTH_BACKENDS
 def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step_and_the_run_resumes_exactly_in_any_world(
         tmp_path: Path, backend: str) -> None:
     """Under NCCL's rules too: the ranks' agreement to stop, DDP's reductions and the save keep one order."""

@@ -19,7 +19,7 @@ import pytest
 
 from hpc.config import spec_from_dict, spec_to_dict
 from hpc.runtime.mesh import MeshShape, build_mesh
-from tests.nccl_rules import BACKEND
+from tests.conftest import BOTH_BACKENDS
 from tests.numerics import assert_trained_close
 from tests.ranks import run_ranks
 from tests.test_3d import LR, STEPS, _check_matches, assemble, gpt_spec, pieces_as_numpy
@@ -485,7 +485,7 @@ def _stream_protocol(world):
     return log, len(optimizer.buckets), others
 
 
-@pytest.mark.parametrize("backend", ["gloo", BACKEND], ids=["threads", "nccl-rules"])
+@BOTH_BACKENDS
 def test_zero3_gathers_run_on_the_communication_stream_after_an_event_and_compute_waits_for_each(backend) -> None:
     """On a GPU (here a recorder stands in for the stream): every gather on the communication stream runs inside
     ``after(event)``, that event recorded by the compute side before it asked, and the compute side joins the
