@@ -202,14 +202,16 @@ class RulesGroup(dist.ProcessGroup):
         self.inner = dist.ProcessGroupGloo(dist.PrefixStore("gloo", options.store), self.me, self.n,
                                            options.timeout)
         self.label = f"group {self.ranks}"
+        self.registered_name = options.group_id
         self.calls = 0
         self.issued: dict[str, int] = defaultdict(int)  # what this rank issued on the group, by operation
         self.channels: dict[tuple[int, int], int] = defaultdict(int)
 
     @property
     def group_name(self) -> str:
-        """The name torch registered this group under: functional collectives find it by that."""
-        return dist.distributed_c10d._world.pg_names[self]
+        """The name torch registers this group under: functional collectives find it by that, and
+        ``destroy_process_group`` unregisters it by that once its own tables have let the group go."""
+        return self.registered_name
 
     def getBackendName(self) -> str:
         return BACKEND

@@ -14,7 +14,8 @@ the same. mpirun then stops the job, and the driver starts a new one on the test
 started, recording the one that hung. ``EXPECTED_FAILURES`` and ``EXPECTED_SKIPS`` (skips not for
 want of a GPU) are exact: a listed test that passes fails this test too, so the lists stay true.
 The two tests Horovod runs only under its own Gloo launcher run in a second, short job with that
-launcher's variables.
+launcher's variables. The mpirun job runs once more with every rank joined under NCCL's rules
+(``HVD_SUITE_BACKEND``, tests/nccl_rules.py), where a GPU job's collectives go.
 
 ``python -m tests.test_horovod_suite`` is what each rank runs (``SuitePlugin`` inside pytest).
 """
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests import nccl_rules
 
 ROOT = Path(__file__).parents[1]
 SUITE = ROOT.parent / "shared" / "third_party" / "horovod-0.28.1"
@@ -134,6 +137,11 @@ def rank_main(argv: list[str]) -> int:
     work = Path(os.environ["HVD_SUITE_WORK"])
     skip = set(json.loads((work / "started.json").read_text()))
     _hide_postdating_optimizers()
+    if os.environ.get("HVD_SUITE_BACKEND") == nccl_rules.BACKEND:  # joined before the suite: hvd.init() keeps it
+        from hpc.runtime import bootstrap
+
+        nccl_rules.register()
+        bootstrap.init(nccl_rules.BACKEND, init_timeout_s=30, timeout_s=60)
     plugin = SuitePlugin(rank, size, work / f"rank{rank}.jsonl", skip, int(os.environ["HVD_SUITE_PORT"]))
     args = [str(TEST_FILE), "-q", "-p", "no:cacheprovider", "-c", str(work / "pytest.ini"), "--rootdir",
             str(SUITE / "test"), f"--timeout={TEST_TIMEOUT_S}", "--timeout-method=thread", *argv]
@@ -226,24 +234,19 @@ def classify(results: dict[str, dict[int, tuple[str, str]]]) -> dict[str, str]:
     return verdicts
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_horovod_suite_passes_except_the_listed(tmp_path) -> None:
+def _skip_without_the_suite() -> None:
     if not TEST_FILE.exists():
         pytest.skip(f"Horovod 0.28.1's test files are absent (expected at {TEST_FILE})")
     from hpc.runtime import launch
 
     if not launch.has_open_mpi():
         pytest.skip("Open MPI is not installed")
-    durations: dict[str, float] = {}
-    results = run_suite(tmp_path / "mpirun", durations)
-    results.update(run_suite(tmp_path / "gloo", durations, HVD_SUITE_GLOO_LAUNCHER="1",
-                             HVD_SUITE_K=" or ".join(GLOO_LAUNCHER_ONLY)))
+
+
+def assert_as_listed(results: dict[str, dict[int, tuple[str, str]]], also_skipped: tuple[str, ...] = ()) -> None:
+    """Every test passed but those in ``EXPECTED_FAILURES`` and the skips (``EXPECTED_SKIPS``, ``also_skipped``
+    and the GPU's)."""
     verdicts = classify(results)
-    report = os.environ.get("HVD_SUITE_REPORT")
-    if report:
-        Path(report).write_text(json.dumps({"verdicts": verdicts, "results": results, "seconds": durations},
-                                          indent=1, sort_keys=True))
     failed = {name for name, verdict in verdicts.items() if verdict == "failed"}
     counts = {v: sum(1 for x in verdicts.values() if x == v) for v in ("passed", "skipped", "failed")}
     print(f"Horovod suite on {RANKS} ranks: {counts}")
@@ -254,9 +257,34 @@ def test_horovod_suite_passes_except_the_listed(tmp_path) -> None:
         f"listed as failing but no longer failing (remove from EXPECTED_FAILURES): {now_passing}")
     skipped = {name for name, verdict in verdicts.items() if verdict == "skipped"
                and not all("No GPUs available" in results[name][r][1] for r in range(RANKS))}
-    assert skipped == EXPECTED_SKIPS.keys(), (
-        f"skipped but not listed: {sorted(skipped - EXPECTED_SKIPS.keys())}; "
-        f"listed but not skipped: {sorted(EXPECTED_SKIPS.keys() - skipped)}")
+    listed = EXPECTED_SKIPS.keys() | set(also_skipped)
+    assert skipped == listed, (
+        f"skipped but not listed: {sorted(skipped - listed)}; listed but not skipped: {sorted(listed - skipped)}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_horovod_suite_passes_except_the_listed(tmp_path) -> None:
+    _skip_without_the_suite()
+    durations: dict[str, float] = {}
+    results = run_suite(tmp_path / "mpirun", durations)
+    results.update(run_suite(tmp_path / "gloo", durations, HVD_SUITE_GLOO_LAUNCHER="1",
+                             HVD_SUITE_K=" or ".join(GLOO_LAUNCHER_ONLY)))
+    report = os.environ.get("HVD_SUITE_REPORT")
+    if report:
+        Path(report).write_text(json.dumps({"verdicts": classify(results), "results": results, "seconds": durations},
+                                          indent=1, sort_keys=True))
+    assert_as_listed(results)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_horovod_suite_passes_under_nccls_rules(tmp_path) -> None:
+    """The suite's mpirun job again, every rank joined under NCCL's rules (tests/nccl_rules.py) before it starts:
+    process sets, named and grouped operations, join and the optimizers keep one order of collectives there."""
+    _skip_without_the_suite()
+    assert_as_listed(run_suite(tmp_path / "mpirun", {}, HVD_SUITE_BACKEND=nccl_rules.BACKEND),
+                     also_skipped=GLOO_LAUNCHER_ONLY)  # Horovod's own skip under mpirun
 
 
 if __name__ == "__main__":
