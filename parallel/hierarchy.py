@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from hpc.runtime.placement import carries_cuda
+from hpc.runtime.placement import moves_with_nccl
 from parallel.compression.base import MomentumCorrection, Reducer, flatten, unflatten_into
 from parallel.node_memory import NodeSharedMemory
 from parallel.ring import ring_allgather, ring_reduce_scatter
@@ -211,12 +211,14 @@ class HierarchicalReducer(Reducer):
         return sent + 2 * (g - 1) * nbytes // g
 
     def _native(self, tensor: torch.Tensor) -> bool:
-        return tensor.is_cuda and carries_cuda(self.groups.node)
+        """Whether the node's stages are the backend's own collectives for ``tensor`` (NCCL's on a GPU; under the
+        CPU harness of NCCL's rules too, so that its paths are proven there)."""
+        return moves_with_nccl(self.groups.node, tensor.device)
 
     def _shared_memory(self, padded: torch.Tensor) -> NodeSharedMemory | None:
         """The node's shared memory for host tensors (``parallel/node_memory.py``), attached at the first
         exchange by every rank of the node at once; None for device tensors and where the ranks share none."""
-        if padded.is_cuda or self.groups.local_size == 1:
+        if padded.is_cuda or self.groups.local_size == 1 or self._native(padded):
             return None
         if not self._memory_tried:
             self._memory_tried = True

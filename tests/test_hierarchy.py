@@ -11,7 +11,9 @@ import torch.distributed as dist
 
 from hpc.config import spec_from_dict
 from hpc.runtime.mesh import MeshShape, build_mesh
+from hpc.runtime.placement import moves_with_nccl
 from parallel.hierarchy import HierarchicalReducer, build_node_groups, dp_nodes, resolve_scope, split_by_node
+from tests.conftest import BOTH_BACKENDS
 from tests.nccl_rules import BACKEND as NCCL_RULES
 from tests.ranks import run_ranks
 
@@ -31,6 +33,16 @@ def test_auto_cuts_by_node_only_where_a_codec_crosses_several_nodes() -> None:
     assert resolve_scope("auto", "int8", 2) == "inter-node"
     assert resolve_scope("auto", "int8", 1) == resolve_scope("auto", "none", 4) == "flat"
     assert resolve_scope("inter-node", "none", 1) == "inter-node" and resolve_scope("flat", "int8", 4) == "flat"
+
+
+@pytest.mark.parametrize(("backend", "device", "native"),
+                         [("cpu:gloo,cuda:nccl", "cuda", True), ("cpu:gloo,cuda:nccl", "cpu", False),
+                          ("gloo", "cuda", False), ("nccl", "cuda", True), (NCCL_RULES, "cpu", True)])
+def test_the_node_stages_are_the_backends_own_where_nccl_or_its_rules_carry_the_tensors(monkeypatch, backend, device,
+                                                                                       native) -> None:
+    """A GPU job's host tensors go through Gloo (the node's shared memory then); the CPU harness takes NCCL's path."""
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    assert moves_with_nccl(None, torch.device(device)) is native
 
 
 def _mesh(world, per_node: int):
@@ -71,9 +83,11 @@ def _exact_against_the_flat_all_reduce(world, per_node: int) -> list:
     return wrong
 
 
+@BOTH_BACKENDS
 @pytest.mark.parametrize("per_node", [2, 1, 4])
-def test_the_uncompressed_exchange_sums_as_the_flat_all_reduce(per_node) -> None:
-    assert run_ranks(4, _exact_against_the_flat_all_reduce, per_node) == [[]] * 4
+def test_the_uncompressed_exchange_sums_as_the_flat_all_reduce(per_node, backend) -> None:
+    """Under NCCL's rules the node's stages are the backend's own reduce-scatter and all-gather, as on a GPU."""
+    assert run_ranks(4, _exact_against_the_flat_all_reduce, per_node, backend=backend) == [[]] * 4
 
 
 def _scattered_against_the_sums(world, nodes: tuple[int, ...], codec: str) -> list:
@@ -99,11 +113,13 @@ def _scattered_against_the_sums(world, nodes: tuple[int, ...], codec: str) -> li
 
 @pytest.mark.parametrize("nodes", [(0, 0, 1, 1), (0, 1, 0, 1), (0, 1, 1, 0), (0, 0, 0, 0), (0, 1, 2, 3)],
                          ids=["2x2", "interleaved", "crossed", "one-node", "one-rank-a-node"])
-def test_zero_s_reduce_scatter_cut_by_node_leaves_each_rank_the_sum_of_its_own_chunk(nodes) -> None:
+@BOTH_BACKENDS
+def test_zero_s_reduce_scatter_cut_by_node_leaves_each_rank_the_sum_of_its_own_chunk(nodes, backend) -> None:
     """However the launcher placed the ranks (in blocks, interleaved, crossed so that a cross-node group's rank
-    order is not the nodes'), on one node or one a node; fp16 sums these integers exactly too."""
+    order is not the nodes'), on one node or one a node; fp16 sums these integers exactly too. Under NCCL's rules
+    the node's reduce-scatter is the backend's own, which leaves local rank l shard l (the ring: l + 1)."""
     for codec in ("none", "fp16"):
-        assert run_ranks(4, _scattered_against_the_sums, nodes, codec) == [[]] * 4, codec
+        assert run_ranks(4, _scattered_against_the_sums, nodes, codec, backend=backend) == [[]] * 4, codec
 
 
 def _int8_steps(world, per_node: int | None, steps: int, state=None, first: int = 0) -> tuple:

@@ -84,6 +84,18 @@ def carries_cuda(group: ProcessGroup | None) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
+def moves_with_nccl(group: ProcessGroup | None, device: torch.device) -> bool:
+    """Whether the backend that carries ``device``'s tensors in ``group`` is NCCL (or keeps its rules): a GPU job's
+    groups are ``cpu:gloo,cuda:nccl``, so its host tensors go through Gloo; tests/nccl_rules.py's backend
+    carries every device's, so on the CPU the code takes the paths NCCL's tensors take on a GPU."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:
+        backend = dict(part.split(":", 1) for part in backend.split(",")).get(device.type, "")
+    return "nccl" in backend
+
+
 @dataclass
 class StagedSend:
     """A send of a host copy; the copy is kept alive until the send completes."""
