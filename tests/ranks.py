@@ -60,10 +60,12 @@ def _rank_main(fn: Callable, rank: int, n: int, port: int, args: tuple, results:
 
 
 def run_ranks(n: int, fn: Callable, *args: Any, timeout: float = 120.0, device: str = "cpu",
-              backend: str = "gloo") -> list[Any]:
+              backend: str | None = None) -> list[Any]:
     """``fn(world, *args)`` on ranks 0..n-1; returns each rank's result in rank order. ``device="cuda"``: the
     ranks share the GPU (``world.device``), over Gloo. ``backend``: tests/nccl_rules.py's ``BACKEND`` runs them
-    under NCCL's rules."""
+    under NCCL's rules; unnamed, ``HPC_TEST_BACKEND`` (default gloo), so that any test file runs under the rules
+    in one go (``HPC_TEST_BACKEND=ncclrules pytest tests/test_zero.py``, docs/TESTING.md)."""
+    backend = backend or os.environ.get("HPC_TEST_BACKEND", "gloo")
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
