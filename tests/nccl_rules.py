@@ -298,6 +298,23 @@ class RulesGroup(dist.ProcessGroup):
                                 lambda: self.inner.alltoall_base(output, input, output_splits, input_splits, opts),
                                 [output])
 
+    def alltoall(self, outputs, inputs, opts=None):
+        """``dist.all_to_all`` of lists (one NCCL group of sends and receives there): Gloo has only the one-tensor
+        form, so the pieces travel in one buffer, each piece's size its split."""
+        opts = opts or dist.AllToAllOptions()
+        send = torch.cat([t.reshape(-1) for t in inputs])
+        received = send.new_empty(sum(t.numel() for t in outputs))
+
+        def run() -> _Each:
+            work = self.inner.alltoall_base(received, send, [t.numel() for t in outputs], [t.numel() for t in inputs],
+                                            opts)
+            work.wait()
+            for out, piece in zip(outputs, received.split([t.numel() for t in outputs]), strict=True):
+                out.copy_(piece.view_as(out))
+            return _Each([])
+
+        return self._collective("all_to_all", f"all_to_all {send.dtype!s}", run, outputs)
+
     # --- point to point ----------------------------------------------------------------------
 
     def send(self, tensors, dst: int, tag: int):

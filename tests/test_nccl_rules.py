@@ -63,9 +63,9 @@ def test_an_all_reduce_of_other_shapes_is_named() -> None:
     assert "rank 1: all_reduce [((5,), 'float32')]" in _failure(2, _shapes_differ)
 
 
-def _empty_messages_and_coalesced_gathers(world):
-    """What NCCL moves and Gloo has no call for: a message of no bytes (a ring's chunk of a short bucket), and
-    all-gathers coalesced into one group (torch.compile's)."""
+def _what_gloo_has_no_call_for(world):
+    """What NCCL moves and Gloo has no call for: a message of no bytes (a ring's chunk of a short bucket),
+    all-gathers coalesced into one group (torch.compile's), and an all-to-all of lists (pieces of other sizes)."""
     import torch.distributed._functional_collectives as funcol
 
     peer = 1 - world.rank
@@ -75,13 +75,18 @@ def _empty_messages_and_coalesced_gathers(world):
         work.wait()
     pieces = [torch.full((2,), float(world.rank)), torch.full((3,), 10.0 + world.rank)]
     gathered = funcol.all_gather_into_tensor_coalesced(pieces, dist.group.WORLD)
-    return nothing.numel(), [funcol.wait_tensor(t).tolist() for t in gathered]
+    # rank r sends r + 1 + i values of 100r + i to rank i
+    sent = [torch.full((world.rank + 1 + i,), 100.0 * world.rank + i) for i in range(2)]
+    arrived = [torch.empty(r + 1 + world.rank) for r in range(2)]
+    dist.all_to_all(arrived, sent)
+    return nothing.numel(), [funcol.wait_tensor(t).tolist() for t in gathered], [t.tolist() for t in arrived]
 
 
-def test_empty_messages_and_coalesced_all_gathers_move_as_on_nccl() -> None:
-    for received, gathered in _under_rules(2, _empty_messages_and_coalesced_gathers):
+def test_empty_messages_coalesced_all_gathers_and_lists_all_to_all_move_as_on_nccl() -> None:
+    for rank, (received, gathered, arrived) in enumerate(_under_rules(2, _what_gloo_has_no_call_for)):
         assert received == 0
         assert gathered == [[0.0, 0.0, 1.0, 1.0], [10.0, 10.0, 10.0, 11.0, 11.0, 11.0]]
+        assert arrived == [[float(100 * r + rank)] * (r + 1 + rank) for r in range(2)]
 
 
 def _both_send_first(world):
