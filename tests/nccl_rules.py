@@ -311,7 +311,7 @@ class RulesGroup(dist.ProcessGroup):
             work.wait()
             for out, piece in zip(outputs, received.split([t.numel() for t in outputs]), strict=True):
                 out.copy_(piece.view_as(out))
-            return _Each([])
+            return _Each([])  # done: nothing left to wait for
 
         return self._collective("all_to_all", f"all_to_all {send.dtype!s}", run, outputs)
 
