@@ -79,9 +79,9 @@ def queued_copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, object | No
 def carries_cuda(group: ProcessGroup | None) -> bool:
     """Whether the group's backend moves CUDA tensors point to point itself (NCCL, and backends named after it
     that keep its rules, as tests/nccl_rules.py's on the CPU); Gloo does not."""
-    import torch.distributed as dist
+    import torch
 
-    return "nccl" in str(dist.get_backend(group)).lower()
+    return moves_with_nccl(group, torch.device("cuda"))
 
 
 def moves_with_nccl(group: ProcessGroup | None, device: torch.device) -> bool:
