@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -51,7 +52,9 @@ def _rank_main(fn: Callable, rank: int, n: int, port: int, args: tuple, results:
     try:
         world = bootstrap.init(backend, init_timeout_s=30, timeout_s=60, environ=environ, device=device)
         try:
-            results.put((rank, True, fn(world, *args)))
+            # plain pickle: a queue's tensors would travel as file descriptors that live only while this
+            # process does, and it may exit before the test takes them (FileNotFoundError in the test)
+            results.put((rank, True, pickle.dumps(fn(world, *args))))
         finally:
             nccl_rules.leave()
             bootstrap.shutdown()
@@ -90,7 +93,7 @@ def run_ranks(n: int, fn: Callable, *args: Any, timeout: float = 120.0, device: 
                 continue
             if not ok:
                 raise RankError(f"rank {rank} failed:\n{value}")
-            collected[rank] = value
+            collected[rank] = pickle.loads(value)
         finished = True
     finally:
         for proc in procs:  # after a failure the others may wait on it forever: stop them at once
@@ -118,7 +121,6 @@ hpc.shutdown()
 def run_under_mpirun(n: int, fn: Callable, *args: Any, timeout: float = 120.0) -> list[Any]:
     """``fn(world, *args)`` on n Gloo ranks started by Open MPI's mpirun (for what only MPI-started ranks
     can do: the mpi4py transport); returns each rank's result by rank. ``fn`` must be importable by name."""
-    import pickle
     import subprocess
     import sys
     import tempfile
