@@ -101,7 +101,7 @@ class _RankQueue:
             delay = min(2 * delay, 0.005)
             if time.monotonic() - since > STALL_S:
                 self._publish({"what": what, "missing": missing()})
-                if why := self._deadlock():
+                if (why := self._deadlock()) and not moved():  # moved meanwhile: the others were only slow
                     raise NcclRulesError(why)
                 since = time.monotonic()
         self._publish(None)
