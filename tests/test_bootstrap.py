@@ -1,3 +1,4 @@
+import socket
 import time
 
 import pytest
@@ -104,3 +105,41 @@ def test_stacks_on_fatal_signals_need_a_real_stderr_but_joining_does_not(monkeyp
         monkeypatch.setattr(sys, "stderr", real)
         assert bootstrap.dump_stacks_on_fatal_signals() is True and faulthandler.is_enabled()
         faulthandler.disable()
+
+
+def _ephemeral_range() -> range:
+    try:
+        with open(bootstrap.EPHEMERAL_RANGE) as handle:
+            first, last = map(int, handle.read().split())
+    except OSError:
+        pytest.skip("no ephemeral port range to read (not Linux)")
+    return range(first, last + 1)
+
+
+def test_a_chosen_port_is_free_and_one_the_kernel_never_hands_out() -> None:
+    """The kernel gives ports of its ephemeral range to every connection and ``bind(0)`` (Gloo's dozens) between
+    our choice and the store's bind; a port below that range none of them can take."""
+    ephemeral = _ephemeral_range()
+    if ephemeral.start <= bootstrap.CHOSEN_PORTS.start:
+        pytest.skip(f"the kernel's ephemeral ports start at {ephemeral.start}")
+    for _ in range(20):
+        port = bootstrap.free_port()
+        assert port in bootstrap.CHOSEN_PORTS and port not in ephemeral
+        with socket.socket() as store:
+            store.bind(("", port))
+            store.listen()
+
+
+
+def test_a_port_in_use_is_passed_over_and_without_a_range_the_kernel_picks(monkeypatch, tmp_path) -> None:
+    ranges = tmp_path / "ip_local_port_range"
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        monkeypatch.setattr(bootstrap, "CHOSEN_PORTS", range(busy, busy + 1))
+        monkeypatch.setattr(bootstrap, "EPHEMERAL_RANGE", str(ranges))
+        ranges.write_text(f"{busy + 1} {busy + 2}\n")
+        assert bootstrap.free_port() != busy  # the one port to choose from is in use
+        ranges.unlink()
+        assert bootstrap.free_port() != busy  # no range to read (not Linux)

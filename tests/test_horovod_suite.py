@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc.runtime.bootstrap import free_port
 from tests import nccl_rules
 
 ROOT = Path(__file__).parents[1]
@@ -153,12 +153,6 @@ def rank_main(argv: list[str]) -> int:
 # ---- the driver ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _make_shim(work: Path) -> Path:
     """``horovod.torch`` re-exporting parallel.horovod; ``horovod.runner`` (common.py imports it) from the suite."""
     shim = work / "shim"
@@ -180,7 +174,7 @@ def _one_job(work: Path, env: dict[str, str]) -> str:
     command = ["mpirun", "-np", str(RANKS), "--oversubscribe", "--bind-to", "none",
                sys.executable, "-m", "tests.test_horovod_suite"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=1200,
-                          env={**env, "HVD_SUITE_PORT": str(_free_port())})
+                          env={**env, "HVD_SUITE_PORT": str(free_port("127.0.0.1"))})
     return (done.stdout + done.stderr)[-4000:]
 
 
@@ -202,7 +196,7 @@ def run_suite(work: Path, durations: dict[str, float], **extra_env: str) -> dict
             (work / f"rank{r}.jsonl").unlink(missing_ok=True)
         # Under the Gloo-launcher variables the tests init -> shutdown -> init: no fixed port then (a rank that
         # re-inits first could meet the other's old store there), so each init meets through MPI on a fresh one.
-        port = {} if "HVD_SUITE_GLOO_LAUNCHER" in env else {"MASTER_PORT": str(_free_port())}
+        port = {} if "HVD_SUITE_GLOO_LAUNCHER" in env else {"MASTER_PORT": str(free_port("127.0.0.1"))}
         tail = _one_job(work, {key: value for key, value in env.items() if key != "MASTER_PORT"} | port)
         logs = [_read_log(work / f"rank{r}.jsonl") for r in range(RANKS)]
         for r, log in enumerate(logs):

@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import json
 import os
+import random
 import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 
 SLURM_PORT_BASE = 20000
 SLURM_PORT_SPAN = 20000
+CHOSEN_PORTS = range(10000, SLURM_PORT_BASE)  # where free_port looks first: below Slurm's and the kernel's ports
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 WORKERS_SETTLE_S = 0.05  # GIL released before the process group goes: see shutdown()
 
 
@@ -93,6 +96,23 @@ def rendezvous_from_env(info: RankInfo, environ: Mapping[str, str]) -> Rendezvou
 
 
 def free_port(host: str = "") -> int:
+    """A port free now for the rendezvous store, which binds it a moment later (after the ranks start).
+
+    Not the kernel's pick (``bind(0)``): that comes from its ephemeral range, from which it also hands a port to
+    every connection and ``bind(0)`` on the host meanwhile (Gloo makes dozens per group), and one that took this
+    port would fail the store's bind: 5 windows in 3,000 of 40 such sockets did here. So one of
+    ``CHOSEN_PORTS`` below that range, found free; the kernel's pick only where the range starts lower."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(EPHEMERAL_RANGE) as handle:
+            first_ephemeral = int(handle.read().split()[0])
+        below = range(CHOSEN_PORTS.start, min(CHOSEN_PORTS.stop, first_ephemeral))
+        for port in random.SystemRandom().sample(below, min(64, len(below))):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

@@ -55,6 +55,7 @@ from pathlib import Path
 
 from hpc.errors import HpcError
 from hpc.rundir import write_json
+from hpc.runtime.bootstrap import free_port
 from slurm.testbed import netns, run_command
 
 DEFAULT_STATE = Path("/tmp/hpc-slurm")
@@ -262,12 +263,6 @@ def _succeeds(argv: Sequence[str], env: dict[str, str] | None = None) -> bool:
     return subprocess.run(argv, capture_output=True, env=env).returncode == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def _listening(addr: str, port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection((addr, port), timeout=1):
         return True
@@ -463,7 +458,11 @@ def _write_gres(layout: Layout, gpus: int) -> str:
 
 def _start_all(starter: Starter, nodes: int, rate: str | None, gpus: int) -> None:
     layout = starter.layout
-    ports = {name: _free_port() for name in ("db_port", "dbd_port", "ctld_port", "slurmd_port")}
+    ports: dict[str, int] = {}
+    for name in ("db_port", "dbd_port", "ctld_port", "slurmd_port"):
+        while (port := free_port()) in ports.values():  # each free now, and none twice
+            pass
+        ports[name] = port
     controller = socket.gethostname().split(".")[0]
     testbed = netns.Testbed(NODE_PREFIX, nodes, NODE_SUBNET, rate) if nodes > 1 else None
     ctld_addr = testbed.bridge_address() if testbed else "127.0.0.1"
