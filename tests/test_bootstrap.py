@@ -30,7 +30,8 @@ def test_slurm_uses_first_host_and_a_job_derived_port() -> None:
 def test_slurm_ports_differ_between_jobs_and_stay_in_range() -> None:
     ports = {bootstrap.slurm_port(str(job)) for job in range(1000, 1100)}
     assert len(ports) == 100
-    assert all(1024 < p < 65536 for p in ports)
+    assert all(1024 < p < 32768 for p in ports)  # below Linux's default ephemeral range (32768-60999)
+    assert not set(map(bootstrap.slurm_port, map(str, range(100_000)))) & set(bootstrap.CHOSEN_PORTS)
     assert bootstrap.slurm_port("77_3") == bootstrap.slurm_port("773")
 
 

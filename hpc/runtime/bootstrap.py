@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import torch
 
 SLURM_PORT_BASE = 20000
-SLURM_PORT_SPAN = 20000
+SLURM_PORT_SPAN = 12768  # up to 32767, below Linux's ephemeral ports (see free_port): none handed to a connection
 CHOSEN_PORTS = range(10000, SLURM_PORT_BASE)  # where free_port looks first: below Slurm's and the kernel's ports
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 WORKERS_SETTLE_S = 0.05  # GIL released before the process group goes: see shutdown()
