@@ -131,7 +131,6 @@ def test_a_chosen_port_is_free_and_one_the_kernel_never_hands_out() -> None:
             store.listen()
 
 
-
 def test_a_port_in_use_is_passed_over_and_without_a_range_the_kernel_picks(monkeypatch, tmp_path) -> None:
     ranges = tmp_path / "ip_local_port_range"
     with socket.socket() as taken:

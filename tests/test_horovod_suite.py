@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.runtime.bootstrap import free_port
+from hpc.runtime import bootstrap
 from tests import nccl_rules
 
 ROOT = Path(__file__).parents[1]
@@ -138,8 +138,6 @@ def rank_main(argv: list[str]) -> int:
     skip = set(json.loads((work / "started.json").read_text()))
     _hide_postdating_optimizers()
     if os.environ.get("HVD_SUITE_BACKEND") == nccl_rules.BACKEND:  # joined before the suite: hvd.init() keeps it
-        from hpc.runtime import bootstrap
-
         nccl_rules.register()
         bootstrap.init(nccl_rules.BACKEND, init_timeout_s=30, timeout_s=60)
     plugin = SuitePlugin(rank, size, work / f"rank{rank}.jsonl", skip, int(os.environ["HVD_SUITE_PORT"]))
@@ -174,7 +172,7 @@ def _one_job(work: Path, env: dict[str, str]) -> str:
     command = ["mpirun", "-np", str(RANKS), "--oversubscribe", "--bind-to", "none",
                sys.executable, "-m", "tests.test_horovod_suite"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=1200,
-                          env={**env, "HVD_SUITE_PORT": str(free_port("127.0.0.1"))})
+                          env={**env, "HVD_SUITE_PORT": str(bootstrap.free_port("127.0.0.1"))})
     return (done.stdout + done.stderr)[-4000:]
 
 
@@ -196,7 +194,7 @@ def run_suite(work: Path, durations: dict[str, float], **extra_env: str) -> dict
             (work / f"rank{r}.jsonl").unlink(missing_ok=True)
         # Under the Gloo-launcher variables the tests init -> shutdown -> init: no fixed port then (a rank that
         # re-inits first could meet the other's old store there), so each init meets through MPI on a fresh one.
-        port = {} if "HVD_SUITE_GLOO_LAUNCHER" in env else {"MASTER_PORT": str(free_port("127.0.0.1"))}
+        port = {} if "HVD_SUITE_GLOO_LAUNCHER" in env else {"MASTER_PORT": str(bootstrap.free_port("127.0.0.1"))}
         tail = _one_job(work, {key: value for key, value in env.items() if key != "MASTER_PORT"} | port)
         logs = [_read_log(work / f"rank{r}.jsonl") for r in range(RANKS)]
         for r, log in enumerate(logs):
