@@ -14,7 +14,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 export OMP_NUM_THREADS := 1
 
-.PHONY: install debs run test test-gpu lint bench bench-gpu bench-gpu-deps slurm-up slurm-up-2nodes slurm-down submit-demo
+.PHONY: install debs run test test-nccl-rules test-gpu lint bench bench-gpu bench-gpu-deps slurm-up slurm-up-2nodes slurm-down submit-demo
 
 install: debs $(STAMPS)/pip
 
@@ -42,6 +42,14 @@ run: install
 TEST_WORKERS ?= 2
 test: install
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+# Every multi-rank test file again under NCCL's rules (tests/nccl_rules.py; docs/TESTING.md): run_ranks takes the
+# ncclrules backend where a test names none. Slurm's files (their ranks are Slurm's) and the GPU's aside.
+# About 10 minutes on 2 cores.
+NCCL_RULES_SKIP := tests/test_submit.py tests/test_sweep.py tests/test_cuda.py
+test-nccl-rules: install
+	HPC_TEST_BACKEND=ncclrules $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+	    $(filter-out $(NCCL_RULES_SKIP),$(shell grep -l run_ranks tests/test_*.py))
 
 lint: install
 	ruff check .

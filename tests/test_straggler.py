@@ -61,7 +61,7 @@ def test_a_rank_slowed_on_purpose_is_named_with_its_host_and_ranks_alike_are_not
     """Rank 1 sleeps 0.1 s in each forward: named after the second comparison running (step 8) and the third (step
     12, the last: in its own record, not lost), in those steps' metrics (rank 0 prints the same line then);
     without the sleep nobody is named."""
-    records = run_ranks(3, _train, str(tmp_path), True)[0]
+    records = run_ranks(3, _train, str(tmp_path), True, backend="gloo")[0]  # the rules' twin below: no naming there
     named = {record["step"]: record["stragglers"] for record in records if "stragglers" in record}
     assert list(named) == [8, 12]
     ((straggler,), (last,)) = named.values()
@@ -70,7 +70,7 @@ def test_a_rank_slowed_on_purpose_is_named_with_its_host_and_ranks_alike_are_not
     report = dict(straggler_rows(records))
     assert report["straggler: rank 1"].startswith(f"on {socket.gethostname()}, from step 8, up to ")
     assert Straggler(1, "node7", 4.2).line() == "straggler: rank 1 on node7 computes 4.20x the median rank's step"
-    assert not any("stragglers" in record for record in run_ranks(3, _train, str(tmp_path), False)[0])
+    assert not any("stragglers" in record for record in run_ranks(3, _train, str(tmp_path), False, backend="gloo")[0])
 
 
 def test_the_comparison_keeps_nccl_rules_on_three_ranks(tmp_path) -> None:
