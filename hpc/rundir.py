@@ -100,8 +100,8 @@ def write_failure(run_path: Path, rank: int, record: dict, traceback_text: str |
     path = directory / f"rank-{rank:05d}.json"
     traceback_path = path.with_suffix(".traceback") if traceback_text is not None else None
     if traceback_path is not None:
-        _replace_text(traceback_path, traceback_text)
-    _replace_text(path, json.dumps({**record, "rank": rank, "traceback": traceback_path and str(traceback_path)}))
+        replace_text(traceback_path, traceback_text)
+    replace_text(path, json.dumps({**record, "rank": rank, "traceback": traceback_path and str(traceback_path)}))
     return path
 
 
@@ -135,7 +135,8 @@ def describe_death(rank: int, host: str | None, returncode: int, recorded: bool 
     return f"rank {rank}{where} {describe_exit(returncode)}{silent}"
 
 
-def _replace_text(path: Path, text: str) -> None:
+def replace_text(path: Path, text: str) -> None:
+    """``path`` holding ``text``, replaced whole: a reader (or a write that fails) never meets half of it."""
     partial = path.with_name(f"{path.name}.{os.getpid()}.part")
     partial.write_text(text, errors="replace")
     os.replace(partial, path)

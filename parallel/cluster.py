@@ -120,9 +120,12 @@ def load_cluster(name_or_path: str | os.PathLike[str]) -> Cluster:
     return table_from_dict(Cluster, data["cluster"], "cluster", source)
 
 
+CALIBRATED_HEADER = "# Written by hpc plan --calibrate: measured, not data-sheet figures."
+
+
 def cluster_toml(cluster: Cluster) -> str:
     """A cluster as the TOML ``load_cluster`` reads back (``hpc plan --calibrate`` writes it)."""
-    lines = ["# Written by hpc plan --calibrate: measured, not data-sheet figures.", "[cluster]"]
+    lines = [CALIBRATED_HEADER, "[cluster]"]
     for key, value in asdict(cluster).items():
         lines.append(f"{key} = {json.dumps(value if not isinstance(value, float) else round(value, 6))}")
     return "\n".join(lines) + "\n"

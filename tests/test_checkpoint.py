@@ -440,6 +440,40 @@ def test_export_writes_the_global_tensors(saved, tmp_path, suffix) -> None:
         assert torch.equal(loaded[name], tensor), name
 
 
+def test_export_replaces_an_existing_file_only_when_forced_whole_and_never_through_a_link(saved, tmp_path, capsys,
+                                                                                          monkeypatch) -> None:
+    """Without --force an existing --to is refused; with it the file is replaced whole: a write that fails leaves
+    the old bytes (no partial file beside them), and a link at --to is replaced, not written through."""
+    import torch
+
+    step = str(saved / "step-00000004")
+    dest = tmp_path / "keep.pt"
+    dest.write_text("the user's file")
+    assert main(["ckpt", "export", step, "--to", str(dest)]) == 2
+    assert capsys.readouterr().err == f"hpc: error: --to {dest}: the file exists (pass --force to replace it)\n"
+    assert dest.read_text() == "the user's file"
+
+    def fail_midway(tensors, path):
+        Path(path).write_bytes(b"half")
+        raise OSError(27, "File too large")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "save", fail_midway)
+        assert main(["ckpt", "export", step, "--to", str(dest), "--force"]) == 2
+    assert capsys.readouterr().err == f"hpc: error: --to {dest}: cannot write it ([Errno 27] File too large)\n"
+    assert dest.read_text() == "the user's file" and sorted(p.name for p in tmp_path.iterdir()) == ["keep.pt"]
+
+    assert main(["ckpt", "export", step, "--to", str(dest), "--force"]) == 0
+    assert set(torch.load(dest, weights_only=True)) == set(_reference_tensors())
+
+    target = tmp_path / "target.pt"
+    target.write_text("behind the link")
+    link = tmp_path / "link.pt"
+    link.symlink_to(target)
+    assert main(["ckpt", "export", step, "--to", str(link), "--force"]) == 0
+    assert target.read_text() == "behind the link" and not link.is_symlink()
+
+
 def test_export_refuses_an_unknown_suffix(saved, tmp_path, capsys) -> None:
     assert main(["ckpt", "export", str(saved / "step-00000004"), "--to", str(tmp_path / "x.bin")]) == 2
     assert ".safetensors or .pt" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import json
 import re
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import cache
 from pathlib import Path
 
@@ -391,6 +391,28 @@ def test_a_written_cluster_file_reads_back(tmp_path: Path) -> None:
     path = tmp_path / "here.toml"
     path.write_text(cluster_toml(cluster))
     assert load_cluster(path) == cluster
+
+
+def test_calibrate_replaces_only_a_cluster_file_it_wrote(tmp_path: Path, capsys, monkeypatch) -> None:
+    """--out over a job spec (or any file the calibration did not write) is refused before minutes of measuring,
+    the file untouched; its own earlier output is replaced whole."""
+    import jobs.bench.calibrate
+
+    spec = tmp_path / "job.toml"
+    spec.write_text(GPT.read_text())
+    assert main(["plan", "--calibrate", "--launcher", "local", "--out", str(spec)]) == 2
+    assert capsys.readouterr().err == (f"hpc: error: --out {spec}: the file exists and is not a cluster file hpc plan "
+                                       "--calibrate wrote (it replaces only those): give another --out, or move the "
+                                       "file away\n")
+    assert spec.read_text() == GPT.read_text()
+    measured = replace(load_cluster("h100-dgx"), name="here")
+    monkeypatch.setattr(jobs.bench.calibrate, "calibrate",
+                        lambda *_: (measured, {field: [getattr(measured, field)] for field in asdict(measured)}))
+    out = tmp_path / "local.toml"
+    out.write_text(cluster_toml(load_cluster("a100-superpod")))
+    assert main(["plan", "--calibrate", "--launcher", "local", "--out", str(out)]) == 0
+    assert out.read_text() == cluster_toml(measured)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["job.toml", "local.toml"]
 
 
 @pytest.mark.slow

@@ -22,8 +22,9 @@ MAX_SHARD_BYTES = 5 << 30  # a model directory's files (transformers' save_pretr
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
-def export_tensors(step_dir: str | Path, dest: str | Path, only: str = "") -> int:
-    """Write the tensors whose name starts with ``only`` (prefix stripped) to ``dest``; returns how many."""
+def export_tensors(step_dir: str | Path, dest: str | Path, only: str = "", force: bool = False) -> int:
+    """Write the tensors whose name starts with ``only`` (prefix stripped) to ``dest``; returns how many. An
+    existing ``dest`` is replaced only with ``force``."""
     import torch
     from safetensors.torch import save_file
 
@@ -31,16 +32,18 @@ def export_tensors(step_dir: str | Path, dest: str | Path, only: str = "") -> in
     if dest.suffix not in SUFFIXES:
         raise CheckpointError(f"--to {dest}: the file name must end in {' or '.join(SUFFIXES)}")
     check_destination(dest, directory=False)
+    if not force and (dest.exists() or dest.is_symlink()):
+        raise CheckpointError(f"--to {dest}: the file exists (pass --force to replace it)")
     index = open_checkpoint(step_dir)
     names = [name for name in sorted(index.tensors) if name.startswith(only)]
     if not names:
         raise CheckpointError(f"{index.path} has no tensor whose name starts with {only!r}")
     tensors = {name.removeprefix(only): read_tensor(index, name) for name in names}
-    with _writing(dest):
+    with _writing(dest) as partial:
         if dest.suffix == ".pt":
-            torch.save(tensors, dest)
+            torch.save(tensors, partial)
         else:
-            save_file(tensors, dest, metadata={"step": str(index.step), "source": str(index.path)})
+            save_file(tensors, partial, metadata={"step": str(index.step), "source": str(index.path)})
     return len(tensors)
 
 
@@ -62,14 +65,20 @@ def check_destination(dest: Path, directory: bool) -> None:
 
 
 @contextlib.contextmanager
-def _writing(dest: Path) -> Iterator[None]:
-    """A write that fails (a full disk, a file-size limit, an I/O error) as one line naming ``--to``."""
+def _writing(dest: Path) -> Iterator[Path]:
+    """The path to write ``dest``'s bytes to: a file beside it that replaces ``dest`` whole once written, so a
+    write that fails (a full disk, a file-size limit, an I/O error) leaves what was there and says so in one
+    line naming ``--to``, and a link at ``dest`` is replaced, not written through."""
     from safetensors import SafetensorError
 
+    partial = dest.with_name(f".{dest.name}.{os.getpid()}.part")
     try:
-        yield
+        yield partial
+        os.replace(partial, dest)
     except (OSError, RuntimeError, SafetensorError) as exc:
         raise CheckpointError(f"--to {dest}: cannot write it ({' '.join(str(exc).split())[:200]})") from None
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def export_model_dir(step_dir: str | Path, dest: Path, only: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> int:
@@ -98,14 +107,15 @@ def export_model_dir(step_dir: str | Path, dest: Path, only: str, max_shard_byte
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
     metadata = {"format": "pt", "step": str(index.step), "source": str(index.path)}
     for file, shard in zip(files, shards, strict=True):
-        with _writing(dest / file):
-            save_file({name.removeprefix(only): read_tensor(index, name) for name in shard}, dest / file, metadata)
+        with _writing(dest / file) as partial:
+            save_file({name.removeprefix(only): read_tensor(index, name) for name in shard}, partial, metadata)
     if len(files) > 1:
         weight_map = {name.removeprefix(only): file for file, shard in zip(files, shards, strict=True)
                       for name in shard}
         total = sum(index.tensors[name].nbytes for name in names)
-        (dest / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        with _writing(dest / "model.safetensors.index.json") as partial:
+            partial.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+                               + "\n")
     for stale in dest.iterdir():
         weights = stale.name == "model.safetensors" or SHARD_FILE.fullmatch(stale.name)
         if (weights and stale.name not in files) or (stale.name == "model.safetensors.index.json" and len(files) == 1):

@@ -51,6 +51,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--max-shard-size", default=None, metavar="SIZE",
                         help="--format hf: a model larger than SIZE (default 5G) is written as shards of at most "
                              "SIZE, model-00001-of-0000N.safetensors, with model.safetensors.index.json")
+    export.add_argument("--force", action="store_true",
+                        help="replace an existing --to file (a model directory's weight files are always replaced)")
     export.set_defaults(handler=cmd_export)
 
 
@@ -164,7 +166,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                           "(or give --format hf for a transformers model directory)")
     from hpc.checkpoint.export import export_tensors
 
-    count = export_tensors(args.step_dir, args.to, args.only)
+    count = export_tensors(args.step_dir, args.to, args.only, args.force)
     print(f"wrote {count} tensors to {args.to}")
     return 0
 

@@ -19,17 +19,22 @@ VALIDATION_HEADER = ["layout", "ranks", "predicted", "measured", "ratio", "pred.
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure this node ``--repeats`` times and write a cluster file of each constant's median (one round of a
     busy 2-core VM moves a rate or a latency by 10-50%)."""
+    from pathlib import Path
+
+    from hpc.rundir import replace_text
     from jobs.bench.calibrate import calibrate
-    from parallel.cluster import cluster_toml
+    from parallel.cluster import CALIBRATED_HEADER, cluster_toml
 
     if args.nprocs < 2:
         raise ConfigError(f"--calibrate needs -n of at least 2 ranks (a ring), got {args.nprocs}")
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
     check_output(args.out, "--out", make_folder=True)
+    if os.path.lexists(args.out) and _first_line(args.out) != CALIBRATED_HEADER:
+        raise ConfigError(f"--out {args.out}: the file exists and is not a cluster file hpc plan --calibrate wrote "
+                          "(it replaces only those): give another --out, or move the file away")
     cluster, measured = calibrate(args.nprocs, args.launcher, args.repeats)
-    with open(args.out, "w") as handle:
-        handle.write(cluster_toml(cluster))
+    replace_text(Path(args.out), cluster_toml(cluster))
     print(calibration_text(cluster, measured, args.nprocs, args.out))
     return 0
 
@@ -96,6 +101,15 @@ def check_output(path: str, flag: str, make_folder: bool) -> None:
         raise ConfigError(f"{flag} {path}: the directory {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ConfigError(f"{flag} {path}: cannot write it (permission denied)")
+
+
+def _first_line(path: str) -> str:
+    """The file's first line, or "" where it cannot be read as text."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.readline().rstrip("\n")
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def validation_table(rows: list[dict]) -> str:
