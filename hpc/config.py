@@ -284,7 +284,8 @@ class CheckpointConfig:
                                 "else the temporary directory", **_PATH)
     async_save: bool = _field(False, "the loop waits only for a copy to host memory; files are written behind it")
     resume: str = _field(
-        "auto", "auto: the newest complete checkpoint if any; never; or a checkpoint path",
+        "auto", "auto: the newest complete checkpoint if any; never (starts over, the checkpoints already there set "
+        "aside in earlier-<time>/); or a checkpoint path",
         pattern=r".+", describe="'auto', 'never' or a checkpoint path", **_PATH
     )
     init_from: str = _field(

@@ -65,6 +65,24 @@ def saved_layout(attrs: Mapping[str, Any]) -> tuple[int | None, ...]:
     return tuple(int(value) if value is not None else None for value in values)  # HDF5 gives numpy integers
 
 
+def _check_same_optimizer(saved: Mapping[str, Any], current: Mapping[str, Any], path: Path) -> None:
+    """A spec job resumes only the optimizer that saved its state (Adam's moments mean nothing to SGD, and SGD's
+    momentum has no step count for Adam): one line naming ``train.optimizer`` where the recorded specs differ."""
+    from hpc.checkpoint.format import CheckpointError
+
+    def optimizer(attrs: Mapping[str, Any]) -> str | None:
+        try:
+            return json.loads(str(attrs["job_spec"]))["train"]["optimizer"]
+        except (KeyError, TypeError, ValueError):  # a script's checkpoint, or one without a readable spec
+            return None
+
+    before, now = optimizer(saved), optimizer(current)
+    if before is not None and now is not None and before != now:
+        raise CheckpointError(f"{path} was saved with train.optimizer = {before!r} and this run has {now!r}: the "
+                              f"optimizer's state does not carry over; resume with {before!r}, or start from its "
+                              f"weights alone with checkpoint.init_from = {path}")
+
+
 def load_checkpoint(index: CheckpointIndex, state: TrainingState, rank: int, same_layout: bool) -> None:
     """``state`` from the checkpoint, and ``rank``'s RNGs when it was saved under the same layout."""
     from hpc.checkpoint.load import load_rank_state
@@ -196,6 +214,7 @@ class RunSession:
             path, index = (local.path, local) if local is not None else (path, index)
         if path is None or index is None:
             return None
+        _check_same_optimizer(index.attrs, self.attrs, path)
         saved, current = saved_layout(index.attrs), saved_layout(state.layout())
         same_layout = saved == current if saved[0] is not None else index.world_size == self.size  # older scripts'
         load_checkpoint(index, state, self.rank, same_layout)

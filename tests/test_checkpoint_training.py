@@ -43,6 +43,64 @@ def _split_and_whole(world, base, save_at: int, total: int):
         train(spec, world, mesh)
 
 
+def _train_named(world, base, name: str, seed: int, steps: int, resume: str, init_from: str = "") -> None:
+    from jobs.train.loop import train
+
+    spec = spec_from_dict({**base, "job": {**base["job"], "name": name, "seed": seed},
+                           "train": {**base["train"], "steps": steps},
+                           "checkpoint": {**base["checkpoint"], "resume": resume, "init_from": init_from}})
+    train(spec, world, build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank))
+
+
+def _file_bytes(root: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()}
+
+
+def test_resume_never_starts_over_and_sets_the_earlier_checkpoints_aside_whole(tmp_path) -> None:
+    """A run of 4 steps saves steps 2 and 4; the same job again with resume = "never" (another seed) must neither
+    overwrite them nor mix with them: they move, byte for byte, into earlier-<time>/, and the newest checkpoint is
+    the new run's step 2, not the earlier run's step 4."""
+    import torch
+
+    from hpc.checkpoint import open_checkpoint, read_tensor
+
+    base = _base(tmp_path, {}, async_save=False, every_steps=2)
+    root = tmp_path / "again" / "checkpoints"
+    run_ranks(1, _train_named, base, "again", 3, 4, "auto", timeout=180)
+    earlier = _file_bytes(root)
+    first_step_2 = open_checkpoint(root / "step-00000002")
+    first_weights = {name: read_tensor(first_step_2, name) for name in first_step_2.tensors}
+    run_ranks(1, _train_named, base, "again", 4, 2, "never", timeout=180)
+    (aside,) = [path for path in root.iterdir() if path.name.startswith("earlier-")]
+    assert _file_bytes(aside) == earlier
+    assert find_latest(root) == root / "step-00000002"
+    second = open_checkpoint(root / "step-00000002")
+    assert any(not torch.equal(read_tensor(second, name), weights) for name, weights in first_weights.items())
+    assert [entry.step for entry in list_checkpoints(root)] == [2]
+    # starting over from this run's own step 2 (init_from): its weights are read before it is set aside, where
+    # reading them after failed ("no complete checkpoint there")
+    second_files = {name: data for name, data in _file_bytes(root).items() if not name.startswith("earlier-")}
+    run_ranks(1, _train_named, base, "again", 5, 2, "never", str(root / "step-00000002"), timeout=180)
+    asides = sorted(path for path in root.iterdir() if path.name.startswith("earlier-"))
+    assert len(asides) == 2 and second_files in [_file_bytes(path) for path in asides]
+
+
+def test_resuming_with_another_optimizer_is_one_line_naming_train_optimizer(tmp_path) -> None:
+    """SGD's state loaded into Adam failed deep in torch (KeyError: 'step'); Adam's into SGD was silently dropped."""
+    from tests.ranks import RankError
+
+    for saved, resumed in (("sgd", "adam"), ("adam", "sgd")):
+        base = _base(tmp_path / saved, {}, async_save=False, train={"optimizer": saved}, every_steps=2)
+        run_ranks(1, _train_named, base, "run", 3, 2, "auto", timeout=180)
+        step = tmp_path / saved / "run" / "checkpoints" / "step-00000002"
+        with pytest.raises(RankError) as failed:
+            run_ranks(1, _train_named, {**base, "train": {**base["train"], "optimizer": resumed}}, "run", 3, 4, "auto",
+                      timeout=180)
+        assert (f"CheckpointError: {step} was saved with train.optimizer = {saved!r} and this run has {resumed!r}: "
+                f"the optimizer's state does not carry over; resume with {saved!r}, or start from its weights alone "
+                f"with checkpoint.init_from = {step}\n") in str(failed.value)
+
+
 def _assert_resumed_equals_uninterrupted(tmp_path: Path, total: int) -> dict[str, dict[int, dict]]:
     """Every tensor and every rank's private state of the last checkpoints equal, bitwise; returns the latter."""
     import torch

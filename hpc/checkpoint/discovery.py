@@ -99,6 +99,38 @@ def resolve_resume(resume: str, root: str | Path, key: str = "checkpoint.resume"
     return latest
 
 
+EARLIER_DIR = "earlier-{stamp}"  # an earlier run's checkpoints, set aside by checkpoint.resume = "never"
+
+
+def set_aside(root: str | Path) -> Path | None:
+    """``checkpoint.resume = "never"``: move the checkpoints already under ``root`` (complete, unfinished, and
+    ``latest``) into ``root/earlier-<UTC time>``, so that the new run neither overwrites them step by step nor
+    mixes with them (a later ``auto`` would otherwise resume the earlier run's highest step). Returns where they
+    went, or None when there were none."""
+    import time
+
+    root = Path(root)
+    entries = list_checkpoints(root)
+    if not entries:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    aside = root / EARLIER_DIR.format(stamp=stamp)
+    while aside.exists():
+        aside = root / EARLIER_DIR.format(stamp=f"{stamp}-{uuid.uuid4().hex[:6]}")
+    try:
+        aside.mkdir()
+        for entry in entries:
+            os.replace(entry.path, aside / entry.path.name)
+        if os.path.lexists(root / LATEST):
+            os.replace(root / LATEST, aside / LATEST)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint.resume=never: cannot move the earlier checkpoints of {root} into {aside} "
+                              f"({exc.strerror or first_line(exc)}); move or remove them, or resume them with "
+                              "checkpoint.resume=auto", dir=str(root)) from exc
+    fsync_path(root)
+    return aside
+
+
 def read_latest(root: str | Path) -> str | None:
     """The step directory ``latest`` names, if it is a regular file naming one: a hint, so anything else is None."""
     try:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpc.checkpoint.discovery import resolve_resume
+from hpc.checkpoint.discovery import resolve_resume, set_aside
 from hpc.checkpoint.format import CheckpointError, CheckpointIndex
 from hpc.checkpoint.load import load_into, torch_dtype
 from hpc.checkpoint.pieces import Piece
@@ -147,6 +147,10 @@ def choose_resume(resume: str, root: str | Path, group: dist.ProcessGroup,
     if dist.get_rank(group) == 0:
         try:
             path = resolve_resume(resume, root, key)
+            aside = set_aside(root) if resume == "never" and key == "checkpoint.resume" else None
+            if aside is not None:
+                print(f"note: checkpoint.resume=never: this run starts over; the checkpoints already in {root} are "
+                      f"now in {aside}", flush=True)
             choice = [(str(path) if path else None, None)]
         except CheckpointError as exc:
             choice = [(None, str(exc))]

@@ -196,6 +196,10 @@ def init_from(spec: JobSpec, loop_state: LoopState, group: dist.ProcessGroup) ->
 def resume(spec: JobSpec, run: RunSession, loop_state: LoopState) -> tuple[int, float | None]:
     """Collective: (the step to start from, the loss recorded with it). The checkpoint ``checkpoint.resume`` names
     (its schedule continues), else step 0 after taking the weights of ``checkpoint.init_from``, if set."""
+    if spec.checkpoint.resume == "never":  # the weights first: init_from may name a checkpoint that resume sets aside
+        init_from(spec, loop_state, dist.group.WORLD)
+        run.resume(loop_state, "never")
+        return 0, None
     index = run.resume(loop_state, spec.checkpoint.resume)
     if index is None:
         init_from(spec, loop_state, dist.group.WORLD)
