@@ -84,7 +84,8 @@ class JobConfig:
         pattern=r"[A-Za-z0-9][A-Za-z0-9._-]*",
         describe="letters, digits, '.', '_' or '-', starting with a letter or digit", max_len=128,
     )
-    seed: int = _field(0, "seeds the model's initialization, the batches and dropout: same seed, same run", min=0)
+    seed: int = _field(0, "seeds the model's initialization, the batches and dropout: same seed, same run", min=0,
+                       max=2**64 - 1)  # torch.manual_seed's range
     run_dir: str = _field("runs", "where runs keep their directories (metrics, checkpoints, logs); shared by the nodes",
                           **_PATH)
 

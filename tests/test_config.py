@@ -531,6 +531,13 @@ def test_control_characters_in_string_settings_are_refused(toml_text: str, overr
     assert error_of(toml_text, overrides).startswith(expected)
 
 
+def test_a_seed_is_one_torch_can_take() -> None:
+    """A seed of 2**64 passed the spec and failed every rank inside torch.manual_seed."""
+    too_large = error_of("", ("job.seed=18446744073709551616",))
+    assert "job.seed must be <= 18446744073709551615, got 18446744073709551616" in too_large
+    assert spec_from_dict({"job": {"seed": 2**64 - 1}}).job.seed == 2**64 - 1
+
+
 def test_string_settings_are_capped_in_length() -> None:
     assert error_of(f'[job]\nname = "{"a" * 129}"').startswith(
         "job.toml: job.name must be at most 128 characters, got 129: 'aaaa")
