@@ -103,15 +103,44 @@ class Registry:
         if not base.isdigit() or not path.exists():
             raise JobLookupError(f"job {job_id} was not submitted with hpc submit or hpc sweep from here "
                                  f"(no record in {self.root})")
-        return _record(json.loads(path.read_text()))
+        return _load(path)
 
     def recent(self, limit: int = 20) -> list[JobRecord]:
-        paths = sorted(self.root.glob("*.json"), key=lambda p: int(p.stem), reverse=True) if self.root.exists() else []
-        return [_record(json.loads(p.read_text())) for p in paths[:limit]]
+        """The newest ``limit`` records (files named by a job id; anything else there is not ours)."""
+        paths = [p for p in self.root.glob("*.json") if p.stem.isdigit()] if self.root.is_dir() else []
+        return [_load(p) for p in sorted(paths, key=lambda p: int(p.stem), reverse=True)[:limit]]
 
 
-def _record(data: dict) -> JobRecord:
+RECORD_TYPES = {"job_id": str, "name": str, "ranks": int, "log_dir": str, "run_paths": list, "array": bool}
+
+
+def _load(path: Path) -> JobRecord:
+    """The record in ``path``; one line naming the file where it is not one ``add`` wrote (damaged, edited)."""
+    try:
+        data = json.loads(path.read_text())
+        problem = _record_problem(data)
+    except (OSError, ValueError) as exc:  # unreadable, a directory, not JSON, not UTF-8
+        problem = " ".join(str(exc).split())[:120]
+    if problem:
+        raise JobLookupError(f"{path} is not a job record hpc submit or hpc sweep wrote ({problem}): move it out of "
+                             f"{path.parent}")
     return JobRecord(**{**data, "run_paths": tuple(data["run_paths"])})
+
+
+def _record_problem(data: object) -> str:
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    missing = [key for key in RECORD_TYPES if key not in data and key != "array"]
+    if missing:
+        return f"no {missing[0]}"
+    unknown = sorted(set(data) - set(RECORD_TYPES))
+    if unknown:
+        return f"an unknown key {unknown[0]}"
+    for key, kind in RECORD_TYPES.items():
+        value = data.get(key, False)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"{key} is not a {kind.__name__}"
+    return "" if all(isinstance(p, str) for p in data["run_paths"]) else "run_paths holds a non-string"
 
 
 def slurm_command(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> str:
