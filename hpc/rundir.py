@@ -68,8 +68,20 @@ def last_metrics(run_path: Path) -> dict | None:
 
 
 def read_result(run_path: Path) -> dict | None:
+    """The run's result.json (written whole by ``write_json``), None before there is one; one line naming the
+    file where it is not a JSON object (edited, or another program's)."""
+    from hpc.errors import ConfigError
+
     path = run_path / RESULT_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a result hpc wrote ({' '.join(str(exc).split())[:120]})") from None
+    if not isinstance(result, dict):
+        raise ConfigError(f"{path}: not a result hpc wrote (not a JSON object)")
+    return result
 
 
 FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"  # failures/<prefix><rank>: NCCL's dump on a timeout

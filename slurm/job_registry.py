@@ -139,7 +139,7 @@ def _record_problem(data: object) -> str:
     for key, kind in RECORD_TYPES.items():
         value = data.get(key, False)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            return f"{key} is not a {kind.__name__}"
+            return f"{key} is not of type {kind.__name__}"
     return "" if all(isinstance(p, str) for p in data["run_paths"]) else "run_paths holds a non-string"
 
 

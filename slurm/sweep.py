@@ -404,10 +404,34 @@ def write_manifest(directory: Path, sweep: Sweep, tasks: Sequence[Task], executo
 
 
 def read_manifest(directory: str | Path) -> dict:
+    """``write_manifest``'s record; one line naming the file where it is damaged or not ours."""
     path = Path(directory) / MANIFEST
     if not path.exists():
         raise ConfigError(f"{directory}: not a sweep directory (no {MANIFEST})")
-    return json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+        problem = _manifest_problem(manifest)
+    except (OSError, ValueError) as exc:
+        problem = " ".join(str(exc).split())[:120]
+    if problem:
+        raise ConfigError(f"{path}: not a sweep record hpc sweep wrote ({problem})")
+    return manifest
+
+
+def _manifest_problem(manifest: object) -> str:
+    """What the readers of a manifest rely on and it lacks, or ""."""
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    for key, kinds in (("name", str), ("job_id", (str, type(None))), ("settings", dict), ("tasks", list)):
+        if not isinstance(manifest.get(key, 0), kinds):
+            return f"no {key}" if key not in manifest else f"{key} has type {type(manifest[key]).__name__}"
+    if not all(isinstance(manifest["settings"].get(key), str) for key in ("metric", "goal")):
+        return "settings lacks its metric or goal"
+    for position, task in enumerate(manifest["tasks"]):
+        if not (isinstance(task, dict) and task.get("index") == position and isinstance(task.get("params"), dict)
+                and isinstance(task.get("run_path"), str)):
+            return f"task {position} lacks its index, params or run_path"
+    return ""
 
 
 def record_outcome(directory: Path, index: int, state: str, error: str | None = None) -> None:
@@ -463,10 +487,7 @@ def table(manifest: Mapping[str, Any], states: Sequence[str], ranked: bool) -> t
         run_path = Path(task["run_path"])
         result = read_result(run_path) or {}
         metrics = last_metrics(run_path) or {}
-        value = result.get(metric)
-        if result and value is None:
-            raise ConfigError(f"sweep.metric {metric!r} is not in {run_path / RESULT_FILE} "
-                              f"(it has {', '.join(sorted(result))})")
+        value = _metric_of(result, metric, run_path)
         marked = f"{state} !" if state in FAILED_STATES else state
         cells = [task["index"], marked, *(toml_value(task["params"][k]) for k in keys),
                  metrics.get("step", "-"), _number(metrics.get("loss")), _number(value)]
@@ -476,6 +497,17 @@ def table(manifest: Mapping[str, Any], states: Sequence[str], ranked: bool) -> t
         rows.sort(key=lambda r: (r[0] is None, sign * r[0] if r[0] is not None else 0, r[1]))
     header = ["TASK", "STATE", *keys, "STEP", "LOSS", f"{metric} ({goal})"]
     return header, [cells for _, _, cells in rows]
+
+
+def _metric_of(result: Mapping[str, Any], metric: str, run_path: Path) -> float | None:
+    """A task's ``sweep.metric`` from its result (None: no result yet); one line where it is missing or no number."""
+    value = result.get(metric)
+    if result and value is None:
+        raise ConfigError(f"sweep.metric {metric!r} is not in {run_path / RESULT_FILE} "
+                          f"(it has {', '.join(sorted(result))})")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"sweep.metric {metric!r} in {run_path / RESULT_FILE} is not a number: {str(value)[:60]!r}")
+    return value
 
 
 def _number(value: float | None) -> str:
@@ -509,7 +541,7 @@ def metric_points(directory: Path) -> tuple[list[tuple[dict[str, Any], float]], 
     """(each task's params and its metric, over the tasks that have a result; the metric and its goal)."""
     manifest = read_manifest(directory)
     metric, goal = manifest["settings"]["metric"], manifest["settings"]["goal"]
-    points = [(task["params"], result[metric]) for task in manifest["tasks"]
+    points = [(task["params"], _metric_of(result, metric, Path(task["run_path"]))) for task in manifest["tasks"]
               if (result := read_result(Path(task["run_path"]))) is not None]
     if not points:
         raise ConfigError(f"{directory}: no task has a result yet: nothing to plot")

@@ -15,7 +15,7 @@ DAMAGED = [
     ("", "Expecting value: line 1 column 1 (char 0)"),
     ("[]", "not a JSON object"),
     ("{}", "no job_id"),
-    ('{"job_id": "100", "name": "x", "ranks": "2", "log_dir": "l", "run_paths": ["r"]}', "ranks is not a int"),
+    ('{"job_id": "100", "name": "x", "ranks": "2", "log_dir": "l", "run_paths": ["r"]}', "ranks is not of type int"),
     ('{"job_id": "100", "name": "x", "ranks": 2, "log_dir": "l", "run_paths": [3]}', "run_paths holds a non-string"),
     ('{"job_id": "100", "name": "x", "ranks": 2, "log_dir": "l", "run_paths": [], "extra": 1}', "an unknown key extra"),
 ]

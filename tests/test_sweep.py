@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hpc.cli.main import main
 from hpc.config import apply_overrides
 from hpc.errors import ConfigError
 from slurm.sweep import as_overrides, config_count, expand, load_sweep, plan, read_manifest
@@ -260,3 +261,46 @@ def test_every_toml_value_a_sweep_may_hold_comes_back_through_an_override(value)
     (override,) = as_overrides({"a.b": value})
     back = apply_overrides({}, [override])["a"]["b"]
     assert repr(back) == repr(value)  # nan != nan, but its repr is stable
+
+
+def _sweep_dir(tmp_path: Path) -> tuple[Path, Path]:
+    """A local sweep's directory with one task, and that task's run directory."""
+    run = tmp_path / "sweep" / "task-000"
+    run.mkdir(parents=True)
+    manifest = {"name": "s", "source": "s.toml", "base": "base.toml", "executor": "local", "job_id": None, "ranks": 1,
+                "settings": {"metric": "final_loss", "goal": "min"},
+                "tasks": [{"index": 0, "params": {"train.lr": 0.1}, "run_path": str(run), "overrides": [], "args": []}]}
+    (tmp_path / "sweep" / "sweep.json").write_text(json.dumps(manifest))
+    return tmp_path / "sweep", run
+
+
+@pytest.mark.parametrize(("manifest", "problem"), [
+    ("garbage", "Expecting value: line 1 column 1 (char 0)"), ("[]", "not a JSON object"), ("{}", "no name"),
+    ('{"name": "s", "job_id": null, "settings": {}, "tasks": []}', "settings lacks its metric or goal"),
+    ('{"name": "s", "job_id": 12, "settings": {}, "tasks": []}', "job_id has type int"),
+    ('{"name": "s", "job_id": null, "settings": {"metric": "m", "goal": "min"}, "tasks": [{"index": 0}]}',
+     "task 0 lacks its index, params or run_path"),
+])
+def test_a_damaged_sweep_record_is_one_line_naming_it(tmp_path: Path, capsys, manifest: str, problem: str) -> None:
+    directory, _ = _sweep_dir(tmp_path)
+    (directory / "sweep.json").write_text(manifest)
+    for action in ("status", "results"):
+        assert main(["sweep", action, str(directory)]) == 2
+        assert capsys.readouterr().err == (f"hpc: error: {directory / 'sweep.json'}: not a sweep record hpc sweep "
+                                           f"wrote ({problem})\n")
+
+
+@pytest.mark.parametrize(("result", "message"), [
+    ("garbage", "{run}/result.json: not a result hpc wrote (Expecting value: line 1 column 1 (char 0))"),
+    ("[1]", "{run}/result.json: not a result hpc wrote (not a JSON object)"),
+    ('{"final_loss": "abc"}', "sweep.metric 'final_loss' in {run}/result.json is not a number: 'abc'"),
+    ('{"loss": 1.0}', "sweep.metric 'final_loss' is not in {run}/result.json (it has loss)"),
+])
+def test_a_damaged_task_result_is_one_line_naming_it(tmp_path: Path, capsys, result: str, message: str) -> None:
+    directory, run = _sweep_dir(tmp_path)
+    (run / "result.json").write_text(result)
+    assert main(["sweep", "results", str(directory)]) == 2
+    assert capsys.readouterr().err == f"hpc: error: {message.format(run=run)}\n"
+    (run / "result.json").write_text('{"final_loss": 0.5}')
+    assert main(["sweep", "results", str(directory)]) == 0
+    assert "0.5" in capsys.readouterr().out
