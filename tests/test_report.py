@@ -109,6 +109,21 @@ def test_missing_metrics_is_one_line(tmp_path, capsys) -> None:
     assert code == 2 and err == f"hpc: error: {tmp_path / 'metrics.jsonl'} not found"
 
 
+def test_a_file_where_a_directory_belongs_or_the_reverse_is_one_line(tmp_path, capsys) -> None:
+    spec = tmp_path / "job.toml"
+    spec.write_text("[job]\n")
+    assert _error_of(capsys, "report", str(spec)) == (
+        2, f"hpc: error: {spec}: not a run directory (give <job.run_dir>/<job.name>, which holds metrics.jsonl)")
+    (tmp_path / "odd" / "metrics.jsonl").mkdir(parents=True)
+    assert _error_of(capsys, "report", str(tmp_path / "odd")) == (
+        2, f"hpc: error: {tmp_path / 'odd' / 'metrics.jsonl'}: cannot read it (Is a directory)")
+    run = tmp_path / "run"
+    _write_run(run, _steps(5))
+    assert _error_of(capsys, "report", str(run), "--out", str(spec)) == (
+        2, f"hpc: error: --out {spec}: a file, not a directory")
+    assert spec.read_text() == "[job]\n"
+
+
 def test_a_malformed_line_is_named_by_file_and_number(tmp_path, capsys) -> None:
     run = tmp_path / "run"
     _write_run(run, _steps(5))

@@ -48,6 +48,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         text = path.read_text()
     except FileNotFoundError:
         raise RunDirError(f"{path} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, unreadable, not text
+        raise RunDirError(f"{path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
     lines = text.splitlines()
     by_step: dict[int, dict[str, Any]] = {}
     for number, line in enumerate(lines, 1):
@@ -74,6 +76,8 @@ def read_ranks(directory: Path) -> list[dict[str, Any]]:
             record = json.loads(path.read_text())
         except ValueError as exc:
             raise RunDirError(f"{path}: not JSON ({exc})") from None
+        except OSError as exc:
+            raise RunDirError(f"{path}: cannot read it ({exc.strerror or exc})") from None
         if not isinstance(record, dict) or not isinstance(record.get("rank"), int):
             raise RunDirError(f"{path}: expected an object with an integer \"rank\"")
         records.append(record)
@@ -82,6 +86,8 @@ def read_ranks(directory: Path) -> list[dict[str, Any]]:
 
 def read_run(run_dir: str | Path) -> Run:
     path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"{path}: not a run directory (give <job.run_dir>/<job.name>, which holds {METRICS_FILE})")
     return Run(path, read_metrics(path / METRICS_FILE), read_ranks(path / RANKS_DIR),
                (path / TIMELINE_FILE).exists())
 
@@ -166,7 +172,12 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Pat
 
     run = read_run(run_dir)
     out = Path(out) if out is not None else run.path / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out}: a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission
+        raise RunDirError(f"--out {out}: cannot make that directory ({exc.strerror or exc})") from None
     plots: list[tuple[str, Path]] = []
     notes: list[str] = []
     steps, losses = series(run.steps, "loss")
