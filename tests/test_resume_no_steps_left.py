@@ -24,7 +24,8 @@ def _spec(tmp_path: Path) -> dict:
 
 
 def _train_twice(world, base: dict) -> list[tuple[int, float | None]]:
-    """Four steps, then the same spec again: resumed at step 4 with none left; then without the checkpoint's loss."""
+    """Four steps, then the same spec again: resumed at step 4 with none left; then without the checkpoint's loss;
+    then with train.steps lowered to 2."""
     from jobs.train.loop import train
 
     mesh = build_mesh(resolve_layout("auto", 1, 1, world.size), world.rank)
@@ -33,6 +34,7 @@ def _train_twice(world, base: dict) -> list[tuple[int, float | None]]:
     with h5py.File(spec.checkpoint_path / "step-00000004" / "index.h5", "r+") as index:
         del index.attrs["loss"]  # as a checkpoint written before the loss was recorded
     runs.append(train(spec, world, mesh)[0])
+    runs.append(train(spec_from_dict({**base, "train": {**base["train"], "steps": 2}}), world, mesh)[0])
     return runs
 
 
@@ -40,7 +42,7 @@ def test_a_resume_with_no_steps_left_reports_the_checkpoints_loss(tmp_path) -> N
     from hpc.cli.rank import summary_line
     from hpc.run_session import write_result
 
-    first, resumed, old = run_ranks(1, _train_twice, _spec(tmp_path), timeout=120)[0]
+    first, resumed, old, lowered = run_ranks(1, _train_twice, _spec(tmp_path), timeout=120)[0]
     assert (first.start_step, resumed.start_step, old.start_step) == (0, 4, 4)
     last_logged = [json.loads(line) for line in (tmp_path / "done" / "metrics.jsonl").open()][-1]
     assert first.final_loss == resumed.final_loss == last_logged["loss"] and last_logged["step"] == 4
@@ -53,6 +55,10 @@ def test_a_resume_with_no_steps_left_reports_the_checkpoints_loss(tmp_path) -> N
                                f"final loss {first.final_loss:.4f} (the checkpoint's) | ")
     assert " | final loss unknown (the checkpoint predates recording it) | " in lines[1]
     assert "nan" not in " ".join(lines)
+    # train.steps lowered below the checkpoint: nothing ran, and no negative throughput
+    assert (lowered.start_step, lowered.throughput) == (4, 0.0)
+    assert summary_line(lowered, world, MeshShape(1, 1, 1), "m.jsonl").startswith(
+        "summary: no steps left (resumed at step 4, past train.steps = 2) in ")
     write_result(tmp_path / "result.json", old.as_record(), world)
     text = (tmp_path / "result.json").read_text()
     assert "NaN" not in text and json.loads(text)["final_loss"] is None

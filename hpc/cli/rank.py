@@ -38,7 +38,9 @@ def _ran_and_loss(result) -> str:
         ran = (f"{result.steps} steps" if not result.start_step
                else f"steps {result.start_step + 1}-{result.steps} (resumed)")
         return f"{ran} in {result.wall_s:.1f} s | final loss {result.final_loss:.4f}"
-    ran = f"no steps left (resumed at step {result.start_step} of {result.steps}) in {result.wall_s:.1f} s"
+    where = (f" of {result.steps}" if result.start_step == result.steps
+             else f", past train.steps = {result.steps}")  # train.steps lowered below the checkpoint
+    ran = f"no steps left (resumed at step {result.start_step}{where}) in {result.wall_s:.1f} s"
     if result.final_loss is None:
         return f"{ran} | final loss unknown (the checkpoint predates recording it)"
     return f"{ran} | final loss {result.final_loss:.4f} (the checkpoint's)"

@@ -234,8 +234,9 @@ def _train(
         steps.optimizer.close()
         records.close()
     wall = time.perf_counter() - started
-    records.write(probe, spec.train.steps - start_step)
-    throughput = (spec.train.steps - start_step) * records.items_per_step / wall
+    ran = max(0, spec.train.steps - start_step)  # none where the checkpoint is past train.steps (lowered since)
+    records.write(probe, ran)
+    throughput = ran * records.items_per_step / wall
     result = TrainResult(
         steps=spec.train.steps,
         final_loss=records.loss,
