@@ -164,3 +164,24 @@ def test_a_malformed_entry_or_plan_is_one_line_naming_the_key_and_nothing_starts
     assert code == 2 and len(err.splitlines()) == 1, err
     assert re.match("hpc: error: ", err) and message in err, err
     assert not (user_dir / "bad").exists()  # no rank started: none made the run directory
+
+
+def triples():
+    """A data entry whose samples are not (inputs, targets) pairs."""
+    import torch
+
+    return [(torch.zeros(2), torch.zeros(2), torch.zeros(2))] * 4
+
+
+@pytest.mark.parametrize(("entry", "got"), [("os:getcwd", "str from str"),
+                                            ("tests.test_user_models:triples", "tuple from list")])
+def test_a_data_entry_whose_samples_are_not_pairs_is_one_line_naming_it(entry: str, got: str) -> None:
+    """A string (os.getcwd) passed as a data set and failed every rank in the loop's unpacking."""
+    from hpc.config import spec_from_dict
+    from hpc.errors import ConfigError
+    from jobs.data.protocol import build_data
+
+    with pytest.raises(ConfigError) as refused:
+        build_data(spec_from_dict({"data": {"entry": entry}}))
+    assert str(refused.value) == (f"data.entry={entry!r}: a sample of its train set must be an (inputs, targets) "
+                                  f"pair, got {got}")

@@ -43,4 +43,8 @@ def build_data(spec: JobSpec) -> DataSplits:
                               f"got {type(part).__name__}")
     if len(splits.train) == 0:
         raise ConfigError(f"data.entry={entry!r} returned an empty training set")
+    sample = splits.train[0]
+    if isinstance(splits.train, (str, bytes)) or not (isinstance(sample, (tuple, list)) and len(sample) == 2):
+        raise ConfigError(f"data.entry={entry!r}: a sample of its train set must be an (inputs, targets) pair, got "
+                          f"{type(sample).__name__} from {type(splits.train).__name__}")
     return splits
