@@ -347,6 +347,15 @@ class SlurmConfig:
         torchrun's ``--nproc-per-node=gpu``), else 1."""
         return self.ntasks_per_node or self.gpus_per_node or 1
 
+    def field_conflict(self) -> tuple[str, str] | None:
+        """A node's ranks binding more GPUs than it asks for: Slurm would hold the job pending or refuse it."""
+        wanted = self.gpus_per_task * self.tasks_per_node
+        if self.gpus_per_node and wanted > self.gpus_per_node:
+            return "gpus_per_task", (f"at most gpus_per_node / tasks per node = {self.gpus_per_node}/"
+                                     f"{self.tasks_per_node} ({self.tasks_per_node} ranks a node would bind {wanted} "
+                                     f"GPUs of the {self.gpus_per_node} asked for)")
+        return None
+
 
 @dataclass(frozen=True)
 class JobSpec:

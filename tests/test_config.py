@@ -538,6 +538,18 @@ def test_a_seed_is_one_torch_can_take() -> None:
     assert spec_from_dict({"job": {"seed": 2**64 - 1}}).job.seed == 2**64 - 1
 
 
+def test_a_nodes_ranks_bind_no_more_gpus_than_it_asks_for() -> None:
+    """Slurm would leave such a job pending (or refuse it) after hpc submit had said it was submitted."""
+    assert ("slurm.gpus_per_task must be at most gpus_per_node / tasks per node = 2/2 (2 ranks a node would bind 8 "
+            "GPUs of the 2 asked for), got 4") in error_of("", ("slurm.gpus_per_node=2", "slurm.gpus_per_task=4"))
+    assert "slurm.gpus_per_task" in error_of("", ("slurm.gpus_per_node=8", "slurm.ntasks_per_node=4",
+                                                  "slurm.gpus_per_task=4"))
+    fitting = [("slurm.gpus_per_node=8", "slurm.gpus_per_task=1"), ("slurm.gpus_per_task=2",),
+               ("slurm.gpus_per_node=8", "slurm.ntasks_per_node=2", "slurm.gpus_per_task=4")]
+    for overrides in fitting:
+        assert spec_from_dict({}, overrides=overrides).slurm.gpus_per_task in (1, 2, 4)
+
+
 def test_string_settings_are_capped_in_length() -> None:
     assert error_of(f'[job]\nname = "{"a" * 129}"').startswith(
         "job.toml: job.name must be at most 128 characters, got 129: 'aaaa")
