@@ -229,6 +229,12 @@ def plan(sweep: Sweep, overrides: Sequence[str] = ()) -> tuple[Path, list[tuple[
 
     ``overrides`` (``hpc sweep --set``) apply to every task, before its own values.
     """
+    swept = {key for key, _ in sweep.params}
+    for override in overrides:  # the task's own values come after: a --set of a swept key would be dropped
+        key = override.partition("=")[0].strip()
+        if key in swept:
+            raise ConfigError(f"--set {show_text(override)}: {sweep.label} sweeps {key} (params.{key}), which would "
+                              "replace this value in every task: drop the --set, or the key from [params]")
     base = load_spec(sweep.base, overrides)
     directory = Path(sweep.settings.dir or Path(base.job.run_dir) / sweep.name).absolute()
     configs = expand(sweep)

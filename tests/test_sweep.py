@@ -145,6 +145,17 @@ def test_each_config_is_checked_against_the_base_spec_before_anything_runs(tmp_p
         plan(load_sweep(path))
 
 
+def test_a_set_of_a_swept_key_is_refused_not_dropped(tmp_path: Path) -> None:
+    """Each task's own value came after the --set, which silently lost; a key not swept is still taken."""
+    path = _sweep(tmp_path, '[sweep]\nbase = "base.toml"\n[params]\n"train.lr" = [0.1, 0.2]')
+    with pytest.raises(ConfigError) as refused:
+        plan(load_sweep(path), ["train.lr=0.5"])
+    assert str(refused.value) == (f"--set train.lr=0.5: {path} sweeps train.lr (params.train.lr), which would replace "
+                                  "this value in every task: drop the --set, or the key from [params]")
+    _, planned = plan(load_sweep(path), ["train.steps=5"])
+    assert [(spec.train.steps, spec.train.lr) for _, spec in planned] == [(5, 0.1), (5, 0.2)]
+
+
 def test_every_task_gets_its_own_run_directory_under_the_sweep(tmp_path: Path) -> None:
     path = _sweep(tmp_path, '[sweep]\nbase = "base.toml"\nname = "lr"\n[params]\n"train.lr" = [0.1, 0.2]')
     directory, planned = plan(load_sweep(path), [f"job.run_dir={tmp_path / 'runs'}"])
