@@ -422,6 +422,27 @@ def test_ckpt_errors_are_one_line(tmp_path, capsys) -> None:
     assert capsys.readouterr().err == f"hpc: error: no such directory: {tmp_path / 'nope'}\n"
 
 
+def test_ckpt_show_lists_a_damaged_checkpoint_and_names_its_missing_and_short_files(saved, tmp_path, capsys) -> None:
+    step = tmp_path / "step-00000004"
+    shutil.copytree(saved / "step-00000004", step)
+    (step / "rank-00001.h5").unlink()
+    with open(step / "rank-00000.h5", "r+b") as shard:
+        shard.truncate(1000)
+    assert main(["ckpt", "show", str(step)]) == 2
+    captured = capsys.readouterr()
+    assert "rank-00000.h5" in captured.out and "ON DISK 1000 BYTES" in captured.out and "  MISSING" in captured.out
+    assert captured.err == (f"hpc: error: {step}: 2 of its files missing or not the size its index recorded "
+                            "(rank-00000.h5, rank-00001.h5): hpc ckpt verify checks every file and checksum\n")
+    assert main(["ckpt", "show", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == f"hpc: error: no such directory: {tmp_path / 'nope'}\n"
+    spec = tmp_path / "job.toml"
+    spec.write_text("")
+    assert main(["ckpt", "ls", str(spec)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (f"hpc: error: {spec}: not a directory (give a checkpoint "
+                                                   "directory or a run's directory)\n")
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_export_writes_the_global_tensors(saved, tmp_path, suffix) -> None:
     import torch

@@ -330,6 +330,8 @@ def read_index(step_dir: str | Path) -> CheckpointIndex:
     """Parse ``index.h5`` and check it against itself; reads attributes only, no tensor data."""
     step_dir = Path(step_dir)
     path = step_dir / INDEX
+    if not os.path.lexists(step_dir):
+        raise CheckpointError(f"no such directory: {step_dir}")
     if not os.path.lexists(path):
         raise CheckpointError(f"{step_dir} is not a checkpoint: no {INDEX}", file=str(path))
     try:

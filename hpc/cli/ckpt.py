@@ -64,6 +64,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not os.path.lexists(args.dir):
         raise ConfigError(f"no such directory: {args.dir}")
     run = Path(args.dir)
+    if not run.is_dir():
+        raise ConfigError(f"{args.dir}: not a directory (give a checkpoint directory or a run's directory)")
     is_run = (run / CHECKPOINTS_DIR).is_dir() or (run / METRICS_FILE).is_file()
     tiers = [("shared", run)]
     if is_run:
@@ -83,7 +85,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from hpc.checkpoint.format import read_index
+    from hpc.checkpoint.format import CheckpointError, read_index
 
     index = read_index(args.step_dir)
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(index.created_unix))
@@ -99,14 +101,29 @@ def cmd_show(args: argparse.Namespace) -> int:
         size = human_bytes(record.nbytes)
         print(f"{name:<{width}}  {record.dtype:<8} {shape:<14} {len(record.pieces):>6} {size:>10}")
     print(f"\n{'FILE':<16} {'SIZE':>10}  RANK STATE")
+    damaged = []
     for file, shard in sorted(index.shards.items()):
         rank = int(file.removeprefix("rank-").removesuffix(".h5"))
         own = [p.removeprefix("rank/") for p in index.rank_state_datasets(rank)]
-        print(f"{file:<16} {human_bytes(shard.size):>10}  {', '.join(own) or '-'}")
+        on_disk = _size_on_disk(index.path / file)
+        problem = "" if on_disk == shard.size else "  MISSING" if on_disk is None else f"  ON DISK {on_disk} BYTES"
+        damaged += [file] if problem else []
+        print(f"{file:<16} {human_bytes(shard.size):>10}  {', '.join(own) or '-'}{problem}")
     if args.spec and "job_spec" in index.attrs:
         print("\njob spec:")
         print(_spec_json(index.attrs["job_spec"], index.path))
+    if damaged:
+        raise CheckpointError(f"{index.path}: {len(damaged)} of its files missing or not the size its index recorded "
+                              f"({', '.join(damaged[:3])}{', ...' if len(damaged) > 3 else ''}): hpc ckpt verify "
+                              "checks every file and checksum")
     return 0
+
+
+def _size_on_disk(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 MAX_SPEC_CHARS = 1 << 20  # a job spec is a few kB; anything near this is damage
