@@ -42,7 +42,7 @@ def test_the_cpu_is_refused_in_one_line_naming_the_key() -> None:
     import torch
 
     from jobs.train.float8 import float8_refusal
-    from jobs.train.layout import check_float8_here, check_layout
+    from jobs.train.layout import check_layout, check_this_machine
 
     assert float8_refusal("rowwise", torch.device("cpu")) == (
         "train.float8='rowwise': Float8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, "
@@ -51,8 +51,8 @@ def test_the_cpu_is_refused_in_one_line_naming_the_key() -> None:
         check_layout(_spec("/tmp", "x", "tensorwise", device="cpu"), 1)  # hpc submit's check, torch-free
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="this run computes on the CPU"):
-            check_float8_here(_spec("/tmp", "x", "rowwise"))  # hpc run's, for ranks on this machine
-    check_float8_here(_spec("/tmp", "x", "off"))
+            check_this_machine(_spec("/tmp", "x", "rowwise"))  # hpc run's, for ranks on this machine
+    check_this_machine(_spec("/tmp", "x", "off"))
 
 
 def _emulated_steps(world, tp: int, recipe: str, steps: int = 8, compile: bool = False):

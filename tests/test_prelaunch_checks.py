@@ -410,6 +410,24 @@ def test_nccl_on_the_cpu_is_one_line_before_launch(tmp_path, no_slurm) -> None:
                     no_slurm)
 
 
+def test_a_run_directory_under_a_file_is_one_line_before_launch(tmp_path, no_slurm) -> None:
+    """It failed every rank once started, with noise about failures that could not be recorded."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    _run_and_submit(MLP, [f"job.run_dir={a_file / 'runs'}"], f"job.run_dir={a_file / 'runs'}: {a_file} is a file, "
+                    f"not a directory (the run's directory is {a_file / 'runs' / 'mlp-digits'})", tmp_path / "runs",
+                    no_slurm)
+    assert a_file.read_text() == "mine"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without a GPU")
+def test_a_gpu_asked_for_where_none_is_is_one_line_before_hpc_run_launches(tmp_path) -> None:
+    for override, message in (("parallel.device=cuda", "parallel.device='cuda' needs CUDA, and no GPU is visible"),
+                              ("parallel.backend=nccl", "parallel.backend='nccl' needs parallel.device='cuda'")):
+        _refused(["run", "--launcher", "local", str(MLP), "--set", f"job.run_dir={tmp_path / 'runs'}", "--set",
+                  override], message, tmp_path / "runs")
+
+
 # --- the odd ones: an empty --layout, an entry that exits, ckpt export --to under a file ------------------------
 
 

@@ -64,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from hpc.cli.script import check_script
     from hpc.config import load_spec
     from hpc.runtime import launch
-    from jobs.train.layout import check_float8_here, check_layout
+    from jobs.train.layout import check_layout, check_this_machine
 
     if args.nprocs < 1:
         raise LayoutError(f"-n must be at least 1, got {args.nprocs}")
@@ -78,7 +78,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise LayoutError(f"--hosts {args.hosts} offers {sum(s for _, s in hosts)} slots, fewer than -n {args.nprocs}")
     check_layout(spec, args.nprocs)
     if not hosts:  # the ranks compute on this machine
-        check_float8_here(spec)
+        check_this_machine(spec)
     launcher = args.launcher or launch.default_launcher()
     if hosts and launcher != "mpirun":
         raise LayoutError("--hosts needs --launcher mpirun (the local launcher starts ranks on this machine only)")

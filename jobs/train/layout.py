@@ -44,6 +44,7 @@ def check_layout(spec: JobSpec, world_size: int) -> MeshShape:
             load_cluster(spec.train.health_cluster)
         except ConfigError as exc:
             raise ConfigError(f"train.health_cluster: {exc}") from None
+    check_run_dir(spec)
     if spec.checkpoint.init_from:
         from jobs.train.checkpointing import check_init_from  # torch and h5py: only when a checkpoint is to be read
 
@@ -51,9 +52,25 @@ def check_layout(spec: JobSpec, world_size: int) -> MeshShape:
     return shape
 
 
-def check_float8_here(spec: JobSpec) -> None:
-    """``hpc run`` of ranks on this machine: ``train.float8`` refused before launch where they would compute on
-    its CPU, or on a GPU without FP8, or without torchao (``jobs.train.float8``; each rank checks again)."""
+def check_run_dir(spec: JobSpec) -> None:
+    """The run's directory can be made: a file in its way would fail every rank once started. (A
+    ``checkpoint.resume`` path is not checked here: a job submitted to follow another may name the checkpoint
+    that one will write.)"""
+    existing = next(path for path in (spec.run_path, *spec.run_path.parents) if path.exists() or path == path.parent)
+    if not existing.is_dir():
+        raise ConfigError(f"job.run_dir={spec.job.run_dir}: {existing} is a file, not a directory (the run's "
+                          f"directory is {spec.run_path})")
+
+
+def check_this_machine(spec: JobSpec) -> None:
+    """``hpc run`` of ranks on this machine: a GPU asked for (``parallel.device = "cuda"``, ``parallel.backend =
+    "nccl"``) where none is visible, or ``train.float8`` where they would compute on its CPU, on a GPU without FP8,
+    or without torchao (``jobs.train.float8``), refused before launch; each rank checks again."""
+    par = spec.parallel
+    if par.device == "cuda" or par.backend == "nccl":
+        from hpc.runtime.bootstrap import select_backend
+
+        select_backend(par.backend, par.device)
     if spec.train.float8 == "off":
         return
     import torch
