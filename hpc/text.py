@@ -6,6 +6,7 @@ import re
 from collections.abc import Sequence
 
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+MAX_SIZE = (1 << 63) - 1  # the most bytes a file offset or a tensor's element count can hold
 
 
 def human_bytes(nbytes: float) -> str:
@@ -18,11 +19,20 @@ def human_bytes(nbytes: float) -> str:
 
 
 def parse_size(text: str) -> int:
-    """``64M`` -> 67108864; a bare number is bytes."""
-    match = re.fullmatch(r"(\d+)([KMG]?)B?", text.strip().upper())
-    if not match or int(match[1]) == 0:
+    """``64M`` -> 67108864; a bare number is bytes. An unknown unit, a negative or a too large number is named
+    as such, not only as "not a size"."""
+    match = re.fullmatch(r"(-?)(\d+)([A-Z]?B?)", text.strip().upper())
+    if not match or int(match[2]) == 0:
         raise ValueError(f"{text!r} is not a size like 1K, 64M or 4096")
-    return int(match[1]) * SIZE_UNITS[match[2]]
+    unit = match[3].removesuffix("B")
+    if unit not in SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size like 1K, 64M or 4096: the units are K, M and G, not {unit}")
+    if match[1]:
+        raise ValueError(f"{text!r} is negative: a size is a byte count like 1K, 64M or 4096")
+    nbytes = int(match[2]) * SIZE_UNITS[unit]
+    if nbytes > MAX_SIZE:
+        raise ValueError(f"{text!r} is too large: a size is at most 2^63 - 1 bytes")
+    return nbytes
 
 
 def human_size(nbytes: int) -> str:

@@ -8,16 +8,38 @@ from hpc.text import human_size, parse_size
 from jobs.bench.allreduce import COLUMNS, format_table
 
 
-@pytest.mark.parametrize(("text", "value"), [("1K", 1024), ("64M", 64 << 20), ("4096", 4096), ("1g", 1 << 30)])
+@pytest.mark.parametrize(("text", "value"), [("1K", 1024), ("64M", 64 << 20), ("4096", 4096), ("1g", 1 << 30),
+                                             ("12kb", 12 << 10), ("8589934591G", 8589934591 << 30)])
 def test_parse_size(text, value) -> None:
     assert parse_size(text) == value
     assert parse_size(human_size(value)) == value
 
 
-@pytest.mark.parametrize("text", ["", "0", "12Q", "-1K"])
-def test_parse_size_rejects(text) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "'' is not a size like 1K, 64M or 4096"),
+    ("0", "'0' is not a size like 1K, 64M or 4096"),
+    ("lots", "'lots' is not a size like 1K, 64M or 4096"),
+    ("12Q", "'12Q' is not a size like 1K, 64M or 4096: the units are K, M and G, not Q"),
+    ("999999T", "'999999T' is not a size like 1K, 64M or 4096: the units are K, M and G, not T"),
+    ("-1K", "'-1K' is negative: a size is a byte count like 1K, 64M or 4096"),
+    ("8589934592G", "'8589934592G' is too large: a size is at most 2^63 - 1 bytes"),
+])
+def test_parse_size_rejects(text, message) -> None:
+    """Each says what is wrong: an unknown unit, a negative or a too large number is named as such."""
+    with pytest.raises(ValueError) as caught:
         parse_size(text)
+    assert str(caught.value) == message
+
+
+def test_ckpt_export_names_a_negative_max_shard_size(capsys, tmp_path) -> None:
+    """Another caller of ``parse_size``: refused before the checkpoint is read, nothing written."""
+    from hpc.cli.main import main
+
+    argv = [str(tmp_path / "step"), "--to", str(tmp_path / "out"), "--format", "hf", "--max-shard-size", "-5"]
+    assert main(["ckpt", "export", *argv]) == 2
+    assert capsys.readouterr().err == ("hpc: error: --max-shard-size: '-5' is negative: a size is a byte count like "
+                                       "1K, 64M or 4096\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -128,7 +150,7 @@ def test_bench_train_time_to_loss_curves_stop_at_the_target_unless_full(tmp_path
 @pytest.mark.parametrize(("argv", "message"), [
     (["--ddp", "ddp,ddp-int4"], "--ddp: unknown ddp-int4"),
     (["--full"], "--full is for time to loss"),
-    (["--target-loss", "2", "--batch", "0"], "--batch must be positive"),
+    (["--target-loss", "2", "--batch", "0"], "--batch must be at least 1 (got 0)"),
     (["--transports", "nccl"], "--transports: unknown nccl"),
 ])
 def test_bench_train_rejects_bad_options(argv, message, capsys) -> None:
@@ -136,6 +158,157 @@ def test_bench_train_rejects_bad_options(argv, message, capsys) -> None:
 
     assert main(["bench", "train", "--launcher", "local", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list[int]:
+    """The rank counts ``launch_for_rows`` was called with, none started: each launch returns no rows."""
+    from hpc.runtime import launch
+
+    started: list[int] = []
+
+    def launch_for_rows(n: int, launcher: str, rank_argv, parent: str | None = None) -> list[dict]:
+        started.append(n)
+        return []
+
+    monkeypatch.setattr(launch, "launch_for_rows", launch_for_rows)
+    return started
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """``hpc bench ARGV``'s one error line, refused with exit 2."""
+    from hpc.cli.main import main
+
+    assert main(["bench", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.endswith("\n") and captured.err.count("\n") == 1, captured.err
+    return captured.err.removeprefix("hpc: error: ").rstrip("\n")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["allreduce", "--iters", "0"], "--iters must be at least 1 (got 0)"),
+    (["allreduce", "--iters", "-1"], "--iters must be at least 1 (got -1)"),
+    (["allreduce", "-n", "0"], "-n must be at least 1 (got 0)"),
+    (["allreduce", "-n", "-3"], "-n must be at least 1 (got -3)"),
+    (["allreduce", "--scopes", "flat,bogus"], "--scopes: unknown bogus (valid: flat, inter-node)"),
+    (["allreduce", "--sizes", "4,3"], "--sizes 3: the least is 4 bytes (one float32)"),
+    (["allreduce", "--sizes", "3", "--op", "reduce-scatter", "-n", "2"],
+     "--sizes 3: the least is 8 bytes (a float32 per rank, 2 ranks)"),
+    (["allreduce", "--sizes", "12", "--op", "reduce-scatter", "-n", "4"],
+     "--sizes 12: the least is 16 bytes (a float32 per rank, 4 ranks)"),
+    (["allreduce", "--sizes", "999999T"],
+     "--sizes: '999999T' is not a size like 1K, 64M or 4096: the units are K, M and G, not T"),
+    (["allreduce", "--sizes", "8589934592G"], "--sizes: '8589934592G' is too large: a size is at most 2^63 - 1 bytes"),
+    (["alltoall", "--iters", "0"], "--iters must be at least 1 (got 0)"),
+    (["checkpoint", "-n", "0"], "-n must be at least 1 (got 0)"),
+    (["train", "--target-loss", "5", "--width", "7"], "--width must be a multiple of the GPT's 4 heads (got 7)"),
+    (["train", "--target-loss", "5", "--layers", "0"], "--layers must be at least 1 (got 0)"),
+    (["train", "--target-loss", "0"], "--target-loss must be positive (got 0.0)"),
+    (["train", "--scopes", "bogus"], "--scopes: unknown bogus (valid: flat, inter-node)"),
+    (["train", "--width", "0"], "--width is for time to loss: it needs --target-loss"),
+    (["train", "--layers", "0"], "--layers is for time to loss: it needs --target-loss"),
+    (["train", "--batch", "0"], "--batch is for time to loss: it needs --target-loss"),
+    (["train", "--width", "64"], "--width is for time to loss: it needs --target-loss"),
+    (["train", "--rounds", "0"], "--rounds must be at least 1 (got 0)"),
+    (["memory", "--steps", "0"], "--steps must be at least 1 (got 0)"),
+    (["memory", "--zero", "0,4"], "--zero: unknown 4 (valid: 0, 1, 2, 3)"),
+])
+def test_bench_refuses_bad_options_before_any_rank(argv, message, launches, capsys, tmp_path, monkeypatch) -> None:
+    """One line naming the option that is wrong and its value, exit 2, no rank started, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    assert _refused(capsys, [*argv, "--launcher", "local"]) == message
+    assert launches == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["allreduce", "-n", "1", "--iters", "1", "--sizes", "4", "--scopes", "flat,inter-node"],
+    ["allreduce", "-n", "4", "--sizes", "16", "--op", "reduce-scatter"],
+    ["train", "--scopes", "flat,inter-node", "--rounds", "1", "--warmup", "0"],
+    ["train", "--target-loss", "5", "--width", "8", "--layers", "1", "--batch", "1"],
+    ["memory", "--steps", "1", "--zero", "0,3", "-n", "2"],
+])
+def test_bench_lets_the_least_good_options_through(argv, launches, capsys) -> None:
+    """Next to each refusal: the smallest values that are right reach the launch."""
+    from hpc.cli.main import main
+
+    assert main(["bench", *argv, "--launcher", "local", "--json"]) == 0, capsys.readouterr().err
+    assert len(launches) == 1
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--sizes", "3", "--codecs", "fp16"], "--sizes 3: the least is 4 bytes (one float32)"),
+    (["--sizes", "32"], "--sizes 32: the least is 64 bytes (powersgd's 4x4 float32 matrix)"),
+    (["--iters", "0"], "--iters must be at least 1 (got 0)"),
+    (["--warmup", "-1"], "--warmup must be at least 0 (got -1)"),
+    (["--codecs", "fp16,none"], "--codecs: unknown none (valid: fp16, bf16, int8, topk, powersgd)"),
+    (["--device", "cuda"], "--device cuda: no CUDA GPU here"),
+])
+def test_bench_codecs_refuses_bad_options(argv, message, capsys, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _refused(capsys, ["codecs", *argv]) == message
+
+
+@pytest.mark.parametrize("argv", [["--sizes", "64"], ["--sizes", "4", "--codecs", "fp16,bf16,int8,topk"]])
+def test_bench_codecs_measures_its_least_sizes(argv, capsys) -> None:
+    from hpc.cli.main import main
+
+    assert main(["bench", "codecs", *argv, "--iters", "1", "--warmup", "0", "--device", "cpu", "--json"]) == 0
+    assert all(json.loads(line)["bytes"] == int(argv[1]) for line in capsys.readouterr().out.splitlines())
+
+
+def test_bench_checkpoint_refuses_a_dir_it_cannot_make_and_leaves_nothing(launches, capsys, tmp_path,
+                                                                           monkeypatch) -> None:
+    import errno
+    import os
+    from pathlib import Path
+
+    import torch
+
+    def refused(directory: Path, *argv: str) -> str:
+        return _refused(capsys, ["checkpoint", "--dir", str(directory), *argv, "--launcher", "local"])
+
+    (tmp_path / "file").write_text("")
+    assert refused(tmp_path / "file") == f"--dir {tmp_path / 'file'}: it is not a directory"
+    assert refused(tmp_path / "file" / "sub") == f"--dir {tmp_path / 'file' / 'sub'}: {tmp_path / 'file'} is not a " \
+                                                 "directory"
+    mkdir = Path.mkdir
+
+    def full_disk(path: Path) -> None:
+        if path.name == "full":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        mkdir(path)
+
+    monkeypatch.setattr(Path, "mkdir", full_disk)
+    assert refused(tmp_path / "new" / "full" / "sub") == f"--dir {tmp_path / 'new' / 'full' / 'sub'}: cannot " \
+                                                         f"create {tmp_path / 'new' / 'full'}: No space left on device"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert refused(tmp_path / "new", "--device", "cuda") == "--device cuda: no CUDA GPU here"
+    assert launches == [] and [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+def test_bench_checkpoint_removes_the_dirs_it_made_after_the_run(capsys, tmp_path, monkeypatch) -> None:
+    """Each run deletes its files; the --dir made for them goes too, passed or failed, and one there before stays."""
+    import os
+
+    from hpc.cli.main import main
+    from hpc.errors import HpcError
+    from hpc.runtime import launch
+
+    def launch_for_rows(n: int, launcher: str, rank_argv, parent: str | None = None) -> list[dict]:
+        assert os.path.isdir(parent)
+        if parent.endswith("fails"):
+            raise HpcError("rank 0 failed")
+        return []
+
+    monkeypatch.setattr(launch, "launch_for_rows", launch_for_rows)
+    (tmp_path / "there").mkdir()
+    codes = [main(["bench", "checkpoint", "--dir", str(directory), "--launcher", "local", "--device", "cpu", "--json"])
+             for directory in (tmp_path / "made" / "ok", tmp_path / "made" / "fails", tmp_path / "there")]
+    assert codes == [0, 2, 0]
+    assert capsys.readouterr().err == "hpc: error: rank 0 failed\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["there"]
 
 
 def test_bench_gpu_reads_a_run_of_ours_into_one_row(tmp_path) -> None:

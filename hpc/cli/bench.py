@@ -14,10 +14,12 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 from hpc.errors import ConfigError
 from jobs.bench import options
-from jobs.bench.options import DDP_IMPLS, PIPELINE_SIZES
+from jobs.bench.options import DDP_IMPLS, PIPELINE_SIZES, SCOPES, TIME_TO_LOSS_DEFAULTS
 
 HELPS = {
     "allreduce": "our ring with each codec against torch.distributed.all_reduce",
@@ -91,22 +93,45 @@ def _launcher(args: argparse.Namespace) -> str:
     return launcher
 
 
-def _sizes(text: str) -> list[int]:
-    """``--sizes``: a comma list of sizes (1K, 64M, ...) in bytes; one line naming the option when one is not."""
+def _sizes(text: str, least: int = 1, why: str = "") -> list[int]:
+    """``--sizes``: a comma list of sizes (1K, 64M, ...) in bytes, each at least ``least`` (``why``: what the
+    benchmark needs of it); one line naming the option and the size when one is not."""
     from hpc.text import parse_size
 
-    try:
-        return [parse_size(size) for size in text.split(",")]
-    except ValueError as exc:
-        raise ConfigError(f"--sizes: {exc}") from None
+    sizes = []
+    for size in text.split(","):
+        try:
+            sizes.append(parse_size(size))
+        except ValueError as exc:
+            raise ConfigError(f"--sizes: {exc}") from None
+        if sizes[-1] < least:
+            raise ConfigError(f"--sizes {size}: the least is {least} bytes ({why})")
+    return sizes
+
+
+def _check_least(*checks: tuple[str, int, int]) -> None:
+    """Each (option, value, least): one line naming the first option under its least value."""
+    for option, value, least in checks:
+        if value < least:
+            raise ConfigError(f"{option} must be at least {least} (got {value})")
+
+
+def _check_names(option: str, names: Sequence[str], valid: Sequence[str]) -> None:
+    """One line naming ``option``'s names that are not ``valid``."""
+    unknown = set(names) - set(valid)
+    if unknown:
+        raise ConfigError(f"{option}: unknown {', '.join(sorted(unknown))} (valid: {', '.join(valid)})")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from hpc.config import CODEC_NAMES
     from hpc.observe.plots import bandwidth_figure, check_png_path, save_png
-    from jobs.bench.allreduce import format_table
+    from jobs.bench.allreduce import format_table, least_bytes
 
-    _sizes(args.sizes)
-    _check_codecs(args.codecs)
+    _check_least(("-n", args.nprocs, 1), ("--iters", args.iters, 1))
+    _sizes(args.sizes, *least_bytes(args.op, args.nprocs))
+    _check_names("--codecs", args.codecs.split(","), CODEC_NAMES)
+    _check_names("--scopes", args.scopes.split(","), SCOPES)
     launcher = _launcher(args)
     plot = check_png_path(args.plot) if args.plot else None
     rows = _launch("allreduce", args, launcher, args.nprocs)
@@ -121,32 +146,21 @@ def cmd_bench_alltoall(args: argparse.Namespace) -> int:
     from jobs.bench.alltoall import format_table
 
     _sizes(args.sizes)
-    if args.iters < 1 or args.nprocs < 2:
-        raise ConfigError("--iters must be at least 1 and -n at least 2")
+    _check_least(("-n", args.nprocs, 2), ("--iters", args.iters, 1))
     _print_rows(args, _launch("alltoall", args, _launcher(args), args.nprocs), format_table)
     return 0
 
 
 def cmd_bench_codecs(args: argparse.Namespace) -> int:
-    from jobs.bench.codecs import CODECS, bench_codecs, format_table
+    from jobs.bench.codecs import CODECS, bench_codecs, format_table, least_bytes
 
-    sizes = _sizes(args.sizes)
-    unknown = set(args.codecs.split(",")) - set(CODECS)
-    if unknown or args.iters < 1 or args.warmup < 0:
-        raise ConfigError(f"--codecs takes {', '.join(CODECS)} (unknown: {', '.join(sorted(unknown)) or 'none'}); "
-                          "--iters must be at least 1, --warmup at least 0")
-    rows = bench_codecs(sizes, args.codecs.split(","), args.iters, args.warmup,
-                        None if args.device == "auto" else args.device)
+    codecs = args.codecs.split(",")
+    _check_names("--codecs", codecs, CODECS)
+    sizes = _sizes(args.sizes, *least_bytes(codecs))
+    _check_least(("--iters", args.iters, 1), ("--warmup", args.warmup, 0))
+    rows = bench_codecs(sizes, codecs, args.iters, args.warmup, options.resolve_device(args.device))
     _print_rows(args, rows, format_table)
     return 0
-
-
-def _check_codecs(text: str) -> None:
-    from hpc.config import CODEC_NAMES
-
-    unknown = set(text.split(",")) - set(CODEC_NAMES)
-    if unknown:
-        raise ConfigError(f"--codecs: unknown {', '.join(sorted(unknown))} (valid: {', '.join(CODEC_NAMES)})")
 
 
 def _transports(asked: str | None, launcher: str) -> str:
@@ -198,43 +212,76 @@ def cmd_bench_checkpoint(args: argparse.Namespace) -> int:
         parse_size(args.size)
     except ValueError as exc:
         raise ConfigError(f"--size: {exc}") from None
-    if args.iters < 1 or args.nprocs < 1:
-        raise ConfigError("--iters and -n must be at least 1")
+    _check_least(("-n", args.nprocs, 1), ("--iters", args.iters, 1))
     launcher = _launcher(args)
-    os.makedirs(args.dir, exist_ok=True)
+    if launcher == "local":  # under mpirun the ranks may run on other hosts, whose GPUs this one cannot see
+        options.resolve_device(args.device)
 
     def rank_argv(out: str, scratch: str) -> tuple[str, ...]:  # each run's files in its own scratch directory
         files = os.path.abspath(os.path.join(scratch, "files"))
         return rank_command("checkpoint", out, *options.as_argv("checkpoint", args), "--files", files)
 
-    _print_rows(args, launch.launch_for_rows(args.nprocs, launcher, rank_argv, parent=args.dir), format_table)
+    made = _make_dirs(Path(args.dir))
+    try:
+        rows = launch.launch_for_rows(args.nprocs, launcher, rank_argv, parent=args.dir)
+    finally:  # each run deletes its files: the directories made for them go too
+        _remove_made(made)
+    _print_rows(args, rows, format_table)
     return 0
+
+
+def _make_dirs(directory: Path) -> list[Path]:
+    """``--dir`` and its missing parents, those made returned, outermost first; one line naming --dir when one
+    cannot be made (nothing made left behind)."""
+    from hpc.config import show_path
+
+    made: list[Path] = []
+    for path in [*reversed(directory.parents), directory]:
+        if path.is_dir():
+            continue
+        try:
+            path.mkdir()
+        except OSError as exc:
+            _remove_made(made)
+            what = "it" if path == directory else show_path(path)
+            reason = f"{what} is not a directory" if isinstance(exc, FileExistsError) else \
+                f"cannot create {what}: {exc.strerror}"
+            raise ConfigError(f"--dir {show_path(directory)}: {reason}") from None
+        made.append(path)
+    return made
+
+
+def _remove_made(made: Sequence[Path]) -> None:
+    """The directories ``_make_dirs`` made, innermost first, while they are empty."""
+    for directory in reversed(made):
+        try:
+            directory.rmdir()
+        except OSError:
+            return
 
 
 def cmd_bench_memory(args: argparse.Namespace) -> int:
     from jobs.bench.memory import format_table
 
     ranks = _positive_ints("-n", args.nprocs)
-    if not set(args.zero.split(",")) <= {"0", "1", "2", "3"} or args.steps < 1:
-        raise ConfigError(f"--zero takes stages 0, 1, 2, 3 (got {args.zero!r}); --steps must be at least 1")
-    unknown = set(args.impls.split(",")) - {"ours", "torch-zero", "fsdp2"}
-    if unknown:
-        raise ConfigError(f"--impls: unknown {', '.join(sorted(unknown))} (valid: ours, torch-zero, fsdp2)")
+    _check_names("--zero", args.zero.split(","), ("0", "1", "2", "3"))
+    _check_least(("--steps", args.steps, 1))
+    _check_names("--impls", args.impls.split(","), ("ours", "torch-zero", "fsdp2"))
     launcher = _launcher(args)
     _print_rows(args, [row for n in ranks for row in _launch("memory", args, launcher, n)], format_table)
     return 0
 
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
+    from hpc.config import CODEC_NAMES
     from hpc.observe.plots import check_png_path, save_png
 
-    _check_codecs(args.codecs)
+    _check_names("--codecs", args.codecs.split(","), CODEC_NAMES)
+    _check_names("--scopes", args.scopes.split(","), SCOPES)
     hooks = [h for h in args.ddp.split(",") if h]
-    if set(hooks) - set(DDP_IMPLS):
-        raise ConfigError(f"--ddp: unknown {', '.join(sorted(set(hooks) - set(DDP_IMPLS)))} "
-                          f"(valid: {', '.join(DDP_IMPLS)})")
-    if args.nprocs < 2 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
-        raise ConfigError("-n must be at least 2, --steps and --rounds at least 1, --warmup at least 0")
+    _check_names("--ddp", hooks, DDP_IMPLS)
+    _check_least(("-n", args.nprocs, 2), ("--steps", args.steps, 1), ("--rounds", args.rounds, 1),
+                 ("--warmup", args.warmup, 0))
     launcher, args.ddp = _launcher(args), ",".join(hooks)
     _check_time_to_loss(args)
     plot = check_png_path(args.plot) if args.plot else None
@@ -251,12 +298,19 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 
 
 def _check_time_to_loss(args: argparse.Namespace) -> None:
+    """Its options refused without --target-loss (they would be ignored), and with it checked as the GPT needs."""
     if args.target_loss is None:
-        if args.plot or args.full:
-            raise ConfigError(f"{'--plot' if args.plot else '--full'} is for time to loss: it needs --target-loss")
+        given = {"plot": args.plot, "full": args.full or None,
+                 **{option: getattr(args, option.replace("-", "_")) for option in TIME_TO_LOSS_DEFAULTS}}
+        needless = [option for option, value in given.items() if value is not None]
+        if needless:
+            raise ConfigError(f"--{needless[0]} is for time to loss: it needs --target-loss")
         return
-    sizes = {"max-steps": args.max_steps, "eval-every": args.eval_every, "width": args.width,
-             "layers": args.layers, "batch": args.batch}
-    small = [f"--{name}" for name, value in sizes.items() if value < 1]
-    if args.target_loss <= 0 or small:
-        raise ConfigError(f"{', '.join(small) or '--target-loss'} must be positive")
+    from jobs.bench.train import GPT_SIZE
+
+    if not args.target_loss > 0:
+        raise ConfigError(f"--target-loss must be positive (got {args.target_loss})")
+    sizes = options.time_to_loss_sizes(args)
+    _check_least(*((f"--{option}", value, 1) for option, value in sizes.items()))
+    if sizes["width"] % GPT_SIZE["n_heads"]:
+        raise ConfigError(f"--width must be a multiple of the GPT's {GPT_SIZE['n_heads']} heads (got {sizes['width']})")

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hpc import text
+from jobs.bench.options import SCOPES
 from parallel.compression.registry import RING_CODECS, make_codec, make_reducer
 from parallel.hierarchy import REDUCE_SCATTER, HierarchicalReducer, NodeGroups, build_node_groups
 from parallel.ring import ring_allreduce
@@ -53,15 +54,23 @@ def bench_allreduce(
     """``op`` ``reduce-scatter``: ZeRO-2/3's exchange instead (torch's reduce_scatter_tensor, the ring's
     reduce-scatter with each ring codec, and cut by node), each rank's reduced chunk checked."""
     transports_by_name = {name: make_transport(name, None) for name in transports}
-    unknown = set(scopes) - {"flat", "inter-node"}
+    unknown = set(scopes) - set(SCOPES)
     if unknown:
-        raise ValueError(f"scopes {sorted(unknown)}: valid are flat, inter-node")
+        raise ValueError(f"scopes {sorted(unknown)}: valid are {', '.join(SCOPES)}")
     node_groups = {name: _node_groups(name) for name in transports} if "inter-node" in scopes else {}
     bench_size = _bench_size if op == "allreduce" else _bench_reduce_scatter
     rows = []
     for nbytes in sizes:
         rows += bench_size(nbytes, codecs, transports_by_name, iters, warmup, "flat" in scopes, node_groups)
     return rows
+
+
+def least_bytes(op: str, ranks: int) -> tuple[int, str]:
+    """The smallest size ``op`` measures on ``ranks`` ranks, and why: one float32 (a reduce-scatter: one per
+    rank, as ``_bench_reduce_scatter`` rounds down to a multiple of the ranks)."""
+    if op == "reduce-scatter":
+        return 4 * ranks, f"a float32 per rank, {ranks} ranks"
+    return 4, "one float32"
 
 
 def _node_groups(transport: str) -> NodeGroups:

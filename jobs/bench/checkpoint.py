@@ -45,7 +45,7 @@ from hpc.checkpoint.load import load_into, open_checkpoint
 from hpc.checkpoint.pieces import Piece, plan_writes
 from hpc.checkpoint.save import Checkpointer, writeback_while_writing
 from hpc.rundir import fsync_path
-from jobs.bench.options import DEVICES
+from jobs.bench.options import resolve_device
 
 IMPLS = ("hdf5", "hdf5-async", "torch.save", "dcp", "disk", "memcpy")
 CUDA_IMPLS = (*IMPLS, "memcpy-pageable")  # memcpy: into pinned memory
@@ -70,17 +70,6 @@ def _slowest(seconds: float, group: dist.ProcessGroup) -> float:
     value = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return value.item()
-
-
-def resolve_device(asked: str) -> str:
-    """``auto``: ``cuda`` where a GPU is visible, else ``cpu``."""
-    if asked not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {asked!r}")
-    if asked == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if asked == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda, but torch sees no GPU")
-    return asked
 
 
 def _timed(fn: Callable[[], object], group: dist.ProcessGroup, cuda: bool = False) -> float:
@@ -209,7 +198,7 @@ def bench_checkpoint(
     directory: Path, nbytes: int, iters: int, group: dist.ProcessGroup, device: str = "auto"
 ) -> list[dict]:
     """Rows of ``COLUMNS``, the same on every rank; ``directory`` is this run's alone; the state on
-    ``device`` (:data:`DEVICES`; a GPU is the rank's current one)."""
+    ``device`` (:data:`~jobs.bench.options.DEVICES`; a GPU is the rank's current one)."""
     device = resolve_device(device)
     where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     state = {name: t.to(where) for name, t in training_state(nbytes).items()}

@@ -41,6 +41,7 @@ HEADER = ("size", "device", "codec", "encode(ms)", "decode(ms)", "add(ms)", "enc
 
 Ops = dict[str, Callable[[], object] | None]
 QUEUED = 10  # calls per timed run on a GPU
+POWERSGD_RANK = 4
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, iters: int, warmup: int,
@@ -79,7 +80,7 @@ def _topk_ops(x: torch.Tensor) -> Ops:
     return {"encode": lambda: codec.encode(x), "decode": None, "add": lambda: codec.add_decoded(payload, into)}
 
 
-def _powersgd_ops(x: torch.Tensor, rank: int = 4) -> Ops:
+def _powersgd_ops(x: torch.Tensor, rank: int = POWERSGD_RANK) -> Ops:
     rows = 2 ** (int(math.log2(x.numel())) // 2)
     m = x[: rows * (x.numel() // rows)].view(rows, -1)
     codec = PowerSGD(rank)
@@ -91,6 +92,14 @@ def _powersgd_ops(x: torch.Tensor, rank: int = 4) -> Ops:
         return m.T @ codec.orthonormalize(m @ q)
 
     return {"encode": encode, "decode": lambda: torch.mm(p, q.T, out=out), "add": lambda: out.addmm_(p, q.T)}
+
+
+def least_bytes(codecs: Sequence[str]) -> tuple[int, str]:
+    """The smallest size every one of ``codecs`` measures, and why: one float32, and for PowerSGD a matrix of
+    at least ``POWERSGD_RANK`` rows (``_powersgd_ops`` makes it as square as a power of two of rows allows)."""
+    if "powersgd" in codecs:
+        return 4 * POWERSGD_RANK**2, f"powersgd's {POWERSGD_RANK}x{POWERSGD_RANK} float32 matrix"
+    return 4, "one float32"
 
 
 def codec_ops(name: str, x: torch.Tensor) -> Ops:

@@ -10,6 +10,7 @@ import argparse
 from collections.abc import Callable
 
 from hpc.config import CODEC_NAMES
+from hpc.errors import ConfigError
 
 PIPELINE_SIZES = ("virtual", "layers", "width", "rows", "steps")  # integer options of the pipeline bench
 # hpc bench train --target-loss: the integer options and their defaults
@@ -18,6 +19,7 @@ TIME_TO_LOSS_HELP = {"max-steps": "give up after this many steps", "eval-every":
                      "width": "GPT width", "layers": "GPT blocks", "batch": "sequences per rank per step"}
 DDP_IMPLS = ("ddp", "ddp-fp16", "ddp-powersgd")  # jobs.bench.train builds them; spelled here to keep torch out
 DEVICES = ("auto", "cpu", "cuda")  # where a benchmark's tensors live; auto: cuda where a GPU is visible
+SCOPES = ("flat", "inter-node")  # where our codecs run
 TRANSPORTS = "(default: both under mpirun)"
 
 
@@ -32,8 +34,8 @@ def _allreduce(parser: argparse.ArgumentParser) -> None:
 
 
 def _scopes(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scopes", default="flat", help="where our codecs run: flat, inter-node (cut by the nodes "
-                                                         "the launcher names) (default %(default)s)")
+    parser.add_argument("--scopes", default="flat", help=f"where our codecs run: {', '.join(SCOPES)} (cut by the "
+                                                         "nodes the launcher names) (default %(default)s)")
 
 
 def _pipeline(parser: argparse.ArgumentParser) -> None:
@@ -71,9 +73,8 @@ def _train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; steps/s is the median (default 3)")
     loss = parser.add_argument_group("time to loss (on the license texts; every implementation trains to a target)")
     loss.add_argument("--target-loss", type=float, help="train each implementation to this held-out loss")
-    for option, default in TIME_TO_LOSS_DEFAULTS.items():
-        loss.add_argument(f"--{option}", type=int, default=default,
-                          help=f"{TIME_TO_LOSS_HELP[option]} (default {default})")
+    for option, default in TIME_TO_LOSS_DEFAULTS.items():  # no default here: given without --target-loss is refused
+        loss.add_argument(f"--{option}", type=int, help=f"{TIME_TO_LOSS_HELP[option]} (default {default})")
     loss.add_argument("--full", action="store_true",
                       help="train every row all --max-steps (not to the target), so final losses compare")
 
@@ -104,6 +105,23 @@ def parser(kind: str) -> argparse.ArgumentParser:
     options = argparse.ArgumentParser(add_help=False)
     OPTIONS[kind](options)
     return options
+
+
+def time_to_loss_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """The time to loss integer options as given, each one left out at its default."""
+    values = {option: getattr(args, option.replace("-", "_")) for option in TIME_TO_LOSS_DEFAULTS}
+    return {option: TIME_TO_LOSS_DEFAULTS[option] if value is None else value for option, value in values.items()}
+
+
+def resolve_device(asked: str) -> str:
+    """``--device``: ``auto`` is ``cuda`` where torch sees a GPU, else ``cpu``; ``cuda`` without one is one line."""
+    import torch
+
+    if asked == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA GPU here")
+    if asked == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return asked
 
 
 def as_argv(kind: str, args: argparse.Namespace) -> list[str]:

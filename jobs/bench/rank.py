@@ -96,16 +96,17 @@ def _memory(args: argparse.Namespace, group) -> list[dict]:
 def _train(args: argparse.Namespace, group) -> list[dict]:
     from jobs.bench.train import GPT_SIZE, bench_train, implementations
 
-    ddp = [h for h in args.ddp.split(",") if h]
+    ddp, scopes = [h for h in args.ddp.split(",") if h], args.scopes.split(",")
     if args.target_loss is not None:
         from jobs.bench.time_to_loss import bench_time_to_loss
 
-        size = {**GPT_SIZE, "d_model": args.width, "n_layers": args.layers}
-        runs = implementations(_transports(args), args.codecs.split(","), ddp, group, size, args.scopes.split(","))
-        return bench_time_to_loss(group, runs, args.target_loss, args.max_steps, args.eval_every, args.batch,
-                                  GPT_SIZE["seq_len"], full=args.full)
+        sizes = options.time_to_loss_sizes(args)
+        size = {**GPT_SIZE, "d_model": sizes["width"], "n_layers": sizes["layers"]}
+        runs = implementations(_transports(args), args.codecs.split(","), ddp, group, size, scopes)
+        return bench_time_to_loss(group, runs, args.target_loss, sizes["max-steps"], sizes["eval-every"],
+                                  sizes["batch"], GPT_SIZE["seq_len"], full=args.full)
     return bench_train(group, _transports(args), args.codecs.split(","), ddp,
-                       steps=args.steps, warmup=args.warmup, rounds=args.rounds)
+                       steps=args.steps, warmup=args.warmup, rounds=args.rounds, scopes=scopes)
 
 
 def _alltoall(args: argparse.Namespace, group) -> list[dict]:

@@ -150,10 +150,10 @@ def implementations(transports: Sequence[str], codecs: Sequence[str], ddp: Seque
 
 
 def bench_train(group: ProcessGroup, transports: Sequence[str], codecs: Sequence[str], ddp: Sequence[str],
-                steps: int = 20, warmup: int = 3, rounds: int = 3) -> list[dict]:
+                steps: int = 20, warmup: int = 3, rounds: int = 3, scopes: Sequence[str] = ("flat",)) -> list[dict]:
     """One row per implementation on the ranks of ``group`` (the whole world); every rank returns the same rows."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    runs = implementations(transports, codecs, ddp, group)
+    runs = implementations(transports, codecs, ddp, group, scopes=scopes)
     batches = _batches(warmup + steps, rank)
     single = statistics.median(_single_steps_per_s(group, batches, warmup) for _ in range(rounds))
     rates: dict[str, list[float]] = {name: [] for name in runs}
