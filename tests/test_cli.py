@@ -47,6 +47,7 @@ def test_bad_override_is_named(capsys) -> None:
         (["-n", "0"], "-n must be at least 1"),
         (["-n", "8", "--launcher", "mpirun", "--hosts", "a:2,b:2"], "offers 4 slots, fewer than -n 8"),
         (["-n", "2", "--launcher", "local", "--hosts", "a:2"], "--hosts needs --launcher mpirun"),
+        (["-n", "2", "--launcher", "local", "--bind-to", "core"], "--bind-to core needs --launcher mpirun"),
         (["-n", "2", "--launcher", "local", "--set", "parallel.transport=mpi"], "transport='mpi' needs --launcher"),
     ],
 )

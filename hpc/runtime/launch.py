@@ -390,6 +390,9 @@ def launch_ranks(n: int, argv, launcher: str, hosts, bind_to: str | None, progre
     ``run_path`` (hpc/runtime/abort.py), before the launcher's own account (which rank exited first)."""
     from hpc.runtime.bootstrap import free_port
 
+    if bind_to and launcher != "mpirun":  # the local launcher binds nothing: refused, not ignored
+        raise ConfigError(f"--bind-to {bind_to} needs --launcher mpirun (the local launcher leaves placement to the "
+                          "kernel)")
     signal.signal(signal.SIGTERM, _raise_on_sigterm)  # a stopped launcher stops its ranks (run_* clean up)
     job_id, started = new_job_id(), time.time()
     if dry_run:
