@@ -121,3 +121,16 @@ def test_tasks_per_node_repeats_each_count(entries: list[tuple[int, int]]) -> No
     )
     expected = tuple(count for count, repeat in entries for _ in range(repeat))
     assert expand_tasks_per_node(expr) == expected
+
+
+@pytest.mark.parametrize(("expand", "expr", "complaint"), [
+    (expand_hostlist, "node[1-99999999]", "names 99,999,999 hosts, more than any cluster has (1,048,576)"),
+    (expand_hostlist, "a[1-1000]b[1-1000]c[1-10]", "names 10,000,000 hosts"),
+    (expand_tasks_per_node, "2(x999999999999)", "names 999,999,999,999 nodes"),
+])
+def test_a_list_naming_more_than_any_cluster_is_refused_before_it_is_expanded(expand, expr: str,
+                                                                               complaint: str) -> None:
+    """Expanded first, such a list took a rank's memory and minutes (100M names: about 17 GiB) or a MemoryError."""
+    with pytest.raises(ValueError, match=complaint):
+        expand(expr)
+    assert len(expand_hostlist("n[1-1024]x[1-1024]")) == 1 << 20  # the limit itself still expands

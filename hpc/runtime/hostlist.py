@@ -9,11 +9,13 @@ that importing it never costs a launch its start-up time.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 _BRACKET_GROUP = re.compile(r"(\[[^\[\]]*\])")
 _RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 _TASKS_ENTRY = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
+MAX_HOSTS = 1 << 20  # far beyond any Slurm cluster; a list naming more is damage, refused before it is expanded
 
 
 def expand_hostlist(expr: str) -> tuple[str, ...]:
@@ -25,17 +27,17 @@ def expand_hostlist(expr: str) -> tuple[str, ...]:
     """
     if not expr:
         raise ValueError("empty hostlist expression")
-    hosts: list[str] = []
-    for item in _split_top_level(expr):
-        hosts.extend(_expand_item(item, expr))
-    return tuple(hosts)
+    items = [[_bracket_ranges(part[1:-1], expr) if part.startswith("[") else [part]
+              for part in _BRACKET_GROUP.split(item)] for item in _split_top_level(expr)]
+    _check_count(sum(math.prod(sum(_size(r) for r in part) for part in parts) for parts in items), "hosts", expr)
+    return tuple("".join(pieces) for parts in items for pieces in itertools.product(*map(_expand_group, parts)))
 
 
 def expand_tasks_per_node(expr: str) -> tuple[int, ...]:
     """Expand ``SLURM_TASKS_PER_NODE``-style counts such as ``2(x3),1`` to ``(2, 2, 2, 1)``."""
     if not expr:
         raise ValueError("empty tasks-per-node expression")
-    counts: list[int] = []
+    entries: list[tuple[int, int]] = []
     for entry in expr.split(","):
         match = _TASKS_ENTRY.fullmatch(entry)
         if match is None:
@@ -43,8 +45,14 @@ def expand_tasks_per_node(expr: str) -> tuple[int, ...]:
         count, repeat = int(match[1]), int(match[2] or 1)
         if count == 0 or repeat == 0:
             raise ValueError(f"entry {entry!r} in tasks-per-node {expr!r} must be positive")
-        counts.extend([count] * repeat)
-    return tuple(counts)
+        entries.append((count, repeat))
+    _check_count(sum(repeat for _, repeat in entries), "nodes", expr)
+    return tuple(count for count, repeat in entries for _ in range(repeat))
+
+
+def _check_count(count: int, what: str, expr: str) -> None:
+    if count > MAX_HOSTS:
+        raise ValueError(f"{expr[:80]!r} names {count:,} {what}, more than any cluster has ({MAX_HOSTS:,})")
 
 
 def _split_top_level(expr: str) -> list[str]:
@@ -74,16 +82,9 @@ def _split_top_level(expr: str) -> list[str]:
     return items
 
 
-def _expand_item(item: str, expr: str) -> list[str]:
-    parts = [
-        _expand_bracket_group(part[1:-1], expr) if part.startswith("[") else [part]
-        for part in _BRACKET_GROUP.split(item)
-    ]
-    return ["".join(pieces) for pieces in itertools.product(*parts)]
-
-
-def _expand_bracket_group(group: str, expr: str) -> list[str]:
-    values: list[str] = []
+def _bracket_ranges(group: str, expr: str) -> list[tuple[int, int, int]]:
+    """A bracket group's ranges as (low, high, zero-padded width), checked."""
+    ranges = []
     for element in group.split(","):
         match = _RANGE.fullmatch(element)
         if match is None:
@@ -92,6 +93,15 @@ def _expand_bracket_group(group: str, expr: str) -> list[str]:
         low, high = int(low_text), int(high_text)
         if low > high:
             raise ValueError(f"reversed range {element!r} in hostlist {expr!r}")
-        width = len(low_text)
-        values.extend(f"{number:0{width}d}" for number in range(low, high + 1))
-    return values
+        ranges.append((low, high, len(low_text)))
+    return ranges
+
+
+def _size(part: str | tuple[int, int, int]) -> int:
+    return 1 if isinstance(part, str) else part[1] - part[0] + 1
+
+
+def _expand_group(part: list) -> list[str]:
+    """A part of a name: itself (plain text), or every number of its ranges, zero padded."""
+    return [text for text in part if isinstance(text, str)] or [
+        f"{number:0{width}d}" for low, high, width in part for number in range(low, high + 1)]
