@@ -131,6 +131,7 @@ def test_tasks_per_node_repeats_each_count(entries: list[tuple[int, int]]) -> No
 def test_a_list_naming_more_than_any_cluster_is_refused_before_it_is_expanded(expand, expr: str,
                                                                                complaint: str) -> None:
     """Expanded first, such a list took a rank's memory and minutes (100M names: about 17 GiB) or a MemoryError."""
-    with pytest.raises(ValueError, match=complaint):
+    with pytest.raises(ValueError) as refused:
         expand(expr)
+    assert complaint in str(refused.value)
     assert len(expand_hostlist("n[1-1024]x[1-1024]")) == 1 << 20  # the limit itself still expands
