@@ -143,3 +143,19 @@ def test_a_port_in_use_is_passed_over_and_without_a_range_the_kernel_picks(monke
         assert bootstrap.free_port() != busy  # the one port to choose from is in use
         ranges.unlink()
         assert bootstrap.free_port() != busy  # no range to read (not Linux)
+
+
+def test_mpi_variables_that_disagree_with_mpi_comm_world_are_one_line() -> None:
+    """Open MPI's variables left in a shell (or set by hand) with one process: `got 1 hostnames for a world of 2
+    ranks` raised bare from the hostname exchange."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    code = "from hpc.runtime import bootstrap; bootstrap.init()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert ("LaunchEnvError: the environment says 2 MPI ranks (Open MPI's or MPICH's variables) but MPI_COMM_WORLD "
+            "has 1: start the ranks with mpirun, or unset those variables") in done.stderr, done.stderr

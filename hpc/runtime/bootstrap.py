@@ -138,6 +138,10 @@ def _mpi_rendezvous(info: RankInfo) -> tuple[RankInfo, Rendezvous]:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    if comm.Get_size() != info.world_size:  # variables left from another launch, or a process mpirun did not start
+        raise LaunchEnvError(f"the environment says {info.world_size} MPI ranks (Open MPI's or MPICH's variables) but "
+                             f"MPI_COMM_WORLD has {comm.Get_size()}: start the ranks with mpirun, or unset those "
+                             "variables", launcher=info.launcher.value)
     info = with_hostnames(info, comm.allgather(socket.gethostname()))
     endpoint = None
     if info.rank == 0:
