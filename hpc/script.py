@@ -241,7 +241,7 @@ class Session:
         from hpc.runtime.abort import abort_job
 
         if exc is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None)):
-            abort_job(exc)
+            abort_job(exc, self.run_path)  # recorded in the run directory, as hpc-rank's are
         if self.run.stopped is None and not self._finished:
             self.finish()
         self.close()

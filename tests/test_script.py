@@ -10,6 +10,7 @@ is signalled and requeued must end with the parameters of the uninterrupted ``hp
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -412,3 +413,35 @@ def test_a_sweep_over_a_scripts_options_runs_as_one_array_and_ranks_the_results(
     best = sorted((0, 1), key=lambda i: -results[i]["test_accuracy"])
     assert [int(line.split()[0]) for line in lines[2:]] == best
     assert [line.split()[-1] for line in lines[2:]] == [f"{results[i]['test_accuracy']:.6g}" for i in best]
+
+
+ENDS_ON_RANK_1 = """
+import sys
+import torch
+import torch.distributed as dist
+import hpc
+
+with hpc.session() as session:
+    if session.rank == 1:
+        {end}
+    dist.all_reduce(torch.ones(1))
+"""
+
+
+@pytest.mark.parametrize(("end", "code", "line"), [
+    ("sys.exit(3)", 3, "[1] hpc-rank: rank 1: exited with code 3 (sys.exit): stopping the job"),
+    ("raise RuntimeError('boom on rank 1')", 1, "[1] hpc-rank: rank 1: error: boom on rank 1"),
+])
+def test_a_script_ending_on_one_rank_ends_the_job_with_its_code_and_its_record(tmp_path: Path, end: str, code: int,
+                                                                                line: str) -> None:
+    """sys.exit(3) inside a session came out as exit 1 and an 'error: 3' with SystemExit's traceback; neither end
+    was recorded in the run directory, where hpc-rank's failures are."""
+    script = tmp_path / "ends.py"
+    script.write_text(ENDS_ON_RANK_1.format(end=end))
+    env = {**os.environ, "HPC_RUN_PATH": str(tmp_path / "runs" / "ends"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "hpc.cli.main", "run", "-n", "2", "--launcher", "local", str(script)],
+                          capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+    assert done.returncode == code, done.stderr
+    assert line in done.stderr.splitlines() and "rank 1 (host " in done.stderr
+    record = json.loads((tmp_path / "runs" / "ends" / "failures" / "rank-00001.json").read_text())
+    assert record["type"] == ("SystemExit" if code == 3 else "RuntimeError")

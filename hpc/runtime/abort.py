@@ -54,14 +54,20 @@ def abort_job(exc: BaseException, run_path: Path | None = None) -> NoReturn:
     label = _rank_label()
     if run_path is not None:
         record_failure(run_path, exc)  # first: the launcher is stopping the other ranks, and soon this one
-    if not isinstance(exc, HpcError):
-        traceback.print_exception(exc, file=sys.stderr)
-    print(f"hpc-rank: rank {label}: error: {exc}", file=sys.stderr, flush=True)
+    # sys.exit(3) on one rank: the job still ends (the others would wait for it), with the code the user gave
+    code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) and 0 < exc.code < 256 else 1
+    if isinstance(exc, SystemExit):
+        print(f"hpc-rank: rank {label}: exited with code {exc.code} (sys.exit): stopping the job", file=sys.stderr,
+              flush=True)
+    else:
+        if not isinstance(exc, HpcError):
+            traceback.print_exception(exc, file=sys.stderr)
+        print(f"hpc-rank: rank {label}: error: {exc}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.COMM_WORLD.Abort(1)
-    os._exit(1)
+        mpi.COMM_WORLD.Abort(code)
+    os._exit(code)
 
 
 def run_as_rank(body: Callable[[], int | None], site: FailureSite | None = None) -> int:
