@@ -90,13 +90,20 @@ def session(
     """
     from hpc import run_session
     from hpc.config import SlurmConfig
+    from hpc.errors import HpcError
+    from hpc.runtime.abort import abort_job
 
     environ = os.environ if environ is None else environ
     max_requeues = int(environ.get(MAX_REQUEUES_ENV) or SlurmConfig().max_requeues)
-    return Session(run_session.start(
-        run_path_for(environ, sys.argv[0]), backend=backend, init_timeout_s=init_timeout_s, timeout_s=timeout_s,
-        environ=environ, run_dir_setting=RUN_PATH_ENV, max_requeues=max_requeues, keep=keep,
-        async_save=async_save, tensorboard=tensorboard))
+    run_path = run_path_for(environ, sys.argv[0])
+    try:
+        started = run_session.start(
+            run_path, backend=backend, init_timeout_s=init_timeout_s, timeout_s=timeout_s, environ=environ,
+            run_dir_setting=RUN_PATH_ENV, max_requeues=max_requeues, keep=keep, async_save=async_save,
+            tensorboard=tensorboard)
+    except HpcError as exc:  # the launch's own problem (its variables, the rendezvous): one line, as hpc-rank says it
+        abort_job(exc, run_path)
+    return Session(started)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:

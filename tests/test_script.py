@@ -445,3 +445,14 @@ def test_a_script_ending_on_one_rank_ends_the_job_with_its_code_and_its_record(t
     assert line in done.stderr.splitlines() and "rank 1 (host " in done.stderr
     record = json.loads((tmp_path / "runs" / "ends" / "failures" / "rank-00001.json").read_text())
     assert record["type"] == ("SystemExit" if code == 3 else "RuntimeError")
+
+
+def test_a_launch_problem_in_hpc_session_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """session() raised before the with block, so the user saw 23 lines of traceback for one bad variable."""
+    script = tmp_path / "r.py"
+    script.write_text("import hpc\nwith hpc.session() as session:\n    print('joined')\n")
+    env = {**os.environ, "RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511",
+           "HPC_RUN_PATH": str(tmp_path / "run")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == "hpc-rank: rank 2: error: RANK=2 is not below WORLD_SIZE=2 (launcher=torchrun)\n"
