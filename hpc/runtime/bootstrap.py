@@ -295,6 +295,33 @@ def rank_device(info: RankInfo, backend: str, device: str = "auto", environ: Map
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _reach_rendezvous(info: RankInfo, endpoint: Rendezvous, init_timeout_s: float) -> float:
+    """Before torch's store: the endpoint's name resolved, and (other ranks) rank 0 listening there, within
+    ``init_timeout_s``; returns the seconds left for the store. torch's client retries once more after its
+    timeout, printing C++ stack frames, so an unreachable rank 0 took twice the timeout and 40 lines to say so."""
+    deadline = time.monotonic() + init_timeout_s
+
+    def refuse(why: str) -> RendezvousError:
+        return RendezvousError(f"rank {info.rank} of {info.world_size} could not join the rendezvous at {endpoint} "
+                               f"(chosen from {endpoint.source}) within {init_timeout_s:g} s: {why}",
+                               launcher=info.launcher.value, job_id=info.job_id)
+
+    try:
+        socket.getaddrinfo(endpoint.addr, endpoint.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise refuse(f"cannot resolve {endpoint.addr!r} ({exc})") from None
+    while info.rank != 0:
+        try:
+            with socket.create_connection((endpoint.addr, endpoint.port),
+                                          timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                break
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise refuse(f"nobody listens there (is rank 0 running? {exc.strerror or exc})") from None
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    return max(1.0, deadline - time.monotonic())
+
+
 @contextlib.contextmanager
 def _joining(info: RankInfo, endpoint: Rendezvous, init_timeout_s: float) -> Iterator[None]:
     """A store or process group that fails to form is one line naming this rank and the endpoint."""
@@ -342,13 +369,14 @@ def init(
     if endpoint is None:
         info, endpoint = _mpi_rendezvous(info)
     backend = select_backend(backend, device)
+    left_s = _reach_rendezvous(info, endpoint, init_timeout_s)
     with _joining(info, endpoint, init_timeout_s):
         store = dist.TCPStore(
             endpoint.addr,
             endpoint.port,
             info.world_size,
             is_master=info.rank == 0,
-            timeout=datetime.timedelta(seconds=init_timeout_s),
+            timeout=datetime.timedelta(seconds=left_s),
             wait_for_workers=True,
         )
         views = _local_gpu_views(store, info, environ, device)
