@@ -207,6 +207,8 @@ def _describe(col: int, value: int):
         return str(DTYPES[value]) if value < len(DTYPES) else "other"
     if col == DEVICE:
         return DEVICES[value] if value < len(DEVICES) else "other"
+    if col == FIELDS.index("reduction op"):
+        return OPS[value] if 0 <= value < len(OPS) else "none"
     return value
 
 

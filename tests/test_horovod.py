@@ -158,6 +158,10 @@ def _mismatch_and_join(world):
         hvd.allreduce(torch.ones(3, device="meta" if world.rank else "cpu"))
     except hvd.HorovodInternalError as exc:
         out["device"] = str(exc)
+    try:  # reduction ops differ: named, not their index numbers
+        hvd.allreduce(torch.ones(2), op=hvd.Max if world.rank else hvd.Sum)
+    except hvd.HorovodInternalError as exc:
+        out["op"] = str(exc)
     int16 = hvd.allreduce(torch.full((2,), 7, dtype=torch.int16), op=hvd.Average)  # Gloo has no int16
     out["int16"] = (int16.dtype == torch.int16, int16.tolist())
     if world.rank == 0:
@@ -173,6 +177,7 @@ def test_mismatches_raise_and_join_lets_a_rank_finish_early(backend) -> None:
     first, second = run_ranks(2, _mismatch_and_join, backend=backend)
     assert first["mismatch"] and second["mismatch"]
     assert first["device"] == second["device"] and "disagree on the device: ['cpu', 'other']" in first["device"]
+    assert first["op"] == second["op"] and "disagree on the reduction op: ['Sum', 'Max']" in first["op"]
     assert first["int16"] == second["int16"] == (True, [7, 7])
     assert second["joined_sum"] == [2.0, 2.0]  # rank 0 contributed zeros; the average divides by 2
     assert first["join"] == second["join"] == 1  # the rank that joined last
