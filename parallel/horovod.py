@@ -436,9 +436,12 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 
 def _root(root_rank: int, process_set: ProcessSet) -> int:
-    """Horovod's ``root_rank`` is a global rank, also within a process set."""
+    """Horovod's ``root_rank`` is a global rank, also within a process set; checked on every rank before any
+    message (each raises alike: NCCL, unlike Gloo, would not name a root out of range)."""
     if process_set.ranks is not None and root_rank not in process_set.ranks:
         raise ValueError(f"root_rank {root_rank} is not in the process set {process_set.ranks}")
+    if process_set.ranks is None and not 0 <= root_rank < dist.get_world_size():
+        raise ValueError(f"root_rank {root_rank} is not a rank of this job (0 to {dist.get_world_size() - 1})")
     return root_rank
 
 
@@ -447,9 +450,11 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 
 def _broadcast_async_(tensor, root_rank, name, process_set, label="broadcast") -> Handle:
+    _root(root_rank, process_set)
+
     def launch(_first_dims) -> Handle:
         wire = _coord.wire(tensor)
-        work = dist.broadcast(wire, src=_root(root_rank, process_set), group=_group(process_set), async_op=True)
+        work = dist.broadcast(wire, src=root_rank, group=_group(process_set), async_op=True)
         return Handle(tensor, work, None if wire is tensor else lambda out: out.copy_(wire))
 
     return _coord.submit("broadcast", tensor, process_set, launch, name, root=root_rank, label=label)

@@ -158,6 +158,11 @@ def _mismatch_and_join(world):
         hvd.allreduce(torch.ones(3, device="meta" if world.rank else "cpu"))
     except hvd.HorovodInternalError as exc:
         out["device"] = str(exc)
+    for call in (lambda: hvd.broadcast(torch.ones(2), root_rank=5), lambda: hvd.broadcast_object("x", root_rank=-1)):
+        try:  # a root out of range: one error on every rank before any message (NCCL would not name it)
+            call()
+        except ValueError as exc:
+            out.setdefault("roots", []).append(str(exc))
     try:  # reduction ops differ: named, not their index numbers
         hvd.allreduce(torch.ones(2), op=hvd.Max if world.rank else hvd.Sum)
     except hvd.HorovodInternalError as exc:
@@ -178,6 +183,8 @@ def test_mismatches_raise_and_join_lets_a_rank_finish_early(backend) -> None:
     assert first["mismatch"] and second["mismatch"]
     assert first["device"] == second["device"] and "disagree on the device: ['cpu', 'other']" in first["device"]
     assert first["op"] == second["op"] and "disagree on the reduction op: ['Sum', 'Max']" in first["op"]
+    assert first["roots"] == second["roots"] == ["root_rank 5 is not a rank of this job (0 to 1)",
+                                                 "root_rank -1 is not a rank of this job (0 to 1)"]
     assert first["int16"] == second["int16"] == (True, [7, 7])
     assert second["joined_sum"] == [2.0, 2.0]  # rank 0 contributed zeros; the average divides by 2
     assert first["join"] == second["join"] == 1  # the rank that joined last
