@@ -317,7 +317,7 @@ def test_job_id_is_read_whatever_the_launcher() -> None:
         ({**TORCHRUN, "RANK": "-1"}, "RANK='-1' is not a non-negative integer"),
         ({**TORCHRUN, "RANK": " 5"}, "RANK=' 5' is not a non-negative integer"),
         ({**TORCHRUN, "RANK": ""}, "RANK='' is not a non-negative integer"),
-        ({**TORCHRUN, "WORLD_SIZE": "8.0"}, "WORLD_SIZE='8.0' is not a non-negative integer"),
+        ({**TORCHRUN, "WORLD_SIZE": "8.0"}, "WORLD_SIZE='8.0' is not a positive integer"),
         ({**TORCHRUN, "WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not a positive integer"),
         ({**TORCHRUN, "LOCAL_RANK": "one"}, "LOCAL_RANK='one' is not a non-negative integer"),
         ({**TORCHRUN, "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE='0' is not a positive integer"),
@@ -346,7 +346,7 @@ def test_job_id_is_read_whatever_the_launcher() -> None:
         ),
         (
             {**OPENMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "four"},
-            "OMPI_COMM_WORLD_LOCAL_SIZE='four' is not a non-negative integer",
+            "OMPI_COMM_WORLD_LOCAL_SIZE='four' is not a positive integer",
         ),
         (_without(HYDRA, "PMI_SIZE"), "PMI_SIZE is not set although PMI_RANK is"),
         ({**HYDRA, "PMI_RANK": "4"}, "PMI_RANK=4 is not below PMI_SIZE=4"),
@@ -405,7 +405,7 @@ def test_job_id_is_read_whatever_the_launcher() -> None:
                 "SLURM_NODEID": "0",
                 "SLURM_NTASKS_PER_NODE": "x",
             },
-            "SLURM_NTASKS_PER_NODE='x' is not a non-negative integer",
+            "SLURM_NTASKS_PER_NODE='x' is not a positive integer",
         ),
     ],
 )

@@ -312,13 +312,10 @@ def _read(
 
 def _parse(name: str, raw: str, launcher: Launcher, *, positive: bool) -> _Setting:
     """Parse a count strictly: int() would accept ' 3', '+3' and '3_0', which no launcher writes."""
-    if not (raw.isascii() and raw.isdigit()):
-        raise LaunchEnvError(
-            f"{name}={raw!r} is not a non-negative integer", launcher=launcher.value
-        )
+    wanted = "a positive integer" if positive else "a non-negative integer"
+    if not (raw.isascii() and raw.isdigit()) or (positive and int(raw) == 0):
+        raise LaunchEnvError(f"{name}={raw!r} is not {wanted}", launcher=launcher.value)
     value = int(raw)
-    if positive and value == 0:
-        raise LaunchEnvError(f"{name}={raw!r} is not a positive integer", launcher=launcher.value)
     return _Setting(value, f"{name}={value}")
 
 
