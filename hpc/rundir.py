@@ -13,6 +13,8 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from hpc.errors import ConfigError
+
 CHECKPOINTS_DIR = "checkpoints"  # the persistent checkpoints, unless checkpoint.dir says otherwise
 METRICS_FILE = "metrics.jsonl"  # rank 0: one JSON object per step
 RANKS_DIR = "ranks"  # every rank's totals, ranks/rank-XXXXX.json, written when a run ends
@@ -70,8 +72,6 @@ def last_metrics(run_path: Path) -> dict | None:
 def read_result(run_path: Path) -> dict | None:
     """The run's result.json (written whole by ``write_json``), None before there is one; one line naming the
     file where it is not a JSON object (edited, or another program's)."""
-    from hpc.errors import ConfigError
-
     path = run_path / RESULT_FILE
     if not path.exists():
         return None

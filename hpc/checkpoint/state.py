@@ -147,7 +147,7 @@ def choose_resume(resume: str, root: str | Path, group: dist.ProcessGroup,
     if dist.get_rank(group) == 0:
         try:
             path = resolve_resume(resume, root, key)
-            aside = set_aside(root) if resume == "never" and key == "checkpoint.resume" else None
+            aside = set_aside(root) if resume == "never" else None
             if aside is not None:
                 print(f"note: checkpoint.resume=never: this run starts over; the checkpoints already in {root} are "
                       f"now in {aside}", flush=True)

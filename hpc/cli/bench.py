@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hpc.errors import ConfigError
 from jobs.bench import options
-from jobs.bench.options import DDP_IMPLS, PIPELINE_SIZES, SCOPES, TIME_TO_LOSS_DEFAULTS
+from jobs.bench.options import DDP_IMPLS, PIPELINE_SIZES, SCOPES
 
 HELPS = {
     "allreduce": "our ring with each codec against torch.distributed.all_reduce",
@@ -300,8 +300,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 def _check_time_to_loss(args: argparse.Namespace) -> None:
     """Its options refused without --target-loss (they would be ignored), and with it checked as the GPT needs."""
     if args.target_loss is None:
-        given = {"plot": args.plot, "full": args.full or None,
-                 **{option: getattr(args, option.replace("-", "_")) for option in TIME_TO_LOSS_DEFAULTS}}
+        given = {"plot": args.plot, "full": args.full or None, **options.time_to_loss_given(args)}
         needless = [option for option, value in given.items() if value is not None]
         if needless:
             raise ConfigError(f"--{needless[0]} is for time to loss: it needs --target-loss")

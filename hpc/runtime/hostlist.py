@@ -27,9 +27,9 @@ def expand_hostlist(expr: str) -> tuple[str, ...]:
     """
     if not expr:
         raise ValueError("empty hostlist expression")
-    items = [[_bracket_ranges(part[1:-1], expr) if part.startswith("[") else [part]
+    items = [[_bracket_ranges(part[1:-1], expr) if part.startswith("[") else part
               for part in _BRACKET_GROUP.split(item)] for item in _split_top_level(expr)]
-    _check_count(sum(math.prod(sum(_size(r) for r in part) for part in parts) for parts in items), "hosts", expr)
+    _check_count(sum(math.prod(map(_size, parts)) for parts in items), "hosts", expr)
     return tuple("".join(pieces) for parts in items for pieces in itertools.product(*map(_expand_group, parts)))
 
 
@@ -97,11 +97,12 @@ def _bracket_ranges(group: str, expr: str) -> list[tuple[int, int, int]]:
     return ranges
 
 
-def _size(part: str | tuple[int, int, int]) -> int:
-    return 1 if isinstance(part, str) else part[1] - part[0] + 1
+def _size(part: str | list[tuple[int, int, int]]) -> int:
+    """How many names a part of a name stands for: plain text one, a bracket group each number of its ranges."""
+    return 1 if isinstance(part, str) else sum(high - low + 1 for low, high, _ in part)
 
 
-def _expand_group(part: list) -> list[str]:
+def _expand_group(part: str | list[tuple[int, int, int]]) -> list[str]:
     """A part of a name: itself (plain text), or every number of its ranges, zero padded."""
-    return [text for text in part if isinstance(text, str)] or [
+    return [part] if isinstance(part, str) else [
         f"{number:0{width}d}" for low, high, width in part for number in range(low, high + 1)]

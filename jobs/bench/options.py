@@ -107,10 +107,15 @@ def parser(kind: str) -> argparse.ArgumentParser:
     return options
 
 
+def time_to_loss_given(args: argparse.Namespace) -> dict[str, int | None]:
+    """The time to loss integer options as given: None for each one left out."""
+    return {option: getattr(args, option.replace("-", "_")) for option in TIME_TO_LOSS_DEFAULTS}
+
+
 def time_to_loss_sizes(args: argparse.Namespace) -> dict[str, int]:
     """The time to loss integer options as given, each one left out at its default."""
-    values = {option: getattr(args, option.replace("-", "_")) for option in TIME_TO_LOSS_DEFAULTS}
-    return {option: TIME_TO_LOSS_DEFAULTS[option] if value is None else value for option, value in values.items()}
+    return {option: TIME_TO_LOSS_DEFAULTS[option] if value is None else value
+            for option, value in time_to_loss_given(args).items()}
 
 
 def resolve_device(asked: str) -> str:
